@@ -1,0 +1,39 @@
+"""halserve: LLM serving on any accelerator through plugins.
+
+``import halserve`` is cheap: it imports no vendor library, no server stack and does not
+touch a device. The public names load on first use.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "halserve.entrypoints.llm",
+    "SamplingParams": "halserve.sampling_params",
+    "RequestOutput": "halserve.outputs",
+    "CompletionOutput": "halserve.outputs",
+    "LLMEngine": "halserve.engine.llm_engine",
+    "EngineConfig": "halserve.config",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
+    from halserve.engine.llm_engine import LLMEngine
+    from halserve.entrypoints.llm import LLM
+    from halserve.outputs import CompletionOutput, RequestOutput
+    from halserve.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'halserve' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,69 @@
+"""User-facing engine configuration (what `LLM(...)` and `halserve serve` flags set)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from halserve.attention_backends.base import KV_CACHE_DTYPES
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+
+
+class EngineConfig(BaseModel):
+    """Everything that shapes one engine. Validated on construction; plugins may adjust it
+    (``halserve_update_config``) after the platform is chosen."""
+
+    model_config = ConfigDict(validate_assignment=True, extra="forbid")
+
+    model: str
+    """A local HF directory or a hub id."""
+    tokenizer: str | None = None
+    """Tokenizer directory or hub id; defaults to ``model``."""
+    revision: str | None = None
+    platform: str | None = None
+    """Platform name; None auto-detects (``HALSERVE_PLATFORM`` also selects)."""
+    dtype: str = "auto"
+    """Model dtype; ``auto`` takes the checkpoint's if the platform supports it."""
+    max_model_len: int | None = Field(default=None, ge=1)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    num_kv_blocks: int | None = Field(default=None, ge=1)
+    """Fix the KV cache at exactly this many blocks (like vLLM's num_gpu_blocks_override)."""
+    kv_cache_memory: int | None = Field(default=None, ge=1)
+    """Bytes for the KV cache; None sizes it from free device memory."""
+    kv_cache_memory_fraction: float = Field(default=0.9, gt=0, le=1)
+    """Fraction of free memory the KV cache may take when sized automatically."""
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    distributed_executor_backend: str | None = None
+    """Executor plugin name; None picks ``uni`` for one rank, else ``mp``."""
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    attention_backend: str | None = None
+    """Force one attention backend by name (``HALSERVE_ATTENTION_BACKEND`` also does)."""
+    trust_remote_code: bool = False
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: object) -> str:
+        name = str(value).replace("torch.", "")
+        name = _DTYPE_ALIASES.get(name, name)
+        if name not in DTYPES:
+            raise ValueError(f"dtype {value!r} is not supported; use one of {', '.join(DTYPES)}")
+        return name
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv_dtype(cls, value: str) -> str:
+        if value not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {value!r} is not supported; use one of {', '.join(KV_CACHE_DTYPES)}")
+        return value
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"block_size must be a power of two (e.g. 16), got {value}")
+        return value

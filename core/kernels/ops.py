@@ -1,0 +1,77 @@
+"""The ops halserve's layers call, with their exact signatures.
+
+Every op has a plain-torch reference in ``reference.py``: the definition of correct that
+every other kernel is tested against. Shapes use M tokens, K input features, N output
+features, T tokens, H hidden size, G group size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    name: str
+    signature: str  # the call, with shapes
+    problem_keys: tuple[str, ...]  # keys of supports(**problem) besides dtype
+
+
+OPS: dict[str, OpSpec] = {
+    spec.name: spec
+    for spec in [
+        OpSpec(
+            "gemm",
+            "gemm(x[M,K], weight[N,K], bias[N] | None) -> [M,N]   (x @ weight.T + bias)",
+            ("n", "k"),
+        ),
+        OpSpec(
+            "fp8_scaled_gemm",
+            "fp8_scaled_gemm(a[M,K] fp8, b[N,K] fp8, scale_a[M,1]|[1] f32, scale_b[N,1]|[1] f32, "
+            "out_dtype, bias[N] | None) -> [M,N] = (a*scale_a) @ (b*scale_b).T + bias",
+            ("n", "k", "fp8_dtype"),
+        ),
+        OpSpec(
+            "int8_scaled_gemm",
+            "int8_scaled_gemm(a[M,K] int8, b[N,K] int8, scale_a[M,1]|[1] f32, scale_b[N,1]|[1] f32, "
+            "out_dtype, bias[N] | None) -> [M,N]",
+            ("n", "k"),
+        ),
+        OpSpec(
+            "scaled_fp8_quant",
+            "scaled_fp8_quant(x[M,K], fp8_dtype, scale[1] | None, per_token=False) -> (q[M,K], scale[M,1]|[1]); "
+            "dynamic when scale is None",
+            ("fp8_dtype",),
+        ),
+        OpSpec(
+            "scaled_int8_quant",
+            "scaled_int8_quant(x[M,K], scale[1] | None) -> (q[M,K] int8, scale[M,1]|[1]); symmetric, "
+            "dynamic per-token when scale is None",
+            (),
+        ),
+        OpSpec(
+            "awq_gemm",
+            "awq_gemm(x[M,K], qweight[K,N/8] int32, qzeros[K/G,N/8] int32, scales[K/G,N], group_size) -> [M,N] "
+            "(AutoAWQ GEMM packing: 8 nibbles per int32 in order 0,2,4,6,1,3,5,7)",
+            ("n", "k", "group_size"),
+        ),
+        OpSpec(
+            "gptq_gemm",
+            "gptq_gemm(x[M,K], qweight[K/8,N] int32, qzeros[K/G,N/8] int32, scales[K/G,N], g_idx[K] | None, "
+            "group_size) -> [M,N] (GPTQ v1 packing: nibbles in order along K; stored zero = zero - 1)",
+            ("n", "k", "group_size"),
+        ),
+        OpSpec(
+            "rms_norm",
+            "rms_norm(x[T,H], weight[H], eps, residual[T,H] | None) -> out[T,H], or (out, x + residual) "
+            "when residual is given (the fused pre-norm residual add)",
+            ("hidden_size",),
+        ),
+        OpSpec(
+            "rotary_embedding",
+            "rotary_embedding(positions[T] int64, q[T,Hq*D], k[T,Hk*D], cos_sin_cache[P,R] (cos | sin halves), "
+            "head_size D, is_neox) -> (q, k) rotated on the first R dims of each head",
+            ("head_size", "rotary_dim", "is_neox"),
+        ),
+        OpSpec("silu_and_mul", "silu_and_mul(x[T,2I]) -> [T,I] = silu(x[:, :I]) * x[:, I:]", ("intermediate_size",)),
+    ]
+}

@@ -1,0 +1,166 @@
+"""Plain-torch reference kernels: the definition of correct for every op in ``OPS``.
+
+Registered by the ``builtin`` plugin for every platform at priority 0, so every op
+resolves somewhere; faster kernels register at higher priority.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from halserve.kernels.base import ANY_PLATFORM, Kernel
+
+_FLOATS = ("float32", "float16", "bfloat16")
+
+
+class TorchGemm(Kernel):
+    op = "gemm"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = _FLOATS
+    description = "torch.nn.functional.linear (the vendor BLAS of the device)"
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+
+def _dequant_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    # [1] or [rows] or [rows, 1] -> [rows, 1]
+    return scale.reshape(-1, 1).to(torch.float32).expand(rows, 1) if scale.numel() == 1 else scale.reshape(rows, 1).float()
+
+
+class TorchFp8ScaledGemm(Kernel):
+    op = "fp8_scaled_gemm"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")
+    description = "dequantize to fp32 and matmul (reference)"
+
+    def __call__(self, a, b, scale_a, scale_b, out_dtype, bias=None):
+        m, n = a.shape[0], b.shape[0]
+        out = (a.float() * _dequant_scales(scale_a, m)) @ (b.float() * _dequant_scales(scale_b, n)).T
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
+
+
+class TorchInt8ScaledGemm(Kernel):
+    op = "int8_scaled_gemm"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = ("int8",)
+    description = "exact int32 accumulation, then scales (reference)"
+
+    def __call__(self, a, b, scale_a, scale_b, out_dtype, bias=None):
+        m, n = a.shape[0], b.shape[0]
+        # int64 matmul is exact for int8 products; CPU torch has no int32 GEMM in every build.
+        acc = (a.to(torch.int64) @ b.to(torch.int64).T).to(torch.float32)
+        out = acc * _dequant_scales(scale_a, m) * _dequant_scales(scale_b, n).T
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
+
+
+class TorchScaledFp8Quant(Kernel):
+    op = "scaled_fp8_quant"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = _FLOATS
+
+    def __call__(self, x, fp8_dtype, scale=None, per_token=False):
+        fp8 = getattr(torch, fp8_dtype) if isinstance(fp8_dtype, str) else fp8_dtype
+        fmax = torch.finfo(fp8).max
+        xf = x.float()
+        if scale is None:
+            amax = xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax().reshape(1)
+            scale = (amax / fmax).clamp(min=1e-12)
+        q = (xf / scale.reshape(-1, 1) if scale.numel() > 1 else xf / scale).clamp(-fmax, fmax).to(fp8)
+        return q, scale.float()
+
+
+class TorchScaledInt8Quant(Kernel):
+    op = "scaled_int8_quant"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = _FLOATS
+
+    def __call__(self, x, scale=None):
+        xf = x.float()
+        if scale is None:
+            scale = (xf.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-12)
+        q = torch.round(xf / scale).clamp(-128, 127).to(torch.int8)
+        return q, scale.float()
+
+
+class TorchRmsNorm(Kernel):
+    op = "rms_norm"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = _FLOATS
+
+    def __call__(self, x, weight, eps, residual=None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        out = (out * weight.float()).to(x.dtype) if x.dtype == torch.float32 else out.to(x.dtype) * weight
+        return out if residual is None else (out, residual)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """Rotate x[..., R] with cos/sin[..., R/2] (neox: halves; gpt-j: interleaved pairs)."""
+    if is_neox:
+        x1, x2 = x.chunk(2, dim=-1)
+    else:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox:
+        return torch.cat((o1, o2), dim=-1)
+    return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+class TorchRotaryEmbedding(Kernel):
+    op = "rotary_embedding"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = _FLOATS
+
+    def __call__(self, positions, q, k, cos_sin_cache, head_size, is_neox):
+        num_tokens = positions.shape[0]
+        cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, R/2] each
+        rot = cos.shape[-1] * 2
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+
+        def apply(t: torch.Tensor) -> torch.Tensor:
+            t = t.view(num_tokens, -1, head_size)
+            rotated = rotate(t[..., :rot].float(), cos.float(), sin.float(), is_neox).to(t.dtype)
+            if rot < head_size:
+                rotated = torch.cat((rotated, t[..., rot:]), dim=-1)
+            return rotated.reshape(num_tokens, -1)
+
+        return apply(q), apply(k)
+
+
+class TorchSiluAndMul(Kernel):
+    op = "silu_and_mul"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = _FLOATS
+
+    def __call__(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+REFERENCE_KERNELS: list[type[Kernel]] = [
+    TorchGemm,
+    TorchFp8ScaledGemm,
+    TorchInt8ScaledGemm,
+    TorchScaledFp8Quant,
+    TorchScaledInt8Quant,
+    TorchRmsNorm,
+    TorchRotaryEmbedding,
+    TorchSiluAndMul,
+]

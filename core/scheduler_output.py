@@ -1,0 +1,67 @@
+"""What crosses between the scheduler and the executor, each way, once per step.
+
+The worker is stateful: it caches each running request's token ids and block table, so
+the scheduler sends a full record only for requests the worker has not seen (new, or
+resumed after preemption) and small diffs for the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen, or one resumed after preemption (the worker
+    dropped it then: preemption is announced through ``finished_req_ids``)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated before a preemption (recomputed now); [] when new
+    sampling_params: "SamplingParams"
+    block_ids: list[int]  # the request's whole block table so far
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit), before this step
+
+
+@dataclass
+class CachedRequestData:
+    """A request the worker already holds, scheduled again this step."""
+
+    req_id: str
+    new_block_ids: list[int]  # blocks appended to its table since the last step (often [])
+    num_computed_tokens: int  # tokens in the KV cache before this step
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step (>= 1)
+    total_num_scheduled_tokens: int  # sum of num_scheduled_tokens
+    finished_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted since the last step: drop state
+    num_preempted: int = 0  # preemptions made while building this step (metrics)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class SampleLogprobs:
+    """Logprobs of one sampled token: its own and the top-k alternatives (k = request's logprobs)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of the sampled token in the distribution
+    top_token_ids: list[int]  # best first
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # the requests scheduled this step, in the runner's batch order
+    sampled_token_ids: list[list[int]]  # per request: [token] when it sampled, [] mid-prefill (partial chunk)
+    logprobs: list[SampleLogprobs | None]  # per request, when its sampling params asked for logprobs

@@ -1,0 +1,119 @@
+"""The Platform interface: everything halserve needs to know about a kind of device.
+
+A platform plugin subclasses ``Platform``, fills the class attributes and the small
+``_probe`` hook, and returns the class from its ``halserve_platforms`` hook. halserve
+calls ``probe()`` (cheap, never raises) to list and auto-detect platforms, and
+instantiates only the selected platform.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    available: bool
+    reason: str  # always set: why available ("2 cores") or why not ("torch.version.hip is None; ...")
+
+
+class Platform:
+    """One kind of device. Subclasses set the class attributes below."""
+
+    name: ClassVar[str]
+    """What ``--platform`` takes, e.g. ``"cuda"``."""
+    device_type: ClassVar[str]
+    """The torch device type: ``cuda`` (CUDA and ROCm), ``xpu``, ``xla``, ``cpu``."""
+    dist_backend: ClassVar[str]
+    """torch.distributed backend: ``nccl``, ``gloo``, ``xccl``, ..."""
+    priority: ClassVar[int] = 0
+    """Auto-detection order: the available platform with the highest priority wins."""
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
+    """Model dtypes, by torch name, best first."""
+    default_dtype: ClassVar[str] = "float32"
+    """What ``dtype="auto"`` becomes when the checkpoint's dtype is not supported."""
+    fp8_dtype: ClassVar[str | None] = None
+    """``float8_e4m3fn`` (OCP, NVIDIA, MI350), ``float8_e4m3fnuz`` (MI300) or None."""
+    preferred_attention_backends: ClassVar[tuple[str, ...]] = ("torch",)
+    """Attention backends by name, in order of preference; the first that supports the
+    model's configuration is used."""
+    description: ClassVar[str] = ""
+
+    # -- probing (class level: nothing is instantiated to list platforms) -------------
+    @classmethod
+    def _probe(cls) -> ProbeResult:
+        """(subclasses) Decide availability. May raise; ``probe`` turns that into a reason."""
+        raise NotImplementedError
+
+    @classmethod
+    def probe(cls) -> ProbeResult:
+        """Whether this platform can run here, with a human reason. Never raises."""
+        try:
+            result = cls._probe()
+        except Exception as exc:  # noqa: BLE001 - a probe must never take the caller down
+            return ProbeResult(False, f"probe raised {type(exc).__name__}: {exc}")
+        if not isinstance(result, ProbeResult) or not result.reason:
+            return ProbeResult(False, f"probe of {cls.name!r} returned {result!r} instead of a ProbeResult with a reason")
+        return result
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        return {
+            "device_type": cls.device_type,
+            "dist_backend": cls.dist_backend,
+            "priority": cls.priority,
+            "supported_dtypes": list(cls.supported_dtypes),
+            "default_dtype": cls.default_dtype,
+            "fp8_dtype": cls.fp8_dtype,
+            "preferred_attention_backends": list(cls.preferred_attention_backends),
+        }
+
+    # -- device handling (instance level: only for the selected platform) -------------
+    def device(self, index: int = 0) -> "torch.device":
+        import torch
+
+        return torch.device(self.device_type, index)
+
+    def device_count(self) -> int:
+        """Number of devices of this platform visible to the process."""
+        return 1
+
+    def memory_info(self, index: int = 0) -> tuple[int, int]:
+        """(free_bytes, total_bytes) of device ``index``."""
+        raise NotImplementedError(f"platform {self.name!r} does not report device memory")
+
+    def set_device(self, index: int) -> None:
+        """Make ``index`` the current device of this process (optional) default: no-op."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (optional) default: no-op."""
+
+    def empty_cache(self) -> None:
+        """Release cached allocator memory (optional) default: no-op."""
+
+    def supports_fp8(self) -> bool:
+        return self.fp8_dtype is not None
+
+    def seed_everything(self, seed: int) -> None:
+        import torch
+
+        torch.manual_seed(seed)
+
+    def check_and_update_config(self, config: Any) -> None:
+        """Adjust an EngineConfig for this platform (optional) default: resolve ``dtype``.
+
+        Called once after selection, before the config is used. Must be idempotent.
+        Raise ``ValueError`` for settings this platform cannot run.
+        """
+        dtype = getattr(config, "dtype", None)
+        if dtype not in (None, "auto") and dtype not in self.supported_dtypes:
+            raise ValueError(
+                f"platform {self.name!r} does not support dtype {dtype!r}; supported: "
+                f"{', '.join(self.supported_dtypes)}"
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,57 @@
+"""The CPU platform: always available, the reference every other platform is checked against."""
+from __future__ import annotations
+
+import os
+
+from halserve.platforms.base import Platform, ProbeResult
+from halserve.plugins import PluginManifest, hookimpl
+
+
+def _num_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    priority = 0  # the fallback: every accelerator outranks it
+    supported_dtypes = ("float32", "bfloat16", "float16")
+    default_dtype = "float32"
+    fp8_dtype = None
+    preferred_attention_backends = ("torch",)
+    description = "CPU through torch (uses all cores by default)"
+
+    @classmethod
+    def _probe(cls) -> ProbeResult:
+        return ProbeResult(True, f"{_num_cores()} CPU cores available")
+
+    def __init__(self) -> None:
+        import torch
+
+        # All cores by default; HALSERVE_CPU_THREADS overrides (e.g. one rank per socket).
+        threads = int(os.environ.get("HALSERVE_CPU_THREADS", _num_cores()))
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+    def device_count(self) -> int:
+        return 1
+
+    def memory_info(self, index: int = 0) -> tuple[int, int]:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return vm.available, vm.total
+
+
+@hookimpl
+def halserve_manifest() -> PluginManifest:
+    return PluginManifest(name="cpu", version="0.1.0", api=">=1,<2", description=CpuPlatform.description)
+
+
+@hookimpl
+def halserve_platforms() -> list[type]:
+    return [CpuPlatform]

@@ -1,0 +1,73 @@
+"""Google TPUs through torch-xla (PJRT)."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+
+from halserve.platforms.base import Platform, ProbeResult
+from halserve.plugins import PluginManifest, hookimpl
+
+
+def _tpu_device_files() -> list[str]:
+    # TPU VMs expose the chips as /dev/accel* (v2-v4) or /dev/vfio/<n> (v5e and later).
+    return glob.glob("/dev/accel*") + [p for p in glob.glob("/dev/vfio/*") if os.path.basename(p).isdigit()]
+
+
+class TpuPlatform(Platform):
+    name = "tpu"
+    device_type = "xla"
+    dist_backend = "xla"
+    priority = 70
+    supported_dtypes = ("bfloat16", "float32")
+    default_dtype = "bfloat16"
+    fp8_dtype = None
+    preferred_attention_backends = ("xla", "torch")
+    description = "Google TPUs (torch-xla / PJRT; Pallas ragged paged attention)"
+
+    @classmethod
+    def _probe(cls) -> ProbeResult:
+        if importlib.util.find_spec("torch_xla") is None:
+            return ProbeResult(False, "torch_xla is not installed (pip install 'halserve[tpu]' on a TPU VM)")
+        pjrt = os.environ.get("PJRT_DEVICE", "")
+        if pjrt and pjrt.upper() != "TPU":
+            return ProbeResult(False, f"PJRT_DEVICE={pjrt} selects a non-TPU XLA device; there is no TPU to run on")
+        if importlib.util.find_spec("libtpu") is None and not os.environ.get("TPU_LIBRARY_PATH"):
+            return ProbeResult(False, "torch_xla is installed but libtpu is not (no TPU runtime): this is not a TPU VM")
+        devices = _tpu_device_files()
+        if not devices:
+            return ProbeResult(False, "no TPU chips found (/dev/accel* and /dev/vfio/<n> are absent)")
+        return ProbeResult(True, f"{len(devices)} TPU chip(s) found")
+
+    def device(self, index: int = 0):
+        import torch_xla
+
+        return torch_xla.device(index)
+
+    def device_count(self) -> int:
+        import torch_xla.runtime as xr
+
+        return xr.addressable_device_count()
+
+    def memory_info(self, index: int = 0) -> tuple[int, int]:
+        import torch_xla.core.xla_model as xm
+
+        info = xm.get_memory_info(self.device(index))
+        total = int(info.get("bytes_limit", info.get("kb_total", 0) * 1024))
+        used = int(info.get("bytes_used", total - info.get("kb_free", 0) * 1024))
+        return total - used, total
+
+    def synchronize(self) -> None:
+        import torch_xla
+
+        torch_xla.sync()
+
+
+@hookimpl
+def halserve_manifest() -> PluginManifest:
+    return PluginManifest(name="tpu", version="0.1.0", api=">=1,<2", description=TpuPlatform.description)
+
+
+@hookimpl
+def halserve_platforms() -> list[type]:
+    return [TpuPlatform]

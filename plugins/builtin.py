@@ -1,0 +1,46 @@
+"""halserve's platform-independent built-ins, registered like any other plugin:
+the torch reference kernels and attention backend, the executors and the models."""
+from __future__ import annotations
+
+from halserve.plugins import PluginManifest, hookimpl
+
+
+@hookimpl
+def halserve_manifest() -> PluginManifest:
+    return PluginManifest(
+        name="builtin",
+        version="0.1.0",
+        api=">=1,<2",
+        description="torch reference kernels and attention, executors, Llama-family models",
+    )
+
+
+@hookimpl
+def halserve_kernels() -> list[type]:
+    from halserve.kernels.reference import REFERENCE_KERNELS
+
+    return list(REFERENCE_KERNELS)
+
+
+@hookimpl
+def halserve_attention_backends() -> list[type]:
+    from halserve.attention_backends.torch_ref import TorchAttentionBackend
+
+    return [TorchAttentionBackend]
+
+
+@hookimpl
+def halserve_executors() -> list[type]:
+    from halserve.executors.uni import UniExecutor
+
+    return [UniExecutor]
+
+
+@hookimpl
+def halserve_model_architectures() -> dict[str, str]:
+    return {
+        "LlamaForCausalLM": "halserve.models.llama:LlamaForCausalLM",
+        "MistralForCausalLM": "halserve.models.llama:LlamaForCausalLM",
+        "Qwen2ForCausalLM": "halserve.models.llama:LlamaForCausalLM",
+        "Qwen3ForCausalLM": "halserve.models.llama:LlamaForCausalLM",
+    }

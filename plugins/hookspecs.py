@@ -1,0 +1,94 @@
+"""The halserve plugin hooks: the whole contract between halserve and a plugin.
+
+A plugin is a module (or object) named by an entry point in the ``halserve.plugins``
+group. It implements some of the hooks below, each decorated with
+``halserve.plugins.hookimpl``. Every hook is called once per process, at discovery, with
+keyword arguments only, and must not initialise a device or import a vendor library
+that is not installed: put such imports inside the methods of the classes you return.
+
+Every plugin must implement ``halserve_manifest``. All other hooks are optional; a hook
+returns the objects the plugin contributes, or an empty list / ``None`` for "nothing".
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.plugins.manifest import PluginManifest
+
+PROJECT = "halserve"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def halserve_manifest() -> "PluginManifest":
+    """Return this plugin's manifest (name, version, supported plugin-API range).
+
+    Called first. A plugin whose ``api`` range excludes ``halserve.plugins.API_VERSION``
+    is refused and none of its other hooks are called.
+    """
+
+
+@hookspec
+def halserve_platforms() -> list[type]:
+    """Return ``halserve.platforms.Platform`` subclasses this plugin provides.
+
+    Each class has a unique ``name`` (what ``--platform`` takes). The class is
+    instantiated only if it is selected; its ``probe()`` is called by ``halserve plugins``
+    and by auto-detection, so it must be cheap and never raise.
+    """
+
+
+@hookspec
+def halserve_attention_backends() -> list[type]:
+    """Return ``halserve.attention_backends.AttentionBackend`` subclasses.
+
+    Each declares its ``name``, the platforms it runs on and the configurations it
+    supports. A platform lists the backends it prefers in ``preferred_attention_backends``.
+    """
+
+
+@hookspec
+def halserve_kernels() -> list[type]:
+    """Return ``halserve.kernels.Kernel`` subclasses: one implementation of one op.
+
+    Each names its ``op`` (see ``halserve.kernels.OPS``), the platforms it runs on and a
+    priority; layers resolve the highest-priority kernel whose ``supports()`` accepts the
+    problem, once at model load.
+    """
+
+
+@hookspec
+def halserve_quant_methods() -> list[type]:
+    """Return ``halserve.quant_methods.QuantMethod`` subclasses, keyed by their ``name``
+    (the value of ``quantization_config.quant_method`` or ``--quantization``)."""
+
+
+@hookspec
+def halserve_kv_connectors() -> list[type]:
+    """Return ``halserve.kv_connectors.KVConnector`` subclasses, keyed by ``name``."""
+
+
+@hookspec
+def halserve_executors() -> list[type]:
+    """Return ``halserve.executor.Executor`` subclasses, keyed by ``name`` (what
+    ``--distributed-executor-backend`` takes)."""
+
+
+@hookspec
+def halserve_model_architectures() -> dict[str, str]:
+    """Return ``{architecture: "module.path:ClassName"}`` for HF ``architectures`` names
+    this plugin implements. The class is imported only when a checkpoint asks for it."""
+
+
+@hookspec
+def halserve_update_config(config: Any, platform: str) -> None:
+    """Adjust an ``EngineConfig`` in place before it is validated.
+
+    Called for every loaded plugin, after the platform is selected and before the
+    platform's own ``check_and_update_config``. Must be idempotent: calling it twice
+    leaves the same config as calling it once.
+    """

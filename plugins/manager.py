@@ -1,0 +1,265 @@
+"""Discovery: load every ``halserve.plugins`` entry point once per process.
+
+    entry points --(HALSERVE_PLUGINS / HALSERVE_DISABLE_PLUGINS)--> import module
+        --> halserve_manifest() --(api range check)--> call each contribution hook
+        --> registries (one per kind; names unique per kind)
+
+A plugin that fails to import, raises in a hook, or is incompatible is recorded with
+its error and a warning is logged; its contributions are dropped as a whole, so a
+broken plugin never half-registers. Everything else keeps working.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import traceback
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Iterable, Literal
+
+import pluggy
+
+from halserve.plugins import hookspecs
+from halserve.plugins.manifest import PluginManifest
+from halserve.plugins.registry import PluginConflictError, Registry
+
+logger = logging.getLogger(__name__)
+
+API_VERSION = 1
+ENTRY_POINT_GROUP = "halserve.plugins"
+
+PluginStatus = Literal["loaded", "failed", "refused", "disabled"]
+
+# hook name -> registry kind
+CONTRIBUTION_HOOKS = {
+    "halserve_platforms": "platforms",
+    "halserve_attention_backends": "attention_backends",
+    "halserve_kernels": "kernels",
+    "halserve_quant_methods": "quant_methods",
+    "halserve_kv_connectors": "kv_connectors",
+    "halserve_executors": "executors",
+    "halserve_model_architectures": "models",
+}
+
+
+class PluginSelectionError(ValueError):
+    """HALSERVE_PLUGINS / HALSERVE_DISABLE_PLUGINS names a plugin that does not exist."""
+
+
+@dataclass(slots=True)
+class PluginRecord:
+    name: str  # entry-point name
+    target: str  # "module" or "module:attr"
+    distribution: str | None  # the wheel that declared the entry point
+    status: PluginStatus = "disabled"
+    manifest: PluginManifest | None = None
+    error: str | None = None  # one-line reason, for listings
+    traceback: str | None = None  # summary of the failure, for `halserve plugins`
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "version": self.manifest.version if self.manifest else None,
+            "distribution": self.distribution,
+            "api": self.manifest.api if self.manifest else None,
+            "description": self.manifest.description if self.manifest else None,
+            "target": self.target,
+            "status": self.status,
+            "error": self.error,
+        }
+
+
+@dataclass
+class PluginManager:
+    """The loaded plugins of this process and one registry per kind."""
+
+    records: list[PluginRecord] = field(default_factory=list)
+    registries: dict[str, Registry] = field(default_factory=dict)
+    conflicts: list[str] = field(default_factory=list)
+    pm: pluggy.PluginManager = field(default_factory=lambda: pluggy.PluginManager(hookspecs.PROJECT))
+
+    def __post_init__(self) -> None:
+        self.pm.add_hookspecs(hookspecs)
+        for kind in CONTRIBUTION_HOOKS.values():
+            self.registries.setdefault(kind, Registry(kind.rstrip("s")))
+
+    # -- accessors ---------------------------------------------------------------
+    @property
+    def platforms(self) -> Registry:
+        return self.registries["platforms"]
+
+    @property
+    def attention_backends(self) -> Registry:
+        return self.registries["attention_backends"]
+
+    @property
+    def kernels(self) -> Registry:
+        return self.registries["kernels"]
+
+    @property
+    def quant_methods(self) -> Registry:
+        return self.registries["quant_methods"]
+
+    @property
+    def kv_connectors(self) -> Registry:
+        return self.registries["kv_connectors"]
+
+    @property
+    def executors(self) -> Registry:
+        return self.registries["executors"]
+
+    @property
+    def models(self) -> Registry:
+        return self.registries["models"]
+
+    def record(self, name: str) -> PluginRecord | None:
+        return next((r for r in self.records if r.name == name), None)
+
+    def check_conflicts(self) -> None:
+        """Raise if two plugins claimed one name (discovery records, this enforces)."""
+        if self.conflicts:
+            raise PluginConflictError("; ".join(self.conflicts))
+
+    # -- loading -----------------------------------------------------------------
+    def load_plugin(self, name: str, plugin: Any, record: PluginRecord) -> None:
+        """Register one imported plugin object: manifest check, then its contributions."""
+        try:
+            manifest = _call_single(plugin, "halserve_manifest")
+            if manifest is None:
+                raise TypeError(
+                    f"plugin {name!r} does not implement halserve_manifest(); every plugin "
+                    "must return a halserve.plugins.PluginManifest"
+                )
+            if not isinstance(manifest, PluginManifest):
+                manifest = PluginManifest.model_validate(manifest)
+            record.manifest = manifest
+        except Exception as exc:
+            _fail(record, exc)
+            return
+        if not manifest.supports_api(API_VERSION):
+            record.status = "refused"
+            record.error = (
+                f"plugin {name!r} {manifest.version} supports halserve plugin API {manifest.api}, "
+                f"but this halserve provides plugin API {API_VERSION}; install a version of the "
+                "plugin built for this API"
+            )
+            logger.warning("halserve plugin refused: %s", record.error)
+            return
+        contributions: list[tuple[str, str, Any]] = []
+        try:
+            for hook, kind in CONTRIBUTION_HOOKS.items():
+                result = _call_single(plugin, hook)
+                for item_name, obj in _items(kind, result, name):
+                    contributions.append((kind, item_name, obj))
+        except Exception as exc:
+            _fail(record, exc)
+            return
+        for kind, item_name, obj in contributions:
+            try:
+                self.registries[kind].add(item_name, name, obj)
+            except PluginConflictError as exc:
+                self.conflicts.append(str(exc))
+                logger.warning("halserve plugin conflict: %s", exc)
+        self.pm.register(plugin, name=name)
+        record.status = "loaded"
+
+    def call_update_config(self, config: Any, platform: str) -> None:
+        self.pm.hook.halserve_update_config(config=config, platform=platform)
+
+
+def _call_single(plugin: Any, hook: str) -> Any:
+    fn = getattr(plugin, hook, None)
+    if fn is None:
+        return None
+    return fn()
+
+
+def _items(kind: str, result: Any, plugin: str) -> Iterable[tuple[str, Any]]:
+    if result is None:
+        return []
+    if kind == "models":
+        if not isinstance(result, dict):
+            raise TypeError(f"halserve_model_architectures must return a dict, got {type(result).__name__}")
+        return list(result.items())
+    if not isinstance(result, (list, tuple)):
+        raise TypeError(f"the {kind} hook of plugin {plugin!r} must return a list, got {type(result).__name__}")
+    items = []
+    for obj in result:
+        if kind == "kernels":
+            items.append((f"{obj.op}/{obj.name}", obj))
+        else:
+            items.append((obj.name, obj))
+    return items
+
+
+def _fail(record: PluginRecord, exc: BaseException) -> None:
+    record.status = "failed"
+    record.error = f"{type(exc).__name__}: {exc}"
+    tb = traceback.extract_tb(exc.__traceback__)
+    record.traceback = "".join(traceback.format_list(tb[-4:])) + record.error
+    logger.warning("halserve plugin %r failed to load: %s", record.name, record.error)
+
+
+def _env_names(var: str) -> set[str] | None:
+    raw = os.environ.get(var)
+    if raw is None or not raw.strip():
+        return None
+    return {n.strip() for n in raw.split(",") if n.strip()}
+
+
+def discover() -> PluginManager:
+    """Build a fresh manager from the installed entry points (no caching)."""
+    manager = PluginManager()
+    eps = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    known = {ep.name for ep in eps}
+    allow = _env_names("HALSERVE_PLUGINS")
+    block = _env_names("HALSERVE_DISABLE_PLUGINS")
+    for var, names in (("HALSERVE_PLUGINS", allow), ("HALSERVE_DISABLE_PLUGINS", block)):
+        unknown = sorted((names or set()) - known)
+        if unknown:
+            raise PluginSelectionError(
+                f"{var} names unknown plugin(s) {', '.join(unknown)}; installed plugins are: "
+                f"{', '.join(sorted(known))}"
+            )
+    seen: set[str] = set()
+    for ep in sorted(eps, key=lambda e: e.name):
+        if ep.name in seen:  # the same distribution found twice on sys.path
+            continue
+        seen.add(ep.name)
+        dist = ep.dist.name if getattr(ep, "dist", None) is not None else None
+        record = PluginRecord(name=ep.name, target=ep.value, distribution=dist)
+        manager.records.append(record)
+        if (allow is not None and ep.name not in allow) or (block is not None and ep.name in block):
+            record.status = "disabled"
+            continue
+        try:
+            plugin = ep.load()
+        except BaseException as exc:  # a plugin may even sys.exit() at import
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            _fail(record, exc)
+            continue
+        manager.load_plugin(ep.name, plugin, record)
+    return manager
+
+
+_manager: PluginManager | None = None
+_lock = threading.Lock()
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide manager; discovery runs on first call (thread-safe, once)."""
+    global _manager
+    if _manager is None:
+        with _lock:
+            if _manager is None:
+                _manager = discover()
+    return _manager
+
+
+def reset_plugin_manager() -> None:
+    """Forget the cached discovery (tests, or after installing a plugin at run time)."""
+    global _manager
+    with _lock:
+        _manager = None
