@@ -1,0 +1,60 @@
+"""What the engine hands back to users, per request and step (the shape of vLLM's outputs)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's log-probability under the model's raw distribution."""
+
+    logprob: float
+    rank: int | None = None  # 1-based rank in the distribution; None when unknown
+    decoded_token: str | None = None  # the token's text, when detokenized
+
+
+# One dict per generated token: the sampled token and the top-k alternatives, by token id.
+SampleLogprobsDicts = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's ``n`` completions, so far (streaming) or final."""
+
+    index: int  # which of the request's n completions
+    text: str  # generated text (without a matched stop string unless include_stop_str_in_output)
+    token_ids: list[int]  # generated token ids
+    cumulative_logprob: float | None  # sum of the sampled tokens' logprobs; None when logprobs not asked
+    logprobs: SampleLogprobsDicts | None  # per generated token; None when not asked
+    finish_reason: FinishReason | None = None  # None while still running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS/length
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps (``time.time()`` seconds) of one request's life."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One request's state as returned by ``LLM.generate`` or each engine step."""
+
+    request_id: str
+    prompt: str | None  # None when the request came as token ids
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)  # reserved; not computed yet

@@ -1,0 +1,223 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and semantics.
+
+Built once per request (by the user, the ``LLM`` API or the server) and read by the
+scheduler, the sampler and the detokenizer, so construction stays cheap: a slots
+dataclass, one validation pass, no copies beyond normalising ``stop``/``stop_token_ids``.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import functools
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# Temperatures below this are greedy (argmax), as in vLLM.
+SAMPLING_EPS = 1e-5
+# Upper bound of ``logprobs`` (top alternatives returned per token), as vLLM's default max_logprobs.
+MAX_LOGPROBS = 20
+
+# HF generation_config keys that become model defaults (vLLM reads the same ones);
+# the value is the SamplingParams field each one sets.
+_GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "max_new_tokens": "max_tokens",
+    "max_tokens": "max_tokens",
+}
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass(slots=True, kw_only=True)
+class SamplingParams:
+    """How to sample one request's completion(s). Invalid values raise ``ValueError``."""
+
+    n: int = 1
+    """Completions to return for the prompt (needs temperature > 0 when > 1)."""
+    temperature: float = 1.0
+    """0 means greedy; higher flattens the distribution."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability sums to >= top_p, in (0, 1]."""
+    top_k: int = 0
+    """Keep the top_k most likely tokens; 0 or -1 keeps all (stored as 0)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's, in [0, 1]."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens whatever else is batched."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None lets the request run up to max_model_len."""
+    min_tokens: int = 0
+    """Tokens to generate before EOS, stop_token_ids or stop strings may end the request."""
+    stop: str | list[str] | None = None
+    """Strings that end generation (normalised to a list); the text is cut before them."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation besides EOS (normalised to a list)."""
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    """Keep generating after EOS (benchmarks)."""
+    logprobs: int | None = None
+    """Top alternatives to return per generated token besides the sampled one, 0..20; None: none."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence from the logit of tokens already generated, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """HF-style: > 1 discourages tokens seen in the prompt or the output; must be > 0."""
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    # Names of the fields the caller passed (model defaults never override them).
+    _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        stop = self.stop
+        if stop is None:
+            self.stop = []
+        elif isinstance(stop, str):
+            self.stop = [stop]
+        else:
+            self.stop = list(stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self) -> None:
+        n = self.n
+        if type(n) is not int or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if n > 1 and t < SAMPLING_EPS:
+            raise ValueError(
+                f"n={n} asks for several completions but temperature={t!r} is greedy, so they "
+                "would all be identical; set temperature > 0 or n=1"
+            )
+        p = self.top_p
+        if not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        k = self.top_k
+        if type(k) is not int or k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 to keep all tokens, got {k!r}")
+        mp = self.min_p
+        if not isinstance(mp, (int, float)) or not 0.0 <= mp <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {mp!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not isinstance(rp, (int, float)) or not rp > 0 or not math.isfinite(rp):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = no penalty), got {rp!r}")
+        mt = self.max_tokens
+        if mt is not None and (type(mt) is not int or mt < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 or None (up to max_model_len), got {mt!r}")
+        mn = self.min_tokens
+        if type(mn) is not int or mn < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {mn!r}")
+        if mt is not None and mn > mt:
+            raise ValueError(f"min_tokens ({mn}) must be <= max_tokens ({mt})")
+        lp = self.logprobs
+        if lp is not None and (type(lp) is not int or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+        seed = self.seed
+        if seed is not None and type(seed) is not int:
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        if self.stop:
+            for s in self.stop:
+                if not isinstance(s, str) or not s:
+                    raise ValueError(f"stop strings must be non-empty strings, got {s!r} in stop={self.stop!r}")
+            if not self.detokenize:
+                raise ValueError(f"stop={self.stop!r} needs detokenize=True: stop strings are matched on the text")
+        for tid in self.stop_token_ids:
+            if type(tid) is not int or tid < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {tid!r}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters a stream holds back so a stop string's prefix is never sent and then cut."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0  # text up to and including a stop string is kept anyway
+        return max(len(s) for s in self.stop) - 1
+
+    @property
+    def explicit_fields(self) -> frozenset[str]:
+        """Fields the caller set (by keyword) rather than left at their default."""
+        return self._explicit
+
+    def clone(self) -> "SamplingParams":
+        """An independent copy (lists are copied too)."""
+        new = copy.copy(self)
+        new.stop = list(self.stop)
+        new.stop_token_ids = list(self.stop_token_ids)
+        return new
+
+    def update_from_generation_config(
+        self, defaults: dict[str, Any], model_eos_token_id: int | None = None
+    ) -> "SamplingParams":
+        """Apply a model's defaults (its HF ``generation_config``) to the fields the caller
+        did not set; returns ``self``.
+
+        Reads temperature, top_p, top_k, min_p, the penalties and ``max_new_tokens`` (as
+        ``max_tokens``); other keys (``do_sample``, ``bos_token_id``, ...) are ignored, as in
+        vLLM. Extra ``eos_token_id`` values besides ``model_eos_token_id`` (e.g. Llama-3's
+        ``<|eot_id|>``) join ``stop_token_ids`` unless ``ignore_eos``.
+        """
+        explicit = self._explicit
+        for key, name in _GENERATION_CONFIG_FIELDS.items():
+            value = defaults.get(key)
+            if value is None or name in explicit:
+                continue
+            if name == "top_k" and value == -1:
+                value = 0
+            setattr(self, name, value)
+        eos = defaults.get("eos_token_id")
+        if eos is not None and not self.ignore_eos:
+            eos_ids = [eos] if isinstance(eos, int) else list(eos)
+            for tid in eos_ids:
+                if tid != model_eos_token_id and tid not in self.stop_token_ids:
+                    self.stop_token_ids.append(tid)
+        try:
+            self._verify()
+        except ValueError as exc:
+            raise ValueError(f"the model's generation config gives invalid sampling defaults: {exc}") from None
+        return self
+
+
+def _record_explicit(cls: type[SamplingParams]) -> type[SamplingParams]:
+    """Wrap the generated ``__init__`` so each instance remembers which keywords it got.
+    All fields are keyword-only, so the keywords are exactly the fields the caller set."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: SamplingParams, **kwargs: Any) -> None:
+        init(self, **kwargs)
+        self._explicit = frozenset(kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+_record_explicit(SamplingParams)
+
+FIELD_NAMES = tuple(f.name for f in fields(SamplingParams) if f.init)
