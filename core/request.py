@@ -1,0 +1,110 @@
+"""One generation request as the scheduler sees it (per-request state of the engine core).
+
+The engine builds a ``Request`` from the user's prompt and ``SamplingParams`` and hands
+it to ``Scheduler.add_request``; from then on only the scheduler mutates it.
+
+Token bookkeeping (T = num_tokens = prompt + outputs so far)::
+
+    all_token_ids:  p0 p1 ... p(P-1) o0 o1 ... o(k-1)
+                    |<--- num_computed_tokens --->|      K/V already in the cache
+                                                  |<->| still to feed the model
+
+A decoding request always has exactly one token to feed (the last sampled one, whose
+K/V is not in the cache yet); a prefilling request has the rest of its prompt.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NewType
+
+from halserve.kv_cache.hashing import BlockHash
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.sampling_params import SamplingParams
+
+RequestId = NewType("RequestId", str)
+
+
+class RequestStatus(enum.IntEnum):
+    """Life cycle: WAITING -> RUNNING (-> PREEMPTED -> RUNNING ...) -> FINISHED_*."""
+
+    WAITING = enum.auto()  # queued, never scheduled yet
+    RUNNING = enum.auto()  # holds KV blocks, in the running batch
+    PREEMPTED = enum.auto()  # lost its blocks (recompute), back at the front of waiting
+    FINISHED_STOPPED = enum.auto()  # eos, a stop token id, or a stop string (upstream)
+    FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = enum.auto()  # the client went away / abort_request
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    sampling_params: "SamplingParams"
+    max_tokens: int
+    """Resolved output budget (the engine turns ``None`` into ``max_model_len - prompt_len``)."""
+    eos_token_ids: set[int] = field(default_factory=set)
+    """The model's eos ids; the engine passes an empty set when ``ignore_eos``."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    """Generated so far. Append through ``append_output_token_id`` (keeps ``all_token_ids`` in step)."""
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    """Tokens whose K/V is in the cache (prefix-cache hits included)."""
+    num_cached_tokens: int | None = None
+    """Prefix-cache hit (tokens) found when first scheduled; None until then. Reported to the user."""
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    """Chained hashes of the request's full blocks, in order; extended as tokens arrive."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended it; None for eos, length or abort."""
+    num_preemptions: int = 0
+    _all_token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """prompt + outputs. Read-only view by convention (do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason: "stop" | "length" | "abort", None while unfinished."""
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+
+__all__ = ["Request", "RequestId", "RequestStatus"]

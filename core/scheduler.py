@@ -1,0 +1,316 @@
+"""The engine core's scheduler: continuous batching with chunked prefill (vLLM V1 style).
+
+Once per step the engine calls ``schedule()`` (what to compute), executes it on the
+workers, and calls ``update_from_output()`` (what was sampled, who finished).
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from halserve.engine_core_output import EngineCoreOutput
+from halserve.kv_cache.manager import KVCacheManager, cdiv
+from halserve.request import Request, RequestId, RequestStatus
+from halserve.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+            ("block_size", block_size),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, block_size, enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len
+        )
+        self.requests: dict[RequestId, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
+        self.running: list[Request] = []  # kept in priority (arrival) order, earliest first
+        self._priority: dict[RequestId, int] = {}  # arrival rank: lower runs first, preempted last
+        self._arrivals = itertools.count()
+        self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
+        self.num_preemptions = 0  # cumulative
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int) -> Scheduler:
+        """``num_blocks`` comes from KV-cache sizing and ``max_model_len`` from the model
+        (``config.max_model_len`` may still be None)."""
+        return cls(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+
+    # -- requests in ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Rejects (ValueError) what could never be served."""
+        req_id = request.request_id
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id!r} is already in use by an unfinished request; ids must be unique")
+        prompt_len = request.num_prompt_tokens
+        if prompt_len == 0:
+            raise ValueError(f"request {req_id!r} has an empty prompt; give at least one prompt token")
+        if prompt_len > self.max_model_len:
+            raise ValueError(
+                f"request {req_id!r}: the prompt has {prompt_len} tokens, longer than max_model_len="
+                f"{self.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        if request.max_tokens < 1:
+            raise ValueError(f"request {req_id!r}: max_tokens must be >= 1, got {request.max_tokens}")
+        # Worst case it holds K/V for its whole length (capped by max_model_len); a request
+        # that cannot fit in an otherwise empty cache would be preempted forever.
+        num_tokens_needed = min(prompt_len + request.max_tokens, self.max_model_len)
+        num_usable = self.kv_cache_manager.num_usable_blocks
+        if cdiv(num_tokens_needed, self.block_size) > num_usable:
+            raise ValueError(
+                f"request {req_id!r} needs {num_tokens_needed} tokens of KV cache ({prompt_len} prompt + "
+                f"max_tokens={request.max_tokens}) but the cache holds {num_usable * self.block_size} tokens "
+                f"({num_usable} usable blocks of {self.block_size}); lower max_tokens or shorten the prompt, "
+                "or raise num_kv_blocks / kv_cache_memory"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[req_id] = request
+        self._priority[req_id] = next(self._arrivals)
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step loop: aborts, or a stop string matched by the
+        detokenizer (``FINISHED_STOPPED``; set ``stop_reason`` on the request first if
+        wanted). Unknown or already finished ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a FINISHED_* status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.get(RequestId(req_id))
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    # -- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch.
+
+        Algorithm (one token budget, ``max_num_batched_tokens``, per step):
+        1. Running requests, in priority order, each get what they still need (1 token for
+           a decode, the rest of the prompt for an unfinished chunked prefill), cut to the
+           remaining budget. When blocks run out, preempt by recompute the lowest-priority
+           (latest-arrived) running request -- possibly the one being scheduled -- until
+           the allocation succeeds.
+        2. Unless step 1 preempted someone (memory is tight: let running requests drain),
+           admit waiting requests FCFS while budget, ``max_num_seqs`` and free blocks allow;
+           each starts after its longest prefix-cache hit and gets a (possibly partial)
+           prefill chunk. The first one that cannot get blocks stops admission (no
+           overtaking), so large requests are not starved.
+        A request never waits forever: ``add_request`` guarantees each fits an empty cache,
+        and the earliest running request can always preempt all the others.
+        """
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        cached_reqs: list[CachedRequestData] = []
+        new_reqs: list[NewRequestData] = []
+        num_preempted = 0
+
+        # 1. running requests
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            assert num_new_tokens > 0, f"running request {request.request_id} has nothing to compute"
+            while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
+                victim = self.running.pop()  # sorted by priority: the last is the lowest
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is request:
+                    break
+            if new_block_ids is None:  # it preempted itself; it was the last running request
+                break
+            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            index += 1
+
+        # 2. waiting requests
+        while not num_preempted and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_computed, token_budget)
+            new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
+            if new_block_ids is None:
+                assert self.running, f"{request.request_id} does not fit an empty KV cache (add_request should refuse it)"
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_computed
+            bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(request.request_id),
+                    num_computed_tokens=num_computed,
+                )
+            )
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            finished_req_ids=finished_req_ids,
+            num_preempted=num_preempted,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop its K/V, restart it from scratch later (its outputs
+        are kept and re-fed). The worker learns through ``finished_req_ids`` of the step
+        being built, and gets it again as ``NewRequestData`` when resumed."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._finished_req_ids.add(request.request_id)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one executed step: advance computed tokens, append sampled tokens, check
+        stops, free finished requests. Returns one output per request that got a token."""
+        position = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        logprobs = model_runner_output.logprobs
+        outputs: list[EngineCoreOutput] = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(RequestId(req_id))
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a partial prefill chunk samples nothing (anything sampled is discarded)
+            i = position.get(req_id)
+            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+            assert sampled, f"{req_id} completed its prefill/decode but the model runner sampled no token"
+            new_token_ids: list[int] = []
+            for token_id in sampled:
+                request.append_output_token_id(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break
+            sample_logprobs = logprobs[i] if i is not None and i < len(logprobs) else None
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=None if sample_logprobs is None else [sample_logprobs],
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens or 0,
+                )
+            )
+            if request.is_finished:
+                self.running.remove(request)
+                self._release(request)
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        """After appending one token. Order: min_tokens holds off eos and stop ids (not
+        length); then eos (kept in the output), stop_token_ids (stop_reason = the id),
+        then max_tokens / max_model_len. A stop token that is also the last allowed
+        token reports "stop" (vLLM would say "length")."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= (getattr(params, "min_tokens", 0) or 0):
+            if not getattr(params, "ignore_eos", False) and last in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in (getattr(params, "stop_token_ids", None) or ()):
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request (already out of running/waiting) and free its blocks."""
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        del self._priority[request.request_id]
+        self._finished_req_ids.add(request.request_id)
+
+    # -- queries and stats ------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(RequestId(request_id))
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache_manager.prefix_cache_hits
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
