@@ -85,6 +85,12 @@ class Platform:
         """(free_bytes, total_bytes) of device ``index``."""
         raise NotImplementedError(f"platform {self.name!r} does not report device memory")
 
+    def kv_cache_budget(self, fraction: float) -> int:
+        """Bytes the KV cache may take when the user did not size it (optional)
+        default: ``fraction`` of the device memory still free after the model loaded."""
+        free, _total = self.memory_info()
+        return int(free * fraction)
+
     def set_device(self, index: int) -> None:
         """Make ``index`` the current device of this process (optional) default: no-op."""
 

@@ -46,6 +46,12 @@ class CpuPlatform(Platform):
         vm = psutil.virtual_memory()
         return vm.available, vm.total
 
+    def kv_cache_budget(self, fraction: float) -> int:
+        # Host memory is shared with everything else on the machine: like vLLM's
+        # VLLM_CPU_KVCACHE_SPACE default, take at most 4 GiB unless told otherwise.
+        free, _total = self.memory_info()
+        return int(min(free * fraction * 0.5, 4 << 30))
+
 
 @hookimpl
 def halserve_manifest() -> PluginManifest:

@@ -1,0 +1,93 @@
+"""``halserve bench throughput``: offline throughput, like vLLM's benchmark_throughput.
+
+Random-token prompts of ``--input-len`` tokens, ``--output-len`` new tokens each with
+``ignore_eos`` (so every request generates exactly that many), all submitted at once.
+Prints requests/s, output tokens/s and total tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="local HF directory or hub id")
+    parser.add_argument("--platform", default=None)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+        help="off by default: random prompts share nothing, and vLLM's benchmark is run with it off",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--output-json", default=None, help="also write the figures to this file")
+
+
+def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    # Avoid the lowest ids, where special tokens usually live.
+    low = min(10, vocab_size - 1)
+    return rng.integers(low, vocab_size, size=(num_prompts, input_len)).tolist()
+
+
+def run(args: argparse.Namespace) -> int:
+    from halserve import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        platform=args.platform,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+        attention_backend=args.attention_backend,
+    )
+    vocab = llm.llm_engine.model_info.vocab_size
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(args.num_prompts, args.input_len, vocab, args.seed)]
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, detokenize=False
+    )
+    # Warm-up (allocator, thread pools), not timed.
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_in = sum(len(o.prompt_token_ids) for o in outputs)
+    result = {
+        "elapsed_s": elapsed,
+        "num_requests": len(outputs),
+        "requests_per_s": len(outputs) / elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+        "total_tokens_per_s": (num_out + num_in) / elapsed,
+        "num_output_tokens": num_out,
+        "num_prompt_tokens": num_in,
+        "attention_backend": llm.llm_engine.core.executor.collective_rpc("attention_backend_name")[0],
+    }
+    print(
+        f"Throughput: {result['requests_per_s']:.2f} requests/s, "
+        f"{result['total_tokens_per_s']:.2f} total tokens/s, "
+        f"{result['output_tokens_per_s']:.2f} output tokens/s "
+        f"({num_out} output tokens in {elapsed:.2f} s)"
+    )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    llm.llm_engine.shutdown()
+    return 0

@@ -1,0 +1,111 @@
+"""EngineCore: the scheduler and the executor, stepping on token ids only.
+
+Not thread-safe: one thread owns it (the caller of LLMEngine, or AsyncLLM's engine
+thread). Text (tokenization, detokenization, stop strings) is handled outside it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from halserve.config import EngineConfig
+from halserve.engine.types import EngineCoreRequest, EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        from halserve.models.loader import get_model_info
+        from halserve.platforms import resolve_platform
+        from halserve.plugins import get_plugin_manager
+        from halserve.scheduler import Scheduler
+
+        start = time.perf_counter()
+        manager = get_plugin_manager()
+        self.platform = resolve_platform(config.platform)
+        config.platform = self.platform.name
+        manager.call_update_config(config, self.platform.name)
+        self.platform.check_and_update_config(config)
+        self.config = config
+        self.model_info = get_model_info(config, self.platform)
+
+        executor_name = config.distributed_executor_backend or ("uni" if config.tensor_parallel_size == 1 else "mp")
+        reg = manager.executors.get(executor_name)
+        if reg is None:
+            raise ValueError(
+                f"executor {executor_name!r} is not available; registered executors: "
+                f"{', '.join(manager.executors.names()) or 'none'}"
+            )
+        self.executor = reg.obj(config, self.platform.name, self.model_info)
+        try:
+            self.num_blocks = self.executor.initialize()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.model_info.max_model_len,
+            block_size=config.block_size,
+            num_blocks=self.num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.num_steps = 0
+        logger.info(
+            "engine ready in %.1fs: platform %s, %s, %d KV blocks",
+            time.perf_counter() - start,
+            self.platform.name,
+            self.model_info.architecture,
+            self.num_blocks,
+        )
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request; raises ValueError if it can never fit in the KV cache."""
+        from halserve.request import Request
+
+        self.scheduler.add_request(
+            Request(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling_params=req.sampling_params,
+                eos_token_ids=req.eos_token_ids,
+                arrival_time=req.arrival_time,
+                max_tokens=req.max_tokens,
+            )
+        )
+
+    def step(self) -> list:
+        """Schedule, run the model once, and return what each request produced."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        self.num_steps += 1
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        from halserve.request import RequestStatus
+
+        if request_ids:
+            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
+    def shutdown(self) -> None:
+        executor, self.executor = getattr(self, "executor", None), None
+        if executor is not None:
+            executor.shutdown()

@@ -1,0 +1,94 @@
+"""LLMEngine: the synchronous engine (vLLM's shape): add_request, step, abort_request."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from halserve.config import EngineConfig
+from halserve.engine.core import EngineCore
+from halserve.engine.processor import InputProcessor, OutputProcessor, PromptType
+from halserve.outputs import RequestOutput
+from halserve.sampling_params import SamplingParams
+
+
+def load_tokenizer(config: EngineConfig, model_info: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    path = config.tokenizer or model_info.model_path
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        self.model_info = self.core.model_info
+        self.tokenizer = load_tokenizer(config, self.model_info)
+        self.input_processor = InputProcessor(self.model_info, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        return cls(config)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate, tokenize and queue. Raises ValueError (and queues nothing) on bad input."""
+        request_id = str(request_id)
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
+        params = apply_model_defaults(params, self.model_info)
+        text, children = self.input_processor.process(request_id, prompt, params, arrival_time)
+        added = []
+        try:
+            for child in children:
+                self.core.add_request(child)
+                added.append(child.request_id)
+        except ValueError:
+            self.core.abort_requests(added)
+            raise
+        self.output_processor.add_request(text, children)
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+        self.core.abort_requests(to_abort)
+        return outputs
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            self.core.abort_requests(self.output_processor.abort_request(rid))
+
+    def has_unfinished_requests(self) -> bool:
+        # The core is the source of truth: the output processor drops a parent as soon as
+        # its last sample finishes (stop strings included).
+        return self.core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.parents)
+
+    def get_stats(self):
+        return self.core.get_stats()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+def apply_model_defaults(params: SamplingParams, model_info: Any) -> SamplingParams:
+    """The checkpoint's generation_config defaults for fields the user left unset (vLLM's
+    ``generation_config="auto"``)."""
+    defaults = getattr(model_info, "generation_defaults", None)
+    if not defaults:
+        return params
+    params = params.clone()
+    params.update_from_generation_config(defaults)
+    return params

@@ -1,0 +1,262 @@
+"""Input processing (validate, tokenize, fan out n samples) and output processing
+(incremental detokenization, stop strings, RequestOutput assembly).
+
+Both run outside the step loop: LLMEngine calls them in its own thread, AsyncLLM on
+the asyncio side while the core steps in its engine thread.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from halserve.engine.types import EngineCoreRequest
+from halserve.outputs import CompletionOutput, Logprob, RequestOutput
+from halserve.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+def child_request_id(parent_id: str, index: int, n: int) -> str:
+    return parent_id if n == 1 else f"{index}_{parent_id}"
+
+
+class InputProcessor:
+    def __init__(self, model_info: Any, tokenizer: Any) -> None:
+        self.info = model_info
+        self.tokenizer = tokenizer
+        self.vocab_size = model_info.vocab_size
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids); ValueError for anything malformed."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(
+                    f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (list of ints); got keys {sorted(prompt)}"
+                )
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one character or token")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+        if len(ids) == 0:
+            raise ValueError("the prompt token list is empty; give at least one token id")
+        out = []
+        for tok in ids:
+            if isinstance(tok, bool) or not isinstance(tok, int):
+                raise ValueError(f"prompt token ids must be ints, got {tok!r}")
+            if tok < 0 or tok >= self.vocab_size:
+                raise ValueError(
+                    f"prompt token id {tok} is out of range: the model's vocabulary has {self.vocab_size} "
+                    f"tokens, so ids must be in [0, {self.vocab_size - 1}]"
+                )
+            out.append(tok)
+        return out
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> tuple[str | None, list[EngineCoreRequest]]:
+        """Validate and tokenize one request; returns (prompt text, one core request per sample)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if prompt_token_ids is None:
+            text, ids = self.tokenize(prompt)
+        else:
+            text, ids = (prompt if isinstance(prompt, str) else None), self._check_ids(prompt_token_ids)
+        max_len = self.info.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the model's maximum context length (max_model_len) "
+                f"is {max_len}, which leaves no room to generate; shorten the prompt"
+            )
+        room = max_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        eos = set() if params.ignore_eos else set(self.info.eos_token_ids)
+        arrival = time.time() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone()
+                child_params.n = 1
+                if params.seed is not None:  # distinct but reproducible samples
+                    child_params.seed = params.seed + i
+            children.append(
+                EngineCoreRequest(
+                    request_id=child_request_id(request_id, i, params.n),
+                    parent_id=request_id,
+                    index=i,
+                    prompt_token_ids=ids,
+                    sampling_params=child_params,
+                    eos_token_ids=eos,
+                    max_tokens=max_tokens,
+                    arrival_time=arrival,
+                )
+            )
+        return text, children
+
+
+@dataclass
+class _SampleState:
+    index: int
+    detokenizer: Any  # IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: dict[str, _SampleState]  # child request id -> state
+    arrival_time: float
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, _ParentState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add_request(self, prompt: str | None, children: list[EngineCoreRequest]) -> None:
+        from halserve.detokenizer import IncrementalDetokenizer
+
+        first = children[0]
+        params = first.sampling_params
+        samples = {}
+        for child in children:
+            p = child.sampling_params
+            detok = IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, p) if p.detokenize else None
+            samples[child.request_id] = _SampleState(
+                index=child.index,
+                detokenizer=detok,
+                logprobs=[] if p.logprobs is not None else None,
+                cumulative_logprob=0.0 if p.logprobs is not None else None,
+            )
+            self.child_to_parent[child.request_id] = first.parent_id
+        if first.parent_id in self.parents:
+            raise ValueError(f"request id {first.parent_id!r} is already in use; give each request a unique id")
+        self.parents[first.parent_id] = _ParentState(
+            request_id=first.parent_id,
+            prompt=prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            params=params,
+            samples=samples,
+            arrival_time=first.arrival_time,
+        )
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        state = self.parents.get(parent_id)
+        return list(state.samples) if state else []
+
+    def abort_request(self, parent_id: str) -> list[str]:
+        """Forget a parent; returns its children's core ids (to abort in the core)."""
+        state = self.parents.pop(parent_id, None)
+        if state is None:
+            return []
+        for child_id in state.samples:
+            self.child_to_parent.pop(child_id, None)
+        return [cid for cid, s in state.samples.items() if not s.finished]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    def _logprob_dict(self, entry: Any) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode
+        out = {entry.token_id: Logprob(entry.logprob, entry.rank, decode([entry.token_id]))}
+        for rank, (tok, lp) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), start=1):
+            if tok not in out:
+                out[tok] = Logprob(lp, rank, decode([tok]))
+        return out
+
+    def process_outputs(self, core_outputs: list) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's core outputs; returns (cumulative outputs of the parents that
+        progressed, child ids the core must abort because a stop string matched)."""
+        now = time.time()
+        touched: dict[str, _ParentState] = {}
+        to_abort: list[str] = []
+        for out in core_outputs:
+            parent_id = self.child_to_parent.get(out.request_id)
+            if parent_id is None:
+                continue  # aborted meanwhile
+            parent = self.parents[parent_id]
+            sample = parent.samples[out.request_id]
+            if sample.finished:
+                continue
+            if out.num_cached_tokens:
+                parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            new_ids = list(out.new_token_ids)
+            if new_ids and parent.first_token_time is None:
+                parent.first_token_time = now
+            sample.token_ids.extend(new_ids)
+            if out.new_logprobs and sample.logprobs is not None:
+                for entry in out.new_logprobs:
+                    if entry is None:
+                        continue
+                    sample.logprobs.append(self._logprob_dict(entry))
+                    sample.cumulative_logprob += entry.logprob
+            stop_str = sample.detokenizer.update(new_ids) if sample.detokenizer is not None and new_ids else None
+            if out.finish_reason is not None:
+                sample.finish_reason = out.finish_reason
+                sample.stop_reason = out.stop_reason
+            if stop_str is not None:
+                if out.finish_reason is None:
+                    to_abort.append(out.request_id)
+                sample.finish_reason = "stop"
+                sample.stop_reason = stop_str
+            touched[parent_id] = parent
+        results = [self._make_output(p, now) for p in touched.values()]
+        for res in results:
+            if res.finished:
+                self.abort_request(res.request_id)
+        return results, to_abort
+
+    def _make_output(self, parent: _ParentState, now: float) -> RequestOutput:
+        outputs = []
+        for sample in sorted(parent.samples.values(), key=lambda s: s.index):
+            text = sample.detokenizer.output_text if sample.detokenizer is not None else ""
+            outputs.append(
+                CompletionOutput(
+                    index=sample.index,
+                    text=text,
+                    token_ids=list(sample.token_ids),
+                    cumulative_logprob=sample.cumulative_logprob,
+                    logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+                    finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outputs,
+            finished=all(s.finished for s in parent.samples.values()),
+            num_cached_tokens=parent.num_cached_tokens,
+        )

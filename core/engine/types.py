@@ -1,0 +1,34 @@
+"""Records that cross between the engine's processors and its core."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from halserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    """A validated, tokenized request for the core (one per sample when n > 1)."""
+
+    request_id: str  # the core's id (a child id "<i>_<parent>" when n > 1)
+    parent_id: str  # the user's request id
+    index: int  # which of the parent's n samples
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: set[int]  # model eos ids; empty when ignore_eos
+    max_tokens: int  # resolved: params.max_tokens or up to max_model_len
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for metrics; counters are cumulative since start."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable blocks in use
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    num_preemptions: int = 0
+    num_steps: int = 0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,136 @@
+"""The offline API: ``LLM(model).generate(prompts, sampling_params)``, like vLLM's."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from halserve.config import EngineConfig
+from halserve.outputs import RequestOutput
+from halserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Args mirror vLLM's: ``num_kv_blocks`` fixes the KV cache size exactly (vLLM's
+    ``num_gpu_blocks_override``); otherwise it is sized from ``kv_cache_memory`` bytes or
+    from free memory. Any other ``EngineConfig`` field may be passed as a keyword.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        platform: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        tokenizer: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        from halserve.engine.llm_engine import LLMEngine
+
+        config = EngineConfig(
+            model=model,
+            platform=platform,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            tokenizer=tokenizer,
+            **kwargs,
+        )
+        self.llm_engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | dict | Sequence[str | dict | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        A prompt is a string, ``{"prompt_token_ids": [...]}`` or ``{"prompt": str}``.
+        A bad prompt or parameter raises ValueError and leaves the engine usable.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(prompts)} prompts but {len(params_list)} sampling params; give one, or one per prompt"
+                )
+        engine = self.llm_engine
+        ids = [str(next(self._counter)) for _ in prompts]
+        try:
+            for rid, prompt, params in zip(ids, prompts, params_list):
+                engine.add_request(rid, prompt, params)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            ids = tokenizer.apply_chat_template(
+                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids if i in finished]

@@ -1,0 +1,1 @@
+"""Workers (one per rank) and the model runner they drive."""

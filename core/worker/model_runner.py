@@ -1,0 +1,293 @@
+"""The model runner: turns a SchedulerOutput into one flattened forward pass and samples.
+
+Per step (R scheduled requests, T tokens)::
+
+    request r:  num_computed c_r (already in the KV cache), scheduled n_r new tokens
+    input_ids       [T]     tokens c_r .. c_r+n_r-1 of each request, concatenated
+    positions       [T]     c_r .. c_r+n_r-1
+    query_start_loc [R+1]   cumsum of n_r
+    seq_lens        [R]     c_r + n_r
+    slot_mapping    [T]     block_table[r, pos // block_size] * block_size + pos % block_size
+    logits_indices          last token of each request that reaches the end of its known
+                            tokens this step (requests mid-prefill sample nothing)
+
+Request state lives here between steps (the worker is stateful); the scheduler sends
+full records only for new or resumed requests and diffs for the rest.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from halserve.attention_backends.base import AttentionMetadata
+from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
+    from halserve.models.loader import ModelInfo
+    from halserve.platforms.base import Platform
+    from halserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# kv_cache_dtype -> torch dtype name ("fp8" is the platform's e4m3 flavour)
+_FP8_KV = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: "SamplingParams"
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : stop - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+
+def select_attention_backend(config: "EngineConfig", platform: "Platform", info: "ModelInfo") -> type:
+    """The forced backend (config or HALSERVE_ATTENTION_BACKEND), else the platform's
+    first preferred backend that supports this model's configuration."""
+    import os
+
+    from halserve.plugins import get_plugin_manager
+
+    registry = get_plugin_manager().attention_backends
+    dtype = str(info.dtype).replace("torch.", "")
+    query = dict(
+        dtype=dtype,
+        head_size=info.head_size,
+        block_size=config.block_size,
+        kv_cache_dtype=config.kv_cache_dtype,
+        sliding_window=info.sliding_window,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+    )
+    forced = config.attention_backend or os.environ.get("HALSERVE_ATTENTION_BACKEND")
+    if forced:
+        reg = registry.get(forced)
+        if reg is None:
+            raise ValueError(f"unknown attention backend {forced!r}; registered: {', '.join(registry.names())}")
+        cls = reg.obj
+        if not cls.runs_on(platform.name):
+            raise ValueError(f"attention backend {forced!r} does not run on platform {platform.name!r} (it runs on {cls.platforms})")
+        reason = cls.supports(**query)
+        if reason:
+            raise ValueError(f"attention backend {forced!r} cannot run this model: {reason}")
+        return cls
+    reasons = []
+    for name in platform.preferred_attention_backends:
+        reg = registry.get(name)
+        if reg is None:
+            reasons.append(f"{name}: not registered")
+            continue
+        reason = reg.obj.supports(**query)
+        if reason is None:
+            if reasons:
+                logger.info("attention backend %s selected; skipped %s", name, "; ".join(reasons))
+            return reg.obj
+        reasons.append(f"{name}: {reason}")
+    raise ValueError(
+        f"no attention backend of platform {platform.name!r} supports {query}: " + "; ".join(reasons)
+    )
+
+
+class ModelRunner:
+    def __init__(self, config: "EngineConfig", platform: "Platform", model_info: "ModelInfo") -> None:
+        self.config = config
+        self.platform = platform
+        self.info = model_info
+        self.device = platform.device()
+        self.block_size = config.block_size
+        self.max_blocks_per_req = -(-model_info.max_model_len // config.block_size)
+        self.attn_backend_cls = select_attention_backend(config, platform, model_info)
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, CachedRequestState] = {}
+        from halserve.sampling import Sampler
+
+        self.sampler = Sampler()
+
+    # -- setup -----------------------------------------------------------------------
+    def load_model(self) -> None:
+        from halserve.models.loader import load_model
+
+        start = time.perf_counter()
+        self.model = load_model(self.config, self.info, self.platform, self.attn_backend_cls)
+        logger.info(
+            "loaded %s in %.1fs (attention backend: %s)",
+            self.info.architecture,
+            time.perf_counter() - start,
+            self.attn_backend_cls.name,
+        )
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        kv = self.config.kv_cache_dtype
+        if kv == "auto":
+            return self.info.dtype
+        if kv == "fp8":
+            return getattr(torch, self.platform.fp8_dtype or "float8_e4m3fn")
+        return getattr(torch, _FP8_KV[kv])
+
+    def bytes_per_block(self) -> int:
+        shape = self.attn_backend_cls.kv_cache_shape(1, self.block_size, self._local_kv_heads(), self.info.head_size)
+        elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
+        return int(np.prod(shape)) * elem * len(self.model.attention_layers)
+
+    def _local_kv_heads(self) -> int:
+        layers = self.model.attention_layers if self.model is not None else []
+        return layers[0].num_kv_heads if layers else self.info.num_kv_heads
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks that fit the KV budget: ``kv_cache_memory`` bytes if set, else the
+        platform's share of free memory; never more than the engine can ever use."""
+        per_block = self.bytes_per_block()
+        if self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory
+        else:
+            budget = self.platform.kv_cache_budget(self.config.kv_cache_memory_fraction)
+        num_blocks = budget // per_block
+        # +1: block 0 is the null block that pads block tables.
+        useful = self.config.max_num_seqs * self.max_blocks_per_req + 1
+        num_blocks = min(num_blocks, useful)
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds {budget // per_block} blocks of "
+                f"{per_block} bytes; at least 2 are needed. Raise kv_cache_memory or lower max_model_len/block_size"
+            )
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.kv_caches = []
+        for layer in self.model.attention_layers:
+            shape = self.attn_backend_cls.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, self.info.head_size)
+            cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+        logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, self.block_size, self.kv_cache_dtype)
+
+    # -- per step --------------------------------------------------------------------
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=list(new.output_token_ids),
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in out.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(out)
+        if out.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+        req_ids = [r.req_id for r in out.scheduled_new_reqs] + [r.req_id for r in out.scheduled_cached_reqs]
+        states = [self.requests[i] for i in req_ids]
+        num_reqs = len(states)
+        bs = self.block_size
+
+        num_sched = np.fromiter((out.num_scheduled_tokens[i] for i in req_ids), dtype=np.int64, count=num_reqs)
+        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        seq_lens = computed + num_sched
+
+        # positions: c_r + (t - query_start_loc[r]) for each token t of request r
+        req_of_token = np.repeat(np.arange(num_reqs), num_sched)
+        positions = np.arange(total, dtype=np.int64) + np.repeat(computed - query_start_loc[:-1], num_sched)
+
+        token_ids: list[int] = []
+        max_blocks = int(-(-seq_lens.max() // bs))
+        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)  # 0 = null block
+        for r, state in enumerate(states):
+            c, n = int(computed[r]), int(num_sched[r])
+            token_ids.extend(state.token_slice(c, c + n))
+            ids = state.block_ids[:max_blocks]
+            block_table[r, : len(ids)] = ids
+        slot_mapping = block_table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+
+        # Requests that reach the end of their known tokens produce a new token.
+        num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
+        sample_mask = seq_lens >= num_tokens
+        logits_indices = query_start_loc[1:][sample_mask] - 1
+
+        dev = self.device
+        qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
+        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        common = AttentionMetadata(
+            num_actual_tokens=total,
+            num_reqs=num_reqs,
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
+            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
+            block_table=torch.from_numpy(block_table).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+        attn_metadata = self.attn_backend_cls.build_metadata(common)
+        input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
+        positions_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+
+        from halserve.forward_context import set_forward_context
+
+        with set_forward_context(attn_metadata):
+            hidden = self.model(input_ids, positions_t)
+        sampled_rows = [r for r in range(num_reqs) if sample_mask[r]]
+        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprobs: list = [None] * num_reqs
+        if sampled_rows:
+            idx = torch.from_numpy(logits_indices).to(dev)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            rows = [states[r] for r in sampled_rows]
+            meta = self._sampling_metadata(rows)
+            tokens, row_logprobs = self.sampler(logits, meta)
+            tokens = tokens.tolist()
+            for j, r in enumerate(sampled_rows):
+                tok = int(tokens[j])
+                sampled_token_ids[r] = [tok]
+                states[r].output_token_ids.append(tok)
+                logprobs[r] = row_logprobs[j] if row_logprobs else None
+        for r, state in enumerate(states):
+            state.num_computed_tokens = int(seq_lens[r])
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs)
+
+    def _sampling_metadata(self, rows: list[CachedRequestState]):
+        from halserve.sampling import SamplingMetadata
+
+        return SamplingMetadata.build(
+            params=[s.sampling_params for s in rows],
+            prompt_token_ids=[s.prompt_token_ids for s in rows],
+            output_token_ids=[s.output_token_ids for s in rows],
+            eos_token_ids=self.info.eos_token_ids,
+            vocab_size=self.info.vocab_size,
+            device=self.device,
+        )

@@ -1,0 +1,71 @@
+"""A worker: one rank's device, model and KV cache. Stateful across steps (its model
+runner caches each running request), driven by an executor through ``collective_rpc``."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from halserve.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
+    from halserve.models.loader import ModelInfo
+    from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self,
+        config: "EngineConfig",
+        platform_name: str,
+        model_info: "ModelInfo",
+        rank: int = 0,
+        world_size: int = 1,
+        distributed_init_method: str | None = None,
+    ) -> None:
+        self.config = config
+        self.platform_name = platform_name
+        self.model_info = model_info
+        self.rank = rank
+        self.world_size = world_size
+        self.distributed_init_method = distributed_init_method
+        self.platform = None
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        """Select this rank's device and join the process group when there are several ranks."""
+        from halserve.platforms import resolve_platform
+
+        self.platform = resolve_platform(self.platform_name)
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        if self.platform.device_count() > 1:
+            self.platform.set_device(local_rank)
+        if self.world_size > 1:
+            from halserve.distributed import init_distributed
+
+            init_distributed(
+                backend=self.platform.dist_backend,
+                init_method=self.distributed_init_method,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+        self.platform.seed_everything(self.config.seed)
+        self.model_runner = ModelRunner(self.config, self.platform, self.model_info)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.model_runner.determine_num_kv_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
+        return self.model_runner.execute_model(scheduler_output)
+
+    def attention_backend_name(self) -> str:
+        return self.model_runner.attn_backend_cls.name
