@@ -1,0 +1,5 @@
+"""On-device sampling: per-step metadata, the sampler, and logprobs."""
+from halserve.sampling.metadata import SamplingMetadata, seed_for_step
+from halserve.sampling.sampler import Sampler
+
+__all__ = ["Sampler", "SamplingMetadata", "seed_for_step"]
