@@ -1,0 +1,173 @@
+"""Engine behaviour beyond greedy equivalence: prefix caching, logprobs, seeded and
+parallel sampling, input validation, stop strings, chat."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from halserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llama_path(checkpoint_factory):
+    return checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(llama_path):
+    return LLM(llama_path, platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=128,
+               max_model_len=256)
+
+
+def _vocab(llm):
+    return llm.llm_engine.model_info.vocab_size
+
+
+def test_prefix_caching_hits_and_computes_fewer_tokens(llama_path):
+    llm = LLM(llama_path, platform="cpu", dtype="float32", block_size=16, max_model_len=256)
+    rng = random.Random(7)
+    vocab = _vocab(llm)
+    prefix = [rng.randrange(3, vocab) for _ in range(96)]
+    prompts = [{"prompt_token_ids": prefix + [rng.randrange(3, vocab) for _ in range(5)]} for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    stats1 = llm.llm_engine.get_stats()
+    second = llm.generate(prompts, params, use_tqdm=False)
+    stats2 = llm.llm_engine.get_stats()
+    hits = stats2.prefix_cache_hits - stats1.prefix_cache_hits
+    assert hits >= 4 * 96, f"second pass should hit the shared 96-token prefix of every prompt, hit {hits}"
+    assert all(o.num_cached_tokens >= 96 for o in second)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+
+
+def test_logprobs_match_transformers(llm, llama_path):
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, _vocab(llm)) for _ in range(20)]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=6, logprobs=5,
+                                                                    ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    assert len(out.logprobs) == 6
+    cumulative = 0.0
+    for step, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        ref = logp[len(prompt) - 1 + step]
+        assert abs(entry[tok].logprob - ref[tok].item()) < 1e-4
+        assert entry[tok].rank == 1  # greedy picks the top token
+        top = torch.topk(ref, 5)
+        for t, lp in zip(top.indices.tolist(), top.values.tolist()):
+            assert t in entry, f"top-5 token {t} missing at step {step}"
+            assert abs(entry[t].logprob - lp) < 1e-4
+        cumulative += entry[tok].logprob
+    assert math.isclose(out.cumulative_logprob, cumulative, rel_tol=1e-5, abs_tol=1e-5)
+
+
+def test_seeded_sampling_reproducible_across_runs_and_batches(llm):
+    rng = random.Random(11)
+    vocab = _vocab(llm)
+    target = {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(12)]}
+    others = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))]} for _ in range(6)]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(target, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate(target, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate(others[:3] + [target] + others[3:], [unseeded] * 3 + [seeded] + [unseeded] * 3,
+                         use_tqdm=False)[3].outputs[0].token_ids
+    assert alone == again == mixed
+
+
+def test_parallel_sampling_n4(llm):
+    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]}, params, use_tqdm=False)[0]
+    assert len(out.outputs) == 4
+    assert sorted(o.index for o in out.outputs) == [0, 1, 2, 3]
+    assert all(len(o.token_ids) == 8 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1, "4 samples at temperature 1 should differ"
+
+
+BAD_PARAMS = [
+    dict(max_tokens=0),
+    dict(min_tokens=5, max_tokens=2),
+    dict(temperature=-0.5),
+    dict(temperature=float("nan")),
+    dict(top_p=0.0),
+    dict(top_p=1.5),
+    dict(top_k=-2),
+    dict(min_p=-0.1),
+    dict(min_p=1.5),
+    dict(presence_penalty=2.5),
+    dict(frequency_penalty=-3.0),
+    dict(repetition_penalty=0.0),
+    dict(stop=[""]),
+    dict(n=2, temperature=0.0),
+    dict(logprobs=21),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_PARAMS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_bad_sampling_params_raise(bad):
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(**bad)
+    assert str(exc.value)
+
+
+def test_bad_prompts_raise_and_engine_keeps_serving(llm):
+    vocab = _vocab(llm)
+    good = {"prompt_token_ids": [4, 5, 6]}
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids
+    bad_prompts = [
+        "",
+        {"prompt_token_ids": []},
+        {"prompt_token_ids": [vocab]},
+        {"prompt_token_ids": [-1]},
+        {"prompt_token_ids": [5] * 300},  # max_model_len is 256
+    ]
+    for bad in bad_prompts:
+        with pytest.raises(ValueError) as exc:
+            llm.generate([good, bad, good], params, use_tqdm=False)
+        assert str(exc.value)
+        # The engine still serves, and no request of the failed batch lingers.
+        assert not llm.llm_engine.has_unfinished_requests()
+        assert llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert llm.llm_engine.get_stats().kv_cache_usage == 0.0
+
+
+def test_request_that_can_never_fit_is_an_error(llama_path):
+    llm = LLM(llama_path, platform="cpu", dtype="float32", block_size=16, num_kv_blocks=4, max_model_len=256)
+    with pytest.raises(ValueError, match="KV cache|kv cache|cache"):
+        llm.generate({"prompt_token_ids": [5] * 100}, SamplingParams(max_tokens=10, temperature=0.0),
+                     use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=5, temperature=0.0,
+                                                                      ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5
+
+
+def test_stop_string_and_text(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    full = llm.generate("the quick brown fox", params, use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    assert full.text == tok.decode(full.token_ids, skip_special_tokens=True)
+    if len(full.text.strip()) < 4:
+        pytest.skip("the random model produced too little text to cut a stop string from")
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
+    cut = llm.generate("the quick brown fox", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                            stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[: full.text.index(stop)]
+
+
+def test_chat_applies_template(llm):
+    messages = [{"role": "user", "content": "hello there"}]
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    expected = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(expected, list):
+        expected = expected["input_ids"]
+    assert out.prompt_token_ids == list(expected)
+    assert len(out.outputs[0].token_ids) == 4
