@@ -1,0 +1,102 @@
+"""Tensor-parallel state of this process and the collectives layers use.
+
+One rank (the default) needs no setup: every collective is a no-op. A multi-rank
+executor calls ``init_tensor_parallel(rank, size, group)`` in each worker after
+``torch.distributed.init_process_group`` (with the platform's ``dist_backend``) and
+before the model is built, because layers size their shards at construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallelState:
+    rank: int  # this process's index in the tensor-parallel group
+    size: int  # ranks in the group
+    group: Any = None  # torch.distributed ProcessGroup; None = the default group
+
+
+_state = TensorParallelState(rank=0, size=1)
+
+
+def init_tensor_parallel(rank: int, size: int, group: Any = None) -> TensorParallelState:
+    """Set this process's tensor-parallel rank and size (and process group)."""
+    global _state
+    if size < 1:
+        raise ValueError(f"tensor parallel size must be >= 1, got {size}")
+    if not 0 <= rank < size:
+        raise ValueError(f"tensor parallel rank must be in [0, {size}), got {rank}")
+    if size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ValueError(
+            f"tensor parallel size {size} needs torch.distributed initialised first "
+            "(torch.distributed.init_process_group with the platform's dist_backend)"
+        )
+    _state = TensorParallelState(rank=rank, size=size, group=group)
+    return _state
+
+
+def destroy_tensor_parallel() -> None:
+    """Back to a single rank (tests, worker shutdown)."""
+    global _state
+    _state = TensorParallelState(rank=0, size=1)
+
+
+def get_tp_state() -> TensorParallelState:
+    return _state
+
+
+def get_tp_rank() -> int:
+    return _state.rank
+
+
+def get_tp_size() -> int:
+    return _state.size
+
+
+def get_tp_group() -> Any:
+    return _state.group
+
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    """Exact division for shard sizes; a remainder is a configuration mistake."""
+    if numerator % denominator:
+        raise ValueError(
+            f"{what} {numerator} is not divisible by tensor parallel size {denominator}; "
+            "pick a tensor_parallel_size that divides it"
+        )
+    return numerator // denominator
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the tensor-parallel ranks (no-op for one rank)."""
+    if _state.size == 1:
+        return x
+    torch.distributed.all_reduce(x, group=_state.group)
+    return x
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order (no-op for one rank)."""
+    if _state.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_state.size)]
+    torch.distributed.all_gather(parts, x.contiguous(), group=_state.group)
+    return torch.cat(parts, dim=dim)
+
+
+__all__ = [
+    "TensorParallelState",
+    "destroy_tensor_parallel",
+    "divide",
+    "get_tp_group",
+    "get_tp_rank",
+    "get_tp_size",
+    "get_tp_state",
+    "init_tensor_parallel",
+    "tensor_model_parallel_all_gather",
+    "tensor_model_parallel_all_reduce",
+]

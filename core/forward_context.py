@@ -1,0 +1,50 @@
+"""The per-step state layers read without it being threaded through every forward().
+
+The model runner wraps each model call::
+
+    with set_forward_context(attn_metadata):    # what the backend's build_metadata returned
+        hidden = model(input_ids, positions)
+
+and each ``Attention`` layer reads ``get_forward_context().attn_metadata``. ``None`` means a
+dummy run (memory profiling, warm-up): attention layers skip the cache and return zeros.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    attn_metadata: Any  # backend metadata for this step, or None for a dummy run
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
+    """Make ``attn_metadata`` visible to the layers for the duration of one model call.
+    Nesting restores the outer context on exit."""
+    global _current
+    previous = _current
+    _current = ForwardContext(attn_metadata=attn_metadata)
+    try:
+        yield _current
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    """The context of the model call in progress; raises outside ``set_forward_context``."""
+    if _current is None:
+        raise RuntimeError(
+            "no forward context is set: call the model inside "
+            "`with halserve.forward_context.set_forward_context(attn_metadata):` "
+            "(attn_metadata=None for a dummy run)"
+        )
+    return _current
+
+
+__all__ = ["ForwardContext", "get_forward_context", "set_forward_context"]
