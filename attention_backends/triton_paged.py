@@ -1,0 +1,137 @@
+"""Triton unified paged attention (CUDA and ROCm): one launch for a mixed batch.
+
+The kernels live in ``triton_paged_kernels.py`` and are imported at first use, so listing
+this backend (``halserve plugins``) never imports triton. A step is two launches: the
+cache write of all new K/V, then attention over the cache for every query token (chunked
+prefills after a prefix hit and decodes alike). Decode-only steps with long contexts on a
+GPU add a split-K launch and a reduce (see ``num_kv_splits``).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from halserve.attention_backends.base import AttentionBackend
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+# kv_cache_dtype names accepted, and the torch cache dtypes each may be allocated as
+# ("fp8" / "fp8_e4m3" is the platform's e4m3 flavour: e4m3fn on CUDA, e4m3fnuz on MI300).
+_FP8_CACHE_DTYPES = {
+    "fp8": ("float8_e4m3fn", "float8_e4m3fnuz"),
+    "fp8_e4m3": ("float8_e4m3fn", "float8_e4m3fnuz"),
+    "fp8_e5m2": ("float8_e5m2",),
+}
+
+
+class TritonPagedAttentionBackend(AttentionBackend):
+    name = "triton_paged"
+    platforms = ("cuda", "rocm")
+    dtypes = ("float16", "bfloat16", "float32")
+    head_sizes = (64, 80, 96, 128, 256)
+    block_sizes = (16, 32, 64)
+    kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+    description = (
+        "Triton unified paged attention: one kernel for chunked prefill (causal over a cached prefix) "
+        "and decode, GQA/MQA packed into tl.dot tiles, split-K decode for long contexts, "
+        "fp8 KV cache with per-tensor scales"
+    )
+
+    max_splits: ClassVar[int] = 16
+    """Upper bound of the split-K factor of a decode step."""
+    min_split_context: ClassVar[int] = 512
+    """Decode steps whose longest context is shorter stay on the single-pass kernel."""
+
+    @classmethod
+    def _supports(cls, **config: Any) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (pip install 'halserve[cuda]' or 'halserve[rocm]')"
+        return None
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "gqa": True,
+            "fp8_kv_cache_torch_dtypes": {k: list(v) for k, v in _FP8_CACHE_DTYPES.items()},
+            "split_kv_decode": True,
+        }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        from halserve.attention_backends import triton_paged_kernels
+
+        self._kernels = triton_paged_kernels
+        self._num_sms: int | None = None
+
+    # -- split-K policy -------------------------------------------------------------------
+    def num_kv_splits(self, metadata: Any, device: "torch.device") -> int:
+        """How many programs share one (request, kv head)'s context this step.
+
+        Only decode-only steps with long contexts split: there the grid is (requests x kv
+        heads) programs, too few to keep every SM streaming. ``HALSERVE_TRITON_ATTN_SPLITS``
+        forces a value (tests, benchmarks).
+        """
+        forced = os.environ.get("HALSERVE_TRITON_ATTN_SPLITS")
+        if forced:
+            return int(forced)
+        if metadata.max_query_len != 1 or metadata.max_seq_len < self.min_split_context or device.type != "cuda":
+            return 1
+        if self._num_sms is None:
+            import torch
+
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        programs = metadata.num_reqs * self.num_kv_heads
+        splits = 1
+        # aim at >= 4 programs per SM, each still streaming >= 256 keys
+        while (
+            splits < self.max_splits
+            and programs * splits < 4 * self._num_sms
+            and metadata.max_seq_len // (splits * 2) >= 256
+        ):
+            splits *= 2
+        return splits
+
+    # -- per step -------------------------------------------------------------------------
+    def forward(self, q, k, v, kv_cache, metadata, k_scale: float = 1.0, v_scale: float = 1.0):
+        import torch
+
+        num_tokens = metadata.num_actual_tokens
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        if self.kv_cache_dtype != "auto":
+            allowed = _FP8_CACHE_DTYPES[self.kv_cache_dtype]
+            if str(kv_cache.dtype).removeprefix("torch.") not in allowed:
+                raise ValueError(
+                    f"kv_cache_dtype {self.kv_cache_dtype!r} needs a cache tensor of dtype {' or '.join(allowed)}, "
+                    f"got {kv_cache.dtype}"
+                )
+        # 1. every new K/V of the step first, so queries see their own chunk
+        self._kernels.write_kv_cache(
+            k[:num_tokens], v[:num_tokens], key_cache, value_cache, metadata.slot_mapping[:num_tokens], k_scale, v_scale
+        )
+        # 2. attend; rows past num_actual_tokens (padding) are zeros
+        out = torch.zeros_like(q) if q.shape[0] > num_tokens else torch.empty_like(q)
+        self._kernels.paged_attention(
+            out[:num_tokens],
+            q[:num_tokens],
+            key_cache,
+            value_cache,
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            num_reqs=metadata.num_reqs,
+            max_query_len=metadata.max_query_len,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            num_splits=self.num_kv_splits(metadata, q.device),
+        )
+        return out
