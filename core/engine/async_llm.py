@@ -1,0 +1,506 @@
+"""AsyncLLM: the engine behind the server. EngineCore steps in its own thread; text stays
+on the asyncio side.
+
+    asyncio loop (server)                          engine thread
+    ---------------------                          -------------
+    add_request: InputProcessor (tokenizer pool)
+                 ---- ("add", core requests) ---->  EngineCore.add_request (ack back)
+    abort:       ---- ("abort", child ids) ------>  EngineCore.abort_requests
+                                                    while work: step()
+    _on_outputs: OutputProcessor (detokenize,  <--  call_soon_threadsafe(outputs, stats)
+                 stop strings), per-request
+                 queues, metrics
+                 stop-string aborts ------------->  EngineCore.abort_requests
+
+The engine thread blocks on its input queue when idle (no busy-spinning). EngineCore is
+only ever touched from that thread; ``get_stats`` reads the snapshot it publishes after
+every step. If the thread dies, every stream gets ``EngineDeadError`` and
+``is_healthy`` turns False.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
+
+from halserve.engine.types import EngineStats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.engine.types import EngineCoreRequest
+    from halserve.outputs import RequestOutput
+    from halserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream", "StatsObserver"]
+
+# Prompts longer than this (characters or token ids) are processed in the tokenizer
+# thread so a long tokenization never stalls the event loop.
+_INLINE_PROMPT_LIMIT = 2048
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (crashed or shut down); no request can make progress."""
+
+
+class StatsObserver(Protocol):
+    """Receives per-request timing and token counts (the server's Prometheus metrics)."""
+
+    def on_request_added(self, num_prompt_tokens: int) -> None: ...
+
+    def on_new_tokens(self, num_new_tokens: int, ttft: float | None, itl: float | None) -> None:
+        """``ttft`` is set on a request's first tokens, ``itl`` (seconds per token since
+        the previous update) on later ones."""
+
+    def on_request_finished(self, finish_reason: str, e2e_latency: float) -> None: ...
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """Per parent request, asyncio side."""
+
+    request_id: str
+    child_ids: list[str]
+    stream: "RequestStream"
+    arrival_time: float
+    num_outputs: int  # n
+    num_tokens: int = 0  # generated so far, all samples
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    last_output: "RequestOutput | None" = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_text: str | None = None
+
+
+class RequestStream:
+    """The outputs of one request (cumulative ``RequestOutput``s), as an async iterator.
+
+    Consecutive outputs the consumer has not picked up yet are coalesced (each is
+    cumulative, the latest says everything). Closing it before the request finished
+    (``aclose``, or cancelling the task that iterates it) aborts the request.
+    """
+
+    def __init__(self, request_id: str, engine: "AsyncLLM") -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: "RequestOutput | BaseException") -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> "RequestOutput":
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not isinstance(item, BaseException) and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncLLM:
+    """Async front of an ``EngineCore`` (see the module docstring).
+
+    Build it with ``AsyncLLM.from_config`` (loads the model) or pass the pieces; the
+    engine thread starts on first use inside a running event loop (or ``start()``).
+    """
+
+    def __init__(
+        self,
+        engine_core: Any,
+        input_processor: Any,
+        output_processor: Any,
+        tokenizer: Any = None,
+        stat_observers: list[StatsObserver] | None = None,
+    ) -> None:
+        self.engine_core = engine_core
+        self.input_processor = input_processor
+        self.output_processor = output_processor
+        self.tokenizer = tokenizer
+        self.model_info = getattr(engine_core, "model_info", None)
+        self.stat_observers: list[StatsObserver] = list(stat_observers or [])
+        self.dead_error: BaseException | None = None
+        self._stats = EngineStats()
+        self._requests: dict[str, _RequestState] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._pending_acks: set[asyncio.Future] = set()
+        self._input: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._shutdown = False
+        self._ids = itertools.count()
+        self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="halserve-tokenizer")
+        self._refresh_stats_now()
+
+    @classmethod
+    def from_config(cls, config: Any, stat_observers: list[StatsObserver] | None = None) -> "AsyncLLM":
+        """Load the model (EngineCore), the tokenizer and the processors."""
+        from halserve.engine.core import EngineCore
+        from halserve.engine.llm_engine import load_tokenizer
+        from halserve.engine.processor import InputProcessor, OutputProcessor
+
+        core = EngineCore(config)
+        try:
+            tokenizer = load_tokenizer(config, core.model_info)
+            return cls(
+                core,
+                InputProcessor(core.model_info, tokenizer),
+                OutputProcessor(tokenizer),
+                tokenizer,
+                stat_observers,
+            )
+        except BaseException:
+            core.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_error is None and not self._shutdown
+
+    def start(self) -> None:
+        """Start the engine thread, bound to the running event loop (idempotent)."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._engine_loop, name="halserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort every in-flight request (their streams end with finish_reason "abort"),
+        stop the engine thread and release the core. Idempotent."""
+        if self._shutdown:
+            return
+        self._shutdown = True
+        for request_id in list(self._requests):
+            self._finish_aborted(request_id)
+        self._input.put(("stop", None))
+        thread = self._thread
+        if thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
+            if thread.is_alive():
+                logger.warning("engine thread did not stop within %.0fs", timeout)
+        else:
+            self._shutdown_core()
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _shutdown_core(self) -> None:
+        try:
+            self.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            logger.exception("engine core shutdown failed")
+
+    def get_stats(self) -> EngineStats:
+        """The latest snapshot published by the engine thread (cheap, any thread)."""
+        return self._stats
+
+    def _refresh_stats_now(self) -> None:
+        try:
+            self._stats = self.engine_core.get_stats()
+        except Exception:  # noqa: BLE001 - stats are best effort before start
+            pass
+
+    # ------------------------------------------------------------------ requests
+    async def add_request(
+        self,
+        prompt: "str | list[int] | dict",
+        params: "SamplingParams",
+        request_id: str | None = None,
+        prompt_text: str | None = None,
+    ) -> RequestStream:
+        """Validate, tokenize and queue one request; returns its stream.
+
+        Raises ``ValueError`` (bad input: the caller's fault, a 400) before anything is
+        queued, and ``EngineDeadError`` when the engine cannot take requests.
+        """
+        self._check_alive()
+        self.start()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight; use a unique id")
+        from halserve.engine.llm_engine import apply_model_defaults
+
+        arrival = time.time()
+        params = apply_model_defaults(params, self.model_info)
+        if _prompt_size(prompt) > _INLINE_PROMPT_LIMIT:
+            text, core_requests = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizer_pool, self.input_processor.process, request_id, prompt, params, arrival
+            )
+        else:
+            text, core_requests = self.input_processor.process(request_id, prompt, params, arrival)
+        self._check_alive()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight; use a unique id")
+        if prompt_text is None:
+            prompt_text = text
+        stream = RequestStream(request_id, self)
+        state = _RequestState(
+            request_id=request_id,
+            child_ids=[r.request_id for r in core_requests],
+            stream=stream,
+            arrival_time=arrival,
+            num_outputs=len(core_requests),
+            prompt_token_ids=list(core_requests[0].prompt_token_ids),
+            prompt_text=prompt_text,
+        )
+        self.output_processor.add_request(prompt_text, core_requests)
+        self._requests[request_id] = state
+        for child_id in state.child_ids:
+            self._child_to_parent[child_id] = request_id
+        # The core may still refuse it (e.g. it can never fit in the KV cache): wait for
+        # the engine thread's verdict so that is a ValueError here, not a broken stream.
+        ack: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        self._pending_acks.add(ack)
+        self._input.put(("add", (core_requests, ack)))
+        try:
+            error = await ack
+        except BaseException:
+            self._drop(request_id, abort_core=True)
+            raise
+        finally:
+            self._pending_acks.discard(ack)
+        if error is not None:
+            self._drop(request_id, abort_core=True)
+            raise error
+        for observer in self.stat_observers:
+            observer.on_request_added(len(state.prompt_token_ids))
+        return stream
+
+    async def generate(
+        self,
+        prompt: "str | list[int] | dict",
+        params: "SamplingParams",
+        request_id: str | None = None,
+    ) -> AsyncIterator["RequestOutput"]:
+        """Stream cumulative ``RequestOutput``s of one request until it finishes.
+
+        Bad input raises ``ValueError`` before the first output. Cancelling the consuming
+        task (or closing this generator early) aborts the request and frees its blocks.
+        """
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request by its id (unknown or finished ids are ignored)."""
+        self._drop(request_id, abort_core=True)
+
+    def _drop(self, request_id: str, abort_core: bool) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        state.stream.finished = True
+        for child_id in state.child_ids:
+            self._child_to_parent.pop(child_id, None)
+        try:
+            self.output_processor.abort_request(request_id)
+        except Exception:  # noqa: BLE001 - the processor may already have dropped it
+            logger.debug("output processor had no state for %s", request_id)
+        if abort_core:
+            self._input.put(("abort", list(state.child_ids)))
+
+    def _finish_aborted(self, request_id: str) -> None:
+        """End a stream with a final output whose finish_reason is "abort" (shutdown)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        final = _aborted_output(state)
+        stream = state.stream
+        self._drop(request_id, abort_core=True)
+        stream.finished = False  # let the consumer read the final output
+        stream._put(final)
+        self._record_finished(state, "abort")
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine died: {self.dead_error!r}") from self.dead_error
+        if self._shutdown:
+            raise EngineDeadError("the engine is shut down")
+
+    # ------------------------------------------------------------------ engine thread
+    def _engine_loop(self) -> None:
+        core = self.engine_core
+        try:
+            while True:
+                block = not core.has_unfinished_requests()
+                if self._drain_input(block=block):
+                    break
+                if core.has_unfinished_requests():
+                    outputs = core.step()
+                    stats = core.get_stats()
+                    if outputs:
+                        self._call_in_loop(self._on_outputs, outputs, stats)
+                    else:
+                        self._stats = stats
+                else:
+                    self._stats = core.get_stats()
+        except BaseException as exc:  # noqa: BLE001 - report to every stream, never hang them
+            logger.exception("engine thread died")
+            self._call_in_loop(self._on_dead, exc)
+        finally:
+            self._shutdown_core()
+
+    def _drain_input(self, block: bool) -> bool:
+        """Apply queued adds/aborts; returns True on "stop"."""
+        core = self.engine_core
+        while True:
+            try:
+                kind, payload = self._input.get(block=block)
+            except queue.Empty:
+                return False
+            block = False
+            if kind == "stop":
+                return True
+            if kind == "abort":
+                core.abort_requests(payload)
+            elif kind == "add":
+                requests, ack = payload
+                error: BaseException | None = None
+                added: list[str] = []
+                try:
+                    for req in requests:
+                        core.add_request(req)
+                        added.append(req.request_id)
+                except ValueError as exc:
+                    error = exc
+                    if added:
+                        core.abort_requests(added)
+                self._call_in_loop(_resolve, ack, error)
+
+    def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed between the check and the call
+            pass
+
+    # ------------------------------------------------------------------ asyncio side
+    def _on_outputs(self, core_outputs: list[Any], stats: EngineStats) -> None:
+        self._stats = stats
+        # Outputs of requests aborted meanwhile (the core had not seen the abort yet).
+        live = [o for o in core_outputs if o.request_id in self._child_to_parent]
+        if not live:
+            return
+        try:
+            request_outputs, to_abort = self.output_processor.process_outputs(live)
+        except Exception as exc:  # noqa: BLE001 - a detokenizer bug must not wedge streams
+            logger.exception("output processing failed")
+            self._on_dead(exc)
+            return
+        if to_abort:
+            self._input.put(("abort", list(to_abort)))
+        now = time.time()
+        for out in request_outputs:
+            state = self._requests.get(out.request_id)
+            if state is None:
+                continue
+            self._record_tokens(state, out, now)
+            state.last_output = out
+            state.stream._put(out)
+            if out.finished:
+                self._requests.pop(out.request_id, None)
+                for child_id in state.child_ids:
+                    self._child_to_parent.pop(child_id, None)
+                reason = next((o.finish_reason for o in out.outputs if o.finish_reason), "stop")
+                self._record_finished(state, reason)
+
+    def _record_tokens(self, state: _RequestState, out: "RequestOutput", now: float) -> None:
+        total = sum(len(o.token_ids) for o in out.outputs)
+        new = total - state.num_tokens
+        if new <= 0:
+            return
+        state.num_tokens = total
+        ttft = itl = None
+        if state.first_token_time is None:
+            state.first_token_time = now
+            ttft = now - state.arrival_time
+        else:
+            itl = (now - (state.last_token_time or now)) / new
+        state.last_token_time = now
+        for observer in self.stat_observers:
+            observer.on_new_tokens(new, ttft, itl)
+
+    def _record_finished(self, state: _RequestState, reason: str) -> None:
+        e2e = time.time() - state.arrival_time
+        for observer in self.stat_observers:
+            observer.on_request_finished(reason, e2e)
+
+    def _on_dead(self, exc: BaseException) -> None:
+        if self.dead_error is None:
+            self.dead_error = exc
+        error = EngineDeadError(f"the engine died: {exc!r}")
+        error.__cause__ = exc
+        for request_id, state in list(self._requests.items()):
+            self._requests.pop(request_id, None)
+            state.stream._put(error)
+        self._child_to_parent.clear()
+        for ack in list(self._pending_acks):
+            _resolve(ack, error)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_result(error)
+
+
+def _prompt_size(prompt: Any) -> int:
+    if isinstance(prompt, (str, list)):
+        return len(prompt)
+    if isinstance(prompt, dict):
+        return max((len(v) for v in prompt.values() if isinstance(v, (str, list))), default=0)
+    return 0
+
+
+def _aborted_output(state: _RequestState) -> "RequestOutput":
+    """The request's last output (or an empty one), finished with reason "abort"."""
+    from halserve.outputs import CompletionOutput, RequestOutput
+
+    last = state.last_output
+    if last is not None:
+        final = copy.copy(last)
+        final.outputs = [copy.copy(o) for o in last.outputs]
+    else:
+        final = RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt_text,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[
+                CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
+                for i in range(state.num_outputs)
+            ],
+            finished=True,
+        )
+    for o in final.outputs:
+        if o.finish_reason is None:
+            o.finish_reason = "abort"
+    final.finished = True
+    return final

@@ -1,0 +1,203 @@
+"""The OpenAI-compatible HTTP server: the FastAPI app and running it under uvicorn.
+
+Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET
+/v1/models, /health, /version, /metrics. Request bodies are parsed here (not by
+FastAPI) so malformed JSON and wrong types are OpenAI-shaped 400s.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import threading
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from halserve import __version__
+from halserve.entrypoints.openai.errors import error_body, error_response, install_error_handlers, parse_body
+from halserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from halserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from halserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from halserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from halserve.entrypoints.openai.serving_engine import OpenAIServing
+from halserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger("halserve.server")
+
+__all__ = ["build_app", "run_server"]
+
+# Paths anyone may reach even when --api-key is set (probes and scrapers).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware (streaming-safe): ``Authorization: Bearer <key>`` must match
+    one of the configured keys, compared in constant time."""
+
+    def __init__(self, app: Any, api_keys: Sequence[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in api_keys]
+
+    def _authorized(self, header: bytes | None) -> bool:
+        if not header or not header.lower().startswith(b"bearer "):
+            return False
+        given = header[7:].strip()
+        ok = False
+        for key in self.keys:  # check every key: timing does not reveal which matched
+            ok |= hmac.compare_digest(given, key)
+        return ok
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self._authorized(headers.get(b"authorization")):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(
+            "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
+            401,
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
+
+
+def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence[str] | None = None) -> FastAPI:
+    engine = serving.engine
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="halserve OpenAI-compatible API", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    completion = OpenAIServingCompletion(serving)
+    chat = OpenAIServingChat(serving)
+    tokenization = OpenAIServingTokenization(serving)
+
+    @app.post("/v1/completions")
+    async def create_completion(raw_request: Request) -> Response:
+        req = parse_body(CompletionRequest, await raw_request.body())
+        return await completion.create(req, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw_request: Request) -> Response:
+        req = parse_body(ChatCompletionRequest, await raw_request.body())
+        return await chat.create(req, raw_request)
+
+    @app.get("/v1/models")
+    async def show_models() -> JSONResponse:
+        return JSONResponse(tokenization.models().model_dump())
+
+    @app.post("/tokenize")
+    async def tokenize(raw_request: Request) -> JSONResponse:
+        req = parse_body(TokenizeRequest, await raw_request.body())
+        return JSONResponse((await tokenization.tokenize(req)).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(raw_request: Request) -> JSONResponse:
+        req = parse_body(DetokenizeRequest, await raw_request.body())
+        return JSONResponse((await tokenization.detokenize(req)).model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead_error is not None:
+            return JSONResponse(error_body(f"the engine died: {engine.dead_error!r}", 503, code="engine_dead"), 503)
+        if not engine.is_healthy:
+            return JSONResponse(error_body("the server is shutting down", 503, code="shutting_down"), 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def show_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys))
+    return app
+
+
+def _make_server(config: Any, engine: "AsyncLLM", url: str, served: str) -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn, plus: a signal first ends every in-flight request (finish_reason
+        "abort") so connections drain at once, and the process exits 0 afterwards
+        (uvicorn re-raises the signal by default, which would kill it)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:
+                logger.info("received %s: aborting in-flight requests and shutting down", signal.Signals(sig).name)
+                loop = engine._loop
+                if loop is not None and not loop.is_closed():
+                    loop.call_soon_threadsafe(lambda: asyncio.ensure_future(engine.shutdown()))
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                logger.info("halserve is serving %s at %s", served, url)
+
+    return Server(config)
+
+
+def run_server(
+    serving: OpenAIServing,
+    metrics: ServerMetrics,
+    host: str,
+    port: int,
+    api_keys: Sequence[str] | None = None,
+    log_level: str = "info",
+) -> int:
+    """Serve until SIGINT/SIGTERM; returns the process exit code."""
+    import uvicorn
+
+    app = build_app(serving, metrics, api_keys)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level.lower(),
+        access_log=log_level.lower() == "debug",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=5,
+    )
+    shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    server = _make_server(config, serving.engine, f"http://{shown_host}:{port}", ", ".join(serving.served_model_names))
+    server.run()
+    return 0 if server.started else 1

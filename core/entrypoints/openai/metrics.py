@@ -1,0 +1,103 @@
+"""Prometheus metrics at GET /metrics, with vLLM's names under ``halserve:``.
+
+Two sources, one registry (never the global one, so several servers or tests in one
+process do not collide):
+
+- engine state (running/waiting requests, KV-cache usage, prefix-cache and preemption
+  counters) is read from ``AsyncLLM.get_stats()`` when Prometheus scrapes;
+- per-request figures (prompt/generation tokens, TTFT, inter-token latency, end-to-end
+  latency, finished requests by reason) are pushed by the engine as they happen
+  (``ServerMetrics`` is an ``AsyncLLM`` stats observer).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from halserve.engine.types import EngineStats
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges and engine counters, read from the latest stats snapshot at scrape time."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats], model_name: str) -> None:
+        self._get_stats = get_stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._get_stats()
+        labels = ["model_name"]
+        values = [self._model_name]
+        for name, doc, value in (
+            ("halserve:num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("halserve:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("halserve:kv_cache_usage_perc", "KV-cache usage (1 = full).", stats.kv_cache_usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(values, float(value))
+            yield gauge
+        for name, doc, value in (
+            ("halserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
+            ("halserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            ("halserve:num_preemptions", "Requests preempted (recomputed later).", stats.num_preemptions),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric(values, float(value))
+            yield counter
+
+
+class ServerMetrics:
+    """The server's registry; an ``AsyncLLM`` stats observer."""
+
+    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter("halserve:prompt_tokens", "Prompt tokens processed.", labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter(
+            "halserve:generation_tokens", "Tokens generated.", labels, registry=r
+        ).labels(model_name)
+        self._request_success = Counter(
+            "halserve:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=r
+        )
+        self._model_name = model_name
+        for reason in ("stop", "length", "abort"):
+            self._request_success.labels(model_name, reason)
+        self.ttft = Histogram(
+            "halserve:time_to_first_token_seconds", "Time to first token.", labels, buckets=_TTFT_BUCKETS, registry=r
+        ).labels(model_name)
+        self.itl = Histogram(
+            "halserve:inter_token_latency_seconds", "Time between tokens.", labels, buckets=_ITL_BUCKETS, registry=r
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "halserve:e2e_request_latency_seconds", "Request latency, arrival to finish.", labels, buckets=_E2E_BUCKETS, registry=r
+        ).labels(model_name)
+        r.register(_EngineStatsCollector(get_stats, model_name))
+
+    # -- StatsObserver -------------------------------------------------------------
+    def on_request_added(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_new_tokens(self, num_new_tokens: int, ttft: float | None, itl: float | None) -> None:
+        self.generation_tokens.inc(num_new_tokens)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if itl is not None:
+            for _ in range(num_new_tokens):
+                self.itl.observe(itl)
+
+    def on_request_finished(self, finish_reason: str, e2e_latency: float) -> None:
+        self._request_success.labels(self._model_name, finish_reason).inc()
+        self.e2e.observe(e2e_latency)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,343 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Requests are validated strictly (a string is not a number, a number is not a string):
+anything that does not fit is a 400 naming the field. Sampling ranges are checked once,
+by ``SamplingParams``; the models here only check shapes and API-level rules. Unknown
+fields are ignored (as OpenAI's and vLLM's servers do) and logged.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
+
+# Fields that map 1:1 onto SamplingParams when the client sets them.
+_SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIModel(BaseModel):
+    """Base of request bodies: strict types, unknown fields ignored (and logged)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="after")
+    def _log_unknown(self) -> "OpenAIModel":
+        extra = self.model_extra or {}
+        if extra:
+            logger.info("ignoring unknown request fields: %s", ", ".join(sorted(extra)))
+        return self
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self) -> "SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams keywords the client set (model defaults fill the rest)."""
+        return {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+# ---------------------------------------------------------------------- completions
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError("best_of is not supported (only best_of == n)")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported (prompt logprobs are not computed)")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = super().sampling_kwargs()
+        kwargs["max_tokens"] = self.max_tokens
+        if self.logprobs is not None:
+            kwargs["logprobs"] = self.logprobs
+        return kwargs
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------- chat
+class ChatContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ChatContentPart":
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text' parts are")
+        if self.text is None:
+            raise ValueError("a 'text' content part needs a 'text' field")
+        return self
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatCompletionRequest":
+        if self.tools:
+            raise ValueError("tools are not supported by this server")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice is not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than 'text' is not supported by this server")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = super().sampling_kwargs()
+        # Chat has no 16-token default: unset means up to the context length.
+        kwargs["max_tokens"] = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.logprobs:
+            kwargs["logprobs"] = self.top_logprobs or 0
+        return kwargs
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages
+        ]
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------- models, tokenize
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "halserve"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIModel):
+    """``{prompt}`` (completions style) or ``{messages}`` (chat style)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

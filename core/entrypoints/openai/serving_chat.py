@@ -1,0 +1,192 @@
+"""POST /v1/chat/completions: messages -> the chat template -> one engine request with
+``n`` choices, streamed as ``chat.completion.chunk`` events or returned whole."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from halserve.entrypoints.openai.errors import BadRequestError
+from halserve.entrypoints.openai.logprobs import chat_logprobs
+from halserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    DeltaMessage,
+    UsageInfo,
+    random_id,
+)
+from halserve.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ClientDisconnected,
+    OpenAIServing,
+    error_event,
+    sse_event,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.engine.async_llm import RequestStream
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    chat_template: str | None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[str, list[int]]:
+    """Apply the chat template: ``(prompt text, prompt token ids)``. Template errors
+    (e.g. a template that insists roles alternate) are the client's: ``ValueError``."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError(
+            "this model has no chat template, so /v1/chat/completions cannot build a prompt; "
+            "start the server with --chat-template FILE or use /v1/completions"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
+    except Exception as exc:  # noqa: BLE001 - jinja's raise_exception and friends
+        raise ValueError(f"the chat template could not render these messages: {exc}") from None
+    # The template writes the special tokens (BOS) itself.
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    return text, token_ids
+
+
+class OpenAIServingChat:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def render(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        serving = self.serving
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                serving.engine.tokenizer_pool,
+                lambda: render_chat(
+                    serving.tokenizer,
+                    req.template_messages(),
+                    serving.chat_template,
+                    req.add_generation_prompt,
+                    req.continue_final_message,
+                    req.chat_template_kwargs,
+                ),
+            )
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param="messages") from None
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        serving = self.serving
+        model = serving.check_model(req.model)
+        params = serving.sampling_params(req.sampling_kwargs())
+        prompt_text, prompt_ids = await self.render(req)
+        request_id = random_id("chatcmpl")
+        streams = await serving.add_requests([prompt_ids], params, request_id, prompt_texts=[prompt_text])
+        created = int(time.time())
+        top_n = req.top_logprobs or 0
+        if req.stream:
+            return StreamingResponse(
+                self._stream(req, streams[0], request_id, model, created, top_n), media_type="text/event-stream"
+            )
+        try:
+            (final,) = await serving.collect(streams, raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        choices = [
+            ChatCompletionResponseChoice(
+                index=o.index,
+                message=ChatResponseMessage(content=o.text),
+                logprobs=chat_logprobs(o, 0, top_n, serving.decode_token),
+                finish_reason=o.finish_reason,
+                stop_reason=o.stop_reason,
+            )
+            for o in final.outputs
+        ]
+        prompt_tokens = len(final.prompt_token_ids)
+        completion_tokens = sum(len(o.token_ids) for o in final.outputs)
+        response = ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            ),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        stream: "RequestStream",
+        request_id: str,
+        model: str,
+        created: int,
+        top_n: int,
+    ) -> AsyncIterator[str]:
+        decode = self.serving.decode_token
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finished: set[int] = set()
+        usage = UsageInfo()
+
+        def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
+            return sse_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices))
+
+        try:
+            async for _, out in self.serving.merge([stream]):
+                usage.prompt_tokens = len(out.prompt_token_ids)
+                choices = []
+                for o in out.outputs:
+                    if o.index in finished:
+                        continue
+                    if o.index not in sent_text:
+                        # The first chunk of each choice announces the role, as OpenAI does.
+                        sent_text[o.index] = 0
+                        yield chunk([ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(role="assistant", content=""))])
+                    start_tok = sent_tokens.get(o.index, 0)
+                    delta = o.text[sent_text[o.index] :]
+                    new_tokens = len(o.token_ids) > start_tok
+                    if not (delta or o.finish_reason is not None or (new_tokens and req.logprobs)):
+                        continue
+                    sent_text[o.index] = len(o.text)
+                    sent_tokens[o.index] = len(o.token_ids)
+                    if o.finish_reason is not None:
+                        finished.add(o.index)
+                    choices.append(
+                        ChatCompletionStreamChoice(
+                            index=o.index,
+                            delta=DeltaMessage(content=delta),
+                            logprobs=chat_logprobs(o, start_tok, top_n, decode) if req.logprobs else None,
+                            finish_reason=o.finish_reason,
+                            stop_reason=o.stop_reason,
+                        )
+                    )
+                usage.completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+                if choices:
+                    yield chunk(choices)
+            if req.include_usage:
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                yield sse_event(
+                    ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=usage)
+                )
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+            yield error_event(exc)
+        finally:
+            stream.close()
+        yield SSE_DONE

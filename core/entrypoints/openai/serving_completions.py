@@ -1,0 +1,172 @@
+"""POST /v1/completions: one engine request per prompt, ``n`` choices each
+(choice index = prompt index * n + sample index), streamed as SSE or returned whole."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from halserve.entrypoints.openai.errors import BadRequestError
+from halserve.entrypoints.openai.logprobs import completion_logprobs
+from halserve.entrypoints.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_id,
+)
+from halserve.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ClientDisconnected,
+    OpenAIServing,
+    error_event,
+    sse_event,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.engine.async_llm import RequestStream
+    from halserve.outputs import RequestOutput
+
+
+def normalize_prompts(prompt: Any) -> list[str | list[int]]:
+    """The request's ``prompt`` as a list of prompts (each a string or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise BadRequestError("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+class OpenAIServingCompletion:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
+        serving = self.serving
+        model = serving.check_model(req.model)
+        prompts = normalize_prompts(req.prompt)
+        params = serving.sampling_params(req.sampling_kwargs())
+        request_id = random_id("cmpl")
+        streams = await serving.add_requests(prompts, params, request_id)
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(
+                self._stream(req, streams, request_id, model, created, params.n),
+                media_type="text/event-stream",
+            )
+        try:
+            finals = await serving.collect(streams, raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return JSONResponse(self._response(req, finals, request_id, model, created).model_dump())
+
+    def _prompt_text(self, out: "RequestOutput") -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.serving.tokenizer.decode(out.prompt_token_ids)
+
+    def _response(
+        self, req: CompletionRequest, finals: list["RequestOutput"], request_id: str, model: str, created: int
+    ) -> CompletionResponse:
+        decode = self.serving.decode_token
+        choices = []
+        prompt_tokens = completion_tokens = 0
+        n = len(finals[0].outputs)
+        for i, final in enumerate(finals):
+            prompt_tokens += len(final.prompt_token_ids)
+            prefix = self._prompt_text(final) if req.echo else ""
+            for o in final.outputs:
+                completion_tokens += len(o.token_ids)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * n + o.index,
+                        text=prefix + o.text,
+                        logprobs=completion_logprobs(o, 0, decode, len(prefix)),
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                )
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(
+            id=request_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            ),
+        )
+
+    async def _stream(
+        self,
+        req: CompletionRequest,
+        streams: list["RequestStream"],
+        request_id: str,
+        model: str,
+        created: int,
+        n: int,
+    ) -> AsyncIterator[str]:
+        decode = self.serving.decode_token
+        sent_text: dict[int, int] = {}  # choice index -> characters of text sent
+        sent_tokens: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
+        offsets: dict[int, int] = {}  # choice index -> text offset for logprobs
+        finished: set[int] = set()
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens: dict[int, int] = {}
+        try:
+            async for i, out in self.serving.merge(streams):
+                prompt_tokens[i] = len(out.prompt_token_ids)
+                choices = []
+                for o in out.outputs:
+                    index = i * n + o.index
+                    if index in finished:
+                        continue
+                    completion_tokens[index] = len(o.token_ids)
+                    first = index not in sent_text
+                    prefix = self._prompt_text(out) if (req.echo and first) else ""
+                    start_text = sent_text.get(index, 0)
+                    start_tok = sent_tokens.get(index, 0)
+                    delta = o.text[start_text:]
+                    new_tokens = len(o.token_ids) > start_tok
+                    if not (delta or prefix or o.finish_reason is not None or (new_tokens and req.logprobs is not None)):
+                        continue
+                    offset = offsets.get(index, 0) + len(prefix)
+                    logprobs = completion_logprobs(o, start_tok, decode, offset)
+                    if logprobs is not None and logprobs.tokens:
+                        offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                    else:
+                        offsets[index] = offset
+                    sent_text[index] = len(o.text)
+                    sent_tokens[index] = len(o.token_ids)
+                    if o.finish_reason is not None:
+                        finished.add(index)
+                    choices.append(
+                        CompletionResponseChoice(
+                            index=index,
+                            text=prefix + delta,
+                            logprobs=logprobs,
+                            finish_reason=o.finish_reason,
+                            stop_reason=o.stop_reason,
+                        )
+                    )
+                if choices:
+                    yield sse_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=choices))
+            if req.include_usage:
+                p, c = sum(prompt_tokens.values()), sum(completion_tokens.values())
+                usage = UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+                yield sse_event(
+                    CompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=usage)
+                )
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+            yield error_event(exc)
+        finally:
+            for stream in streams:
+                stream.close()
+        yield SSE_DONE

@@ -1,0 +1,194 @@
+"""What every endpoint shares: served model names, turning a request into sampling
+params and engine requests, waiting for results while watching for a client that went
+away, and the SSE framing."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+
+from fastapi import Request
+
+from halserve.engine.async_llm import EngineDeadError, RequestStream
+from halserve.entrypoints.openai.errors import BadRequestError, NotFoundError, OpenAIError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.engine.async_llm import AsyncLLM
+    from halserve.outputs import RequestOutput
+    from halserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ClientDisconnected", "OpenAIServing", "sse_event", "SSE_DONE"]
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: Any) -> str:
+    """One server-sent event carrying ``payload`` (a pydantic model or a dict) as JSON."""
+    if hasattr(payload, "model_dump_json"):
+        data = payload.model_dump_json(exclude_unset=False)
+    else:
+        data = json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+class OpenAIServing:
+    """Shared state and helpers of the endpoint handlers."""
+
+    def __init__(
+        self,
+        engine: "AsyncLLM",
+        served_model_names: Sequence[str],
+        model_path: str,
+        chat_template: str | None = None,
+    ) -> None:
+        if not served_model_names:
+            raise ValueError("at least one served model name is needed")
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.model_path = model_path
+        self.chat_template = chat_template
+        self.tokenizer = engine.tokenizer
+        self.created = int(time.time())
+
+    @property
+    def max_model_len(self) -> int | None:
+        info = self.engine.model_info
+        return getattr(info, "max_model_len", None)
+
+    @property
+    def vocab_size(self) -> int | None:
+        info = self.engine.model_info
+        size = getattr(info, "vocab_size", None)
+        return size if size is not None else (len(self.tokenizer) if self.tokenizer is not None else None)
+
+    # ------------------------------------------------------------------ validation
+    def check_model(self, name: str | None) -> str:
+        """The served name a request addresses; an unknown name is a 404."""
+        if name is None or name == "":
+            return self.served_model_names[0]
+        if name in self.served_model_names:
+            return name
+        raise NotFoundError(
+            f"The model `{name}` does not exist. Served models: {', '.join(self.served_model_names)}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def sampling_params(self, kwargs: dict[str, Any]) -> "SamplingParams":
+        from halserve.sampling_params import SamplingParams
+
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as exc:
+            raise BadRequestError(str(exc)) from None
+
+    # ------------------------------------------------------------------ engine calls
+    async def add_requests(
+        self,
+        prompts: Sequence[Any],
+        params: "SamplingParams",
+        request_id: str,
+        prompt_texts: Sequence[str | None] | None = None,
+    ) -> list[RequestStream]:
+        """Queue one engine request per prompt; any invalid prompt aborts the others and
+        is a 400, so nothing is streamed for a partly invalid batch."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                text = prompt_texts[i] if prompt_texts is not None else None
+                streams.append(await self.engine.add_request(prompt, params.clone(), rid, prompt_text=text))
+        except BaseException as exc:
+            for stream in streams:
+                stream.close()
+            if isinstance(exc, ValueError):
+                param = "prompt" if len(prompts) == 1 else f"prompt[{len(streams)}]"
+                raise BadRequestError(str(exc), param=param if "prompt" in str(exc).lower() else None) from None
+            if isinstance(exc, EngineDeadError):
+                raise OpenAIError(str(exc), status_code=503, code="engine_dead") from None
+            raise
+        return streams
+
+    async def collect(self, streams: list[RequestStream], raw_request: Request | None) -> list["RequestOutput"]:
+        """Wait for every stream's final output. If the client disconnects first, abort
+        them all and raise ``ClientDisconnected``."""
+
+        async def last(stream: RequestStream) -> "RequestOutput":
+            final = None
+            async for out in stream:
+                final = out
+            assert final is not None
+            return final
+
+        work = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+        watch = asyncio.ensure_future(_wait_disconnect(raw_request)) if raw_request is not None else None
+        try:
+            waiting = {work} if watch is None else {work, watch}
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                try:
+                    return work.result()
+                except EngineDeadError as exc:
+                    raise OpenAIError(str(exc), status_code=503, code="engine_dead") from None
+            raise ClientDisconnected()
+        finally:
+            if watch is not None:
+                watch.cancel()
+            if not work.done():
+                work.cancel()
+                with suppress(BaseException):
+                    await work
+            for stream in streams:
+                stream.close()
+
+    async def merge(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, "RequestOutput"]]:
+        """Outputs of several streams as they come: ``(stream index, output)``."""
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        pending: dict[asyncio.Future, int] = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    i = pending.pop(fut)
+                    try:
+                        out = fut.result()
+                    except StopAsyncIteration:
+                        continue
+                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                    yield i, out
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return once the client has gone away (the ASGI ``http.disconnect`` message)."""
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
+def error_event(exc: BaseException) -> str:
+    """The SSE event for an error raised after the stream started."""
+    if isinstance(exc, OpenAIError):
+        return sse_event(exc.body())
+    if isinstance(exc, EngineDeadError):
+        return sse_event(OpenAIError(str(exc), status_code=503, code="engine_dead").body())
+    logger.exception("error while streaming", exc_info=exc)
+    return sse_event(OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", status_code=500).body())
