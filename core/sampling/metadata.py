@@ -78,18 +78,18 @@ class SamplingMetadata:
         output_token_ids: Sequence[Sequence[int]],
         vocab_size: int,
         device: torch.device | str,
-        eos_token_ids: Sequence[Collection[int]] | None = None,
+        eos_token_ids: Collection[int] | Sequence[Collection[int]] = (),
     ) -> "SamplingMetadata":
         """Build the metadata of one step's batch.
 
         Row ``i`` of every argument describes the request in row ``i`` of the logits:
         ``params[i]`` its sampling params; ``prompt_token_ids[i]`` its prompt (read only
         when it uses repetition_penalty); ``output_token_ids[i]`` the tokens it generated
-        before this step (penalties, min_tokens, and the seeded noise stream);
-        ``eos_token_ids[i]`` its EOS ids (masked until min_tokens outputs exist unless
-        ignore_eos; pass the same collection for every row, e.g. ``[eos_ids] * num_reqs``;
-        None = no EOS). ``vocab_size`` is the logits' last dimension; ``device`` the
-        logits' device.
+        before this step (penalties, min_tokens, and the seeded noise stream).
+        ``eos_token_ids``: the EOS ids masked (besides stop_token_ids) while a request has
+        fewer than min_tokens outputs, unless it has ignore_eos; either one collection of
+        ids shared by every row (the model's, e.g. ``{2}``) or one collection per row.
+        ``vocab_size`` is the logits' last dimension; ``device`` the logits' device.
         """
         num_reqs = len(params)
         if len(prompt_token_ids) != num_reqs or len(output_token_ids) != num_reqs:
@@ -97,8 +97,6 @@ class SamplingMetadata:
                 f"one prompt and one output list per request expected: got {num_reqs} params, "
                 f"{len(prompt_token_ids)} prompt lists, {len(output_token_ids)} output lists"
             )
-        if eos_token_ids is not None and len(eos_token_ids) != num_reqs:
-            raise ValueError(f"eos_token_ids has {len(eos_token_ids)} rows for {num_reqs} requests; give one per request")
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         device = torch.device(device)
@@ -185,17 +183,18 @@ class SamplingMetadata:
         self,
         params: Sequence[SamplingParams],
         output_token_ids: Sequence[Sequence[int]],
-        eos_token_ids: Sequence[Collection[int]] | None,
+        eos_token_ids: Collection[int] | Sequence[Collection[int]],
         device: torch.device,
     ) -> None:
+        eos_per_row = _eos_per_row(eos_token_ids, len(params))
         rows: list[int] = []
         token_ids: list[int] = []
         for row, p in enumerate(params):
             if p.min_tokens <= len(output_token_ids[row]):
                 continue
             stop_ids = set(p.stop_token_ids)
-            if eos_token_ids is not None and not p.ignore_eos:
-                stop_ids.update(eos_token_ids[row])
+            if not p.ignore_eos:
+                stop_ids.update(eos_per_row[row])
             for tid in stop_ids:
                 if 0 <= tid < self.vocab_size:  # ids past the logits (added tokens) cannot be sampled anyway
                     rows.append(row)
@@ -203,6 +202,21 @@ class SamplingMetadata:
         if rows:
             self.min_tokens_rows = torch.tensor(rows, dtype=torch.int64, device=device)
             self.min_tokens_token_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+
+
+def _eos_per_row(
+    eos_token_ids: Collection[int] | Sequence[Collection[int]], num_reqs: int
+) -> Sequence[Collection[int]]:
+    """Accept the model's EOS ids (shared) or one collection per row."""
+    ids = [] if eos_token_ids is None else list(eos_token_ids)
+    if all(isinstance(tid, int) for tid in ids):
+        return [ids] * num_reqs
+    if len(ids) != num_reqs or not all(isinstance(row, Collection) for row in ids):
+        raise ValueError(
+            f"eos_token_ids must be a collection of token ids shared by every request, or one "
+            f"collection per request ({num_reqs}); got {eos_token_ids!r}"
+        )
+    return ids
 
 
 def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
