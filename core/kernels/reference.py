@@ -154,12 +154,42 @@ class TorchSiluAndMul(Kernel):
         return F.silu(gate) * up
 
 
+class TorchAwqGemm(Kernel):
+    op = "awq_gemm"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = _FLOATS
+    description = "unpack AutoAWQ nibbles, dequantize, matmul (reference)"
+
+    def __call__(self, x, qweight, qzeros, scales, group_size):
+        from halserve.kernels.packing import dequantize_awq
+
+        w = dequantize_awq(qweight, qzeros, scales, group_size)  # [K, N] fp32
+        return (x.float() @ w).to(x.dtype)
+
+
+class TorchGptqGemm(Kernel):
+    op = "gptq_gemm"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = _FLOATS
+    description = "unpack GPTQ v1 nibbles (zero + 1, g_idx), dequantize, matmul (reference)"
+
+    def __call__(self, x, qweight, qzeros, scales, g_idx, group_size):
+        from halserve.kernels.packing import dequantize_gptq
+
+        w = dequantize_gptq(qweight, qzeros, scales, g_idx, group_size)  # [K, N] fp32
+        return (x.float() @ w).to(x.dtype)
+
+
 REFERENCE_KERNELS: list[type[Kernel]] = [
     TorchGemm,
     TorchFp8ScaledGemm,
     TorchInt8ScaledGemm,
     TorchScaledFp8Quant,
     TorchScaledInt8Quant,
+    TorchAwqGemm,
+    TorchGptqGemm,
     TorchRmsNorm,
     TorchRotaryEmbedding,
     TorchSiluAndMul,
