@@ -1,0 +1,260 @@
+"""``halserve serve [MODEL]``: the OpenAI-compatible server (vLLM's flag names).
+
+Startup order keeps failures fast and loud: flags are validated, then the platform is
+selected (an unavailable one fails in seconds with its probe's reason), then flags whose
+feature is not available here are rejected (exit code 2), and only then is the model
+loaded. Nothing is silently ignored.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from typing import Any
+
+logger = logging.getLogger("halserve.serve")
+
+EXIT_USAGE = 2  # bad or unsupported flags (argparse's code)
+EXIT_FAILURE = 1  # the platform is unavailable, the model cannot load, ...
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``"4GiB"``, ``"512M"``, ``"1073741824"`` -> bytes (K/M/G/T are powers of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use bytes or a number with K, M, G or T (e.g. 4GiB)")
+    value, unit = float(match.group(1)), match.group(2).lower()
+    return int(value * 1024 ** " kmgt".index(unit or " "))
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default unless its help already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from halserve.attention_backends.base import KV_CACHE_DTYPES
+    from halserve.config import DTYPES
+
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /tokenize, /detokenize, /health, /metrics, /version). Without MODEL, serves the bundled "
+        "demo model (halserve-demo-adder: completes '123+456=' with '579').",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="local HF directory or hub id (default: the demo model)")
+
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="address to bind (0.0.0.0: all interfaces)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind")
+    g.add_argument(
+        "--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (any of the keys; also HALSERVE_API_KEY); "
+        "/health, /metrics and /version stay open",
+    )
+    g.add_argument(
+        "--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
+        help="model name(s) clients use (default: MODEL as given, or halserve-demo-adder)",
+    )
+    g.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template file (default: the tokenizer's)")
+    g.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"], help="log level"
+    )
+
+    g = p.add_argument_group("model")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: MODEL)")
+    g.add_argument("--revision", default=None, help="model revision (hub branch, tag or commit)")
+    g.add_argument("--dtype", default="auto", help=f"model dtype: {', '.join(DTYPES)} (or half, bf16, ...)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--quantization", "-q", default=None, help="quantization method (default: the checkpoint's, if any)")
+    g.add_argument("--trust-remote-code", action="store_true", help="allow custom code from the model repository")
+    g.add_argument("--seed", type=int, default=0, help="random seed")
+
+    g = p.add_argument_group("platform and parallelism")
+    g.add_argument("--platform", default=None, help="platform plugin, e.g. cpu, cuda, rocm (default: HALSERVE_PLATFORM or auto-detect)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks to shard the model over")
+    g.add_argument(
+        "--distributed-executor-backend", default=None,
+        help="executor plugin: uni, mp, ray (default: uni for one rank, mp for more)",
+    )
+    g.add_argument("--attention-backend", default=None, help="force an attention backend by name (default: the platform's choice)")
+
+    g = p.add_argument_group("scheduler and KV cache")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in a batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--block-size", type=int, default=16, help="KV-cache block size (tokens, a power of two)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache at this many blocks")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help="KV-cache size, e.g. 2GiB (default: sized from free memory)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9, help="share of free memory the KV cache may take when sized automatically")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES), help="KV-cache storage dtype")
+    g.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse the KV cache of shared prompt prefixes",
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+class StartupError(Exception):
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """(model path or id, served names)."""
+    if args.model is None:
+        from halserve.demo import DEMO_MODEL_NAME, DEMO_MODEL_PATH
+
+        return DEMO_MODEL_PATH, args.served_model_name or [DEMO_MODEL_NAME]
+    return args.model, args.served_model_name or [args.model]
+
+
+def build_config(args: argparse.Namespace, model: str) -> Any:
+    from pydantic import ValidationError
+
+    from halserve.config import EngineConfig
+
+    try:
+        return EngineConfig(
+            model=model,
+            tokenizer=args.tokenizer,
+            revision=args.revision,
+            platform=args.platform,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+            enable_prefix_caching=args.enable_prefix_caching,
+            seed=args.seed,
+            tensor_parallel_size=args.tensor_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
+            attention_backend=args.attention_backend,
+            trust_remote_code=args.trust_remote_code,
+        )
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors(include_url=False):
+            flag = "--" + "-".join(str(x) for x in err["loc"]).replace("_", "-")
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            lines.append(f"{flag}: {msg}")
+        raise StartupError("invalid flags:\n  " + "\n  ".join(lines), EXIT_USAGE) from None
+
+
+def check_features(config: Any, platform: Any) -> list[str]:
+    """Reasons why flags ask for something not available here (empty: all fine)."""
+    from halserve.plugins import get_plugin_manager
+
+    manager = get_plugin_manager()
+    problems = []
+    executor = config.distributed_executor_backend or ("uni" if config.tensor_parallel_size == 1 else "mp")
+    if executor not in manager.executors:
+        why = (
+            f"--tensor-parallel-size {config.tensor_parallel_size} needs the {executor!r} executor"
+            if config.distributed_executor_backend is None
+            else f"--distributed-executor-backend {executor}: no such executor"
+        )
+        problems.append(f"{why}, which is not registered (registered executors: {', '.join(manager.executors.names()) or 'none'})")
+    if config.quantization is not None and config.quantization not in manager.quant_methods:
+        problems.append(
+            f"--quantization {config.quantization}: no quantization method of that name is registered "
+            f"(registered: {', '.join(manager.quant_methods.names()) or 'none'})"
+        )
+    backends = [
+        reg.obj for reg in manager.attention_backends
+        if reg.obj.runs_on(platform.name)
+        and (config.attention_backend is None or reg.name == config.attention_backend)
+    ]
+    if config.attention_backend is not None and not backends:
+        problems.append(
+            f"--attention-backend {config.attention_backend}: no attention backend of that name runs on "
+            f"platform {platform.name!r} (registered: {', '.join(manager.attention_backends.names()) or 'none'})"
+        )
+    elif config.kv_cache_dtype != "auto":
+        if not any(config.kv_cache_dtype in b.kv_cache_dtypes for b in backends):
+            problems.append(
+                f"--kv-cache-dtype {config.kv_cache_dtype}: no attention backend for platform {platform.name!r} "
+                f"supports it ({', '.join(f'{b.name}: {list(b.kv_cache_dtypes)}' for b in backends) or 'no backends'})"
+            )
+    return problems
+
+
+def load_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{%" in value or "{{" in value:
+        return value  # an inline template, as vLLM accepts
+    raise StartupError(f"--chat-template {value}: no such file", EXIT_USAGE)
+
+
+def prepare(args: argparse.Namespace) -> tuple[Any, list[str], str, str | None]:
+    """Validate everything cheap: (config, served names, model path, chat template)."""
+    from halserve.platforms import PlatformUnavailableError, resolve_platform
+
+    model, served = resolve_model(args)
+    if not 0 < args.port < 65536:
+        raise StartupError(f"--port {args.port}: must be in 1..65535", EXIT_USAGE)
+    config = build_config(args, model)
+    chat_template = load_chat_template(args.chat_template)
+    try:
+        platform = resolve_platform(config.platform)
+    except PlatformUnavailableError as exc:
+        raise StartupError(str(exc), EXIT_FAILURE) from None
+    try:
+        platform.check_and_update_config(config)
+    except ValueError as exc:
+        raise StartupError(str(exc), EXIT_USAGE) from None
+    problems = check_features(config, platform)
+    if problems:
+        raise StartupError("unsupported flags:\n  " + "\n  ".join(problems), EXIT_USAGE)
+    return config, served, model, chat_template
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config, served, model, chat_template = prepare(args)
+    except StartupError as exc:
+        print(f"halserve serve: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+    from halserve.engine.async_llm import AsyncLLM
+    from halserve.entrypoints.openai.api_server import run_server
+    from halserve.entrypoints.openai.metrics import ServerMetrics
+    from halserve.entrypoints.openai.serving_engine import OpenAIServing
+
+    try:
+        engine = AsyncLLM.from_config(config)
+    except ValueError as exc:
+        print(f"halserve serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - report and exit, never a traceback wall
+        logger.debug("model loading failed", exc_info=True)
+        print(f"halserve serve: error: could not load {model}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    metrics = ServerMetrics(served[0], engine.get_stats)
+    engine.stat_observers.append(metrics)
+    serving = OpenAIServing(engine, served, model_path=getattr(engine.model_info, "model_path", None) or model, chat_template=chat_template)
+    api_keys = list(args.api_key or [])
+    if not api_keys and os.environ.get("HALSERVE_API_KEY"):
+        api_keys = [os.environ["HALSERVE_API_KEY"]]
+    return run_server(serving, metrics, args.host, args.port, api_keys, args.log_level)
