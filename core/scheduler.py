@@ -9,6 +9,7 @@ import bisect
 import itertools
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from halserve.engine_core_output import EngineCoreOutput
@@ -18,6 +19,18 @@ from halserve.scheduler_output import CachedRequestData, ModelRunnerOutput, NewR
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot for logging and /metrics (``Scheduler.get_stats``)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable blocks held by requests
+    prefix_cache_queries: int  # cumulative, tokens looked up at admission
+    prefix_cache_hits: int  # cumulative, tokens found in the prefix cache
+    num_preemptions: int  # cumulative
 
 
 class Scheduler:
@@ -312,5 +325,16 @@ class Scheduler:
     def prefix_cache_hits(self) -> int:
         return self.kv_cache_manager.prefix_cache_hits
 
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_cache_usage=self.kv_cache_usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
     def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; only possible (True) when no request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()

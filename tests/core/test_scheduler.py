@@ -148,6 +148,21 @@ def test_output_tokens_and_logprobs_reach_the_engine():
     assert outs[0].new_logprobs[0].token_id == outs[0].new_token_ids[0]
 
 
+def test_from_engine_config_and_stats():
+    from halserve.config import EngineConfig
+
+    config = EngineConfig(model="m", max_num_seqs=3, max_num_batched_tokens=32, block_size=8, enable_prefix_caching=False)
+    sched = Scheduler.from_engine_config(config, num_blocks=10, max_model_len=64)
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens, sched.block_size) == (3, 32, 8)
+    assert sched.kv_cache_manager.num_usable_blocks == 9 and not sched.kv_cache_manager.enable_prefix_caching
+    sched.add_request(make_request("a", range(5)))
+    stats = sched.get_stats()
+    assert (stats.num_waiting, stats.num_running, stats.kv_cache_usage) == (1, 0, 0.0)
+    sched.schedule()
+    stats = sched.get_stats()
+    assert (stats.num_waiting, stats.num_running) == (0, 1) and stats.kv_cache_usage == pytest.approx(1 / 9)
+
+
 # -- admission limits -------------------------------------------------------------------
 def test_chunked_prefill_respects_budget_and_decodes_go_first():
     sched, worker = make_scheduler(max_num_batched_tokens=8), FakeWorker()
