@@ -1,0 +1,1 @@
+"""Benchmarks shipped with the CLI (`halserve bench ...`)."""

@@ -1,0 +1,296 @@
+"""``halserve bench serve``: load-test any OpenAI-compatible server (like ``vllm bench serve``).
+
+Random prompts of ``--random-input-len`` tokens (sent as token ids, which vLLM and
+halserve both accept on /v1/completions, or as text decoded from random ids), each asking
+for exactly ``--random-output-len`` tokens (``ignore_eos``), streamed. Requests arrive as
+a Poisson process at ``--request-rate`` (all at once by default), optionally capped at
+``--max-concurrency`` in flight. Reported per request: TTFT (first content chunk), TPOT
+((latency - TTFT) / (output tokens - 1)) and ITL (gaps between content chunks); output
+tokens come from the final usage chunk (``stream_options.include_usage``), else the
+number of content chunks.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["add_args", "run", "RequestResult", "compute_metrics", "format_table", "sample_prompts"]
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0  # tokens (known when sent as ids, else from usage)
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds
+    latency: float = 0.0  # seconds, send to last byte
+    itl: list[float] = field(default_factory=list)  # seconds between content chunks
+    text: str = ""
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", required=True, help="model name the server serves")
+    parser.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    parser.add_argument("--random-input-len", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--random-output-len", type=int, default=128, help="output tokens per request (ignore_eos)")
+    parser.add_argument(
+        "--random-prompt-format", choices=["token-ids", "text"], default="token-ids",
+        help="send prompts as token ids, or as text decoded from random ids (chat always uses text)",
+    )
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (Poisson); inf: all at once")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for prompts and arrivals")
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer to draw prompt tokens from (default: --model)")
+    parser.add_argument("--result-json", default=None, metavar="FILE", help="also write the results as JSON here")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+
+
+# ---------------------------------------------------------------------- prompts
+def load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    if name == "halserve-demo-adder":
+        from halserve.demo import DEMO_MODEL_PATH
+
+        name = DEMO_MODEL_PATH
+    return AutoTokenizer.from_pretrained(name)
+
+
+def sample_prompts(tokenizer: Any, num: int, input_len: int, seed: int, as_text: bool) -> list[tuple[Any, int]]:
+    """``num`` prompts of ``input_len`` random non-special tokens: (prompt, prompt_len).
+    Text prompts are decoded from the ids; their exact length is taken from usage."""
+    rng = random.Random(seed)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    pool = [i for i in range(len(tokenizer)) if i not in special]
+    if not pool:
+        raise ValueError("the tokenizer has no non-special tokens to build prompts from")
+    prompts = []
+    for _ in range(num):
+        ids = [rng.choice(pool) for _ in range(input_len)]
+        prompts.append((tokenizer.decode(ids) if as_text else ids, input_len))
+    return prompts
+
+
+def build_payload(endpoint: str, model: str, prompt: Any, output_len: int) -> dict[str, Any]:
+    common = {
+        "model": model,
+        "temperature": 0.0,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if endpoint.endswith("chat/completions"):
+        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+        return {**common, "messages": [{"role": "user", "content": text}]}
+    return {**common, "prompt": prompt}
+
+
+# ---------------------------------------------------------------------- one request
+async def send_request(client: Any, url: str, payload: dict[str, Any], headers: dict[str, str], prompt_len: int) -> RequestResult:
+    result = RequestResult(prompt_len=prompt_len)
+    chunks = 0
+    usage_tokens = None
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:500]}"
+                return result
+            async for line in response.aiter_lines():
+                line = line.strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    result.error = str(obj["error"].get("message", obj["error"]))
+                    return result
+                if obj.get("usage"):
+                    usage_tokens = obj["usage"].get("completion_tokens")
+                    result.prompt_len = obj["usage"].get("prompt_tokens") or result.prompt_len
+                text = "".join(_chunk_text(c) for c in obj.get("choices") or [])
+                if text:
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                    result.text += text
+        result.latency = time.perf_counter() - start
+        result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+        result.success = True
+    except Exception as exc:  # noqa: BLE001 - a failed request is a data point
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _chunk_text(choice: dict[str, Any]) -> str:
+    if "text" in choice:
+        return choice.get("text") or ""
+    return (choice.get("delta") or {}).get("content") or ""
+
+
+# ---------------------------------------------------------------------- statistics
+def _stats(values_s: list[float]) -> dict[str, float]:
+    import numpy as np
+
+    if not values_s:
+        return {"mean": 0.0, "median": 0.0, "std": 0.0, "p99": 0.0}
+    arr = np.asarray(values_s, dtype=float) * 1000.0
+    return {
+        "mean": float(arr.mean()),
+        "median": float(np.median(arr)),
+        "std": float(arr.std()),
+        "p99": float(np.percentile(arr, 99)),
+    }
+
+
+def compute_metrics(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    metrics: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": total_out / duration if duration > 0 else 0.0,
+        "total_token_throughput": (total_in + total_out) / duration if duration > 0 else 0.0,
+    }
+    for name, values in (
+        ("ttft", [r.ttft for r in ok]),
+        ("tpot", tpots),
+        ("itl", [x for r in ok for x in r.itl]),
+        ("e2el", [r.latency for r in ok]),
+    ):
+        for stat, value in _stats(values).items():
+            metrics[f"{stat}_{name}_ms"] = value
+    metrics["errors"] = [r.error for r in results if not r.success][:20]
+    return metrics
+
+
+def format_table(m: dict[str, Any]) -> str:
+    rows = [
+        "{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
+        f"{'Successful requests:':<40}{m['completed']:<10}",
+        f"{'Failed requests:':<40}{m['failed']:<10}",
+        f"{'Benchmark duration (s):':<40}{m['duration']:<10.2f}",
+        f"{'Total input tokens:':<40}{m['total_input_tokens']:<10}",
+        f"{'Total generated tokens:':<40}{m['total_output_tokens']:<10}",
+        f"{'Request throughput (req/s):':<40}{m['request_throughput']:<10.2f}",
+        f"{'Output token throughput (tok/s):':<40}{m['output_throughput']:<10.2f}",
+        f"{'Total Token throughput (tok/s):':<40}{m['total_token_throughput']:<10.2f}",
+    ]
+    for key, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+    ):
+        rows.append("{s:{c}^50}".format(s=title, c="-"))
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            rows.append(f"{f'{label} {key.upper()} (ms):':<40}{m[f'{stat}_{key}_ms']:<10.2f}")
+    rows.append("=" * 50)
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------- the run
+async def _arrivals(num: int, rate: float, rng: random.Random):
+    for i in range(num):
+        yield i
+        if rate != float("inf") and i < num - 1:
+            await asyncio.sleep(rng.expovariate(rate))
+
+
+async def benchmark(args: argparse.Namespace, prompts: list[tuple[Any, int]]) -> dict[str, Any]:
+    import httpx
+
+    url = args.base_url.rstrip("/") + args.endpoint
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+        test = await send_request(client, url, build_payload(args.endpoint, args.model, prompts[0][0], 2), headers, prompts[0][1])
+        if not test.success:
+            raise RuntimeError(f"the test request to {url} failed: {test.error}")
+        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+        async def one(i: int) -> RequestResult:
+            prompt, prompt_len = prompts[i]
+            payload = build_payload(args.endpoint, args.model, prompt, args.random_output_len)
+            if semaphore is None:
+                return await send_request(client, url, payload, headers, prompt_len)
+            async with semaphore:
+                return await send_request(client, url, payload, headers, prompt_len)
+
+        rng = random.Random(args.seed)
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(one(i)) async for i in _arrivals(len(prompts), args.request_rate, rng)]
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    metrics = compute_metrics(list(results), duration)
+    metrics.update(
+        {
+            "base_url": args.base_url,
+            "endpoint": args.endpoint,
+            "model": args.model,
+            "num_prompts": args.num_prompts,
+            "random_input_len": args.random_input_len,
+            "random_output_len": args.random_output_len,
+            "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
+            "max_concurrency": args.max_concurrency,
+        }
+    )
+    return metrics
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("num_prompts", "random_input_len", "random_output_len"):
+        if getattr(args, name) < 1:
+            print(f"halserve bench serve: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        print("halserve bench serve: error: --request-rate must be > 0 and --max-concurrency >= 1", file=sys.stderr)
+        return 2
+    try:
+        tokenizer = load_tokenizer(args.tokenizer or args.model)
+    except Exception as exc:  # noqa: BLE001
+        print(
+            f"halserve bench serve: error: cannot load a tokenizer from {args.tokenizer or args.model!r} "
+            f"({type(exc).__name__}: {exc}); pass --tokenizer PATH",
+            file=sys.stderr,
+        )
+        return 2
+    as_text = args.random_prompt_format == "text" or args.endpoint.endswith("chat/completions")
+    prompts = sample_prompts(tokenizer, args.num_prompts, args.random_input_len, args.seed, as_text)
+    try:
+        metrics = asyncio.run(benchmark(args, prompts))
+    except RuntimeError as exc:
+        print(f"halserve bench serve: error: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(metrics))
+    if args.result_json:
+        with open(args.result_json, "w", encoding="utf-8") as f:
+            json.dump(metrics, f, indent=2)
+    return 0 if metrics["completed"] == args.num_prompts else 1
+
+
+def _result_dict(result: RequestResult) -> dict[str, Any]:  # for debugging dumps
+    return asdict(result)
