@@ -27,6 +27,7 @@ from halserve.entrypoints.openai.serving_engine import (
     ClientDisconnected,
     OpenAIServing,
     error_event,
+    sendable_end,
     sse_event,
 )
 
@@ -99,7 +100,7 @@ class OpenAIServingChat:
         top_n = req.top_logprobs or 0
         if req.stream:
             return StreamingResponse(
-                self._stream(req, streams[0], request_id, model, created, top_n), media_type="text/event-stream"
+                self._stream(req, streams[0], request_id, model, created, top_n, params.output_text_buffer_length), media_type="text/event-stream"
             )
         try:
             (final,) = await serving.collect(streams, raw_request)
@@ -138,6 +139,7 @@ class OpenAIServingChat:
         model: str,
         created: int,
         top_n: int,
+        holdback: int,
     ) -> AsyncIterator[str]:
         decode = self.serving.decode_token
         sent_text: dict[int, int] = {}
@@ -160,11 +162,12 @@ class OpenAIServingChat:
                         sent_text[o.index] = 0
                         yield chunk([ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(role="assistant", content=""))])
                     start_tok = sent_tokens.get(o.index, 0)
-                    delta = o.text[sent_text[o.index] :]
+                    end = sendable_end(o.text, sent_text[o.index], o.finish_reason is not None, holdback)
+                    delta = o.text[sent_text[o.index] : end]
                     new_tokens = len(o.token_ids) > start_tok
                     if not (delta or o.finish_reason is not None or (new_tokens and req.logprobs)):
                         continue
-                    sent_text[o.index] = len(o.text)
+                    sent_text[o.index] = end
                     sent_tokens[o.index] = len(o.token_ids)
                     if o.finish_reason is not None:
                         finished.add(o.index)

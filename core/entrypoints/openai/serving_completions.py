@@ -23,6 +23,7 @@ from halserve.entrypoints.openai.serving_engine import (
     ClientDisconnected,
     OpenAIServing,
     error_event,
+    sendable_end,
     sse_event,
 )
 
@@ -56,7 +57,7 @@ class OpenAIServingCompletion:
         created = int(time.time())
         if req.stream:
             return StreamingResponse(
-                self._stream(req, streams, request_id, model, created, params.n),
+                self._stream(req, streams, request_id, model, created, params.n, params.output_text_buffer_length),
                 media_type="text/event-stream",
             )
         try:
@@ -112,6 +113,7 @@ class OpenAIServingCompletion:
         model: str,
         created: int,
         n: int,
+        holdback: int,
     ) -> AsyncIterator[str]:
         decode = self.serving.decode_token
         sent_text: dict[int, int] = {}  # choice index -> characters of text sent
@@ -133,7 +135,8 @@ class OpenAIServingCompletion:
                     prefix = self._prompt_text(out) if (req.echo and first) else ""
                     start_text = sent_text.get(index, 0)
                     start_tok = sent_tokens.get(index, 0)
-                    delta = o.text[start_text:]
+                    end = sendable_end(o.text, start_text, o.finish_reason is not None, holdback)
+                    delta = o.text[start_text:end]
                     new_tokens = len(o.token_ids) > start_tok
                     if not (delta or prefix or o.finish_reason is not None or (new_tokens and req.logprobs is not None)):
                         continue
@@ -143,7 +146,7 @@ class OpenAIServingCompletion:
                         offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                     else:
                         offsets[index] = offset
-                    sent_text[index] = len(o.text)
+                    sent_text[index] = end
                     sent_tokens[index] = len(o.token_ids)
                     if o.finish_reason is not None:
                         finished.add(index)

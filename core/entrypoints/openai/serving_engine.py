@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ClientDisconnected", "OpenAIServing", "sse_event", "SSE_DONE"]
+__all__ = ["ClientDisconnected", "OpenAIServing", "sendable_end", "sse_event", "SSE_DONE"]
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -182,6 +182,15 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message.get("type") == "http.disconnect":
             return
+
+
+def sendable_end(text: str, sent: int, finished: bool, holdback: int) -> int:
+    """How far into ``text`` a stream may send: all of it once finished; otherwise keep
+    the last ``holdback`` characters, which could still turn into a stop string and be
+    cut (``SamplingParams.output_text_buffer_length``)."""
+    if finished or holdback == 0:
+        return len(text)
+    return max(sent, len(text) - holdback)
 
 
 def error_event(exc: BaseException) -> str:
