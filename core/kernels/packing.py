@@ -73,7 +73,7 @@ def _pack_nibbles(values: torch.Tensor, dim: int) -> torch.Tensor:
     v = v.reshape(*v.shape[:-1], -1, 8) & 0xF
     packed = (v << _SHIFTS.to(v.device)).sum(dim=-1, dtype=torch.int64)  # < 2^32, no overlap
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # as int32 bits
-    return packed.movedim(-1, dim)
+    return packed.movedim(-1, dim).contiguous()
 
 
 def _unpack_nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:

@@ -1,0 +1,15 @@
+"""SiLU-and-mul (the gated MLP activation) in Triton."""
+from __future__ import annotations
+
+from halserve.platforms.triton_kernels.common import FLOATS, TritonKernel
+
+
+class TritonSiluAndMul(TritonKernel):
+    op = "silu_and_mul"
+    dtypes = FLOATS
+    description = "Triton silu(gate) * up in fp32, rounded once to the activation dtype"
+
+    def __call__(self, x):
+        from halserve.platforms.triton_kernels.jit.activation import silu_and_mul
+
+        return silu_and_mul(x)

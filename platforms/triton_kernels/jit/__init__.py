@@ -1,0 +1,1 @@
+"""``@triton.jit`` device code and launchers. Importing anything here imports triton."""
