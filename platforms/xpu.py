@@ -10,6 +10,8 @@ from halserve.plugins import PluginManifest, hookimpl
 class XpuPlatform(Platform):
     name = "xpu"
     device_type = "xpu"
+    # torch >= 2.8 ships the oneCCL backend for XPU as "xccl". Older stacks (IPEX < 2.7
+    # with oneccl_bindings_for_pytorch) registered it as "ccl"; see _dist_backend_for().
     dist_backend = "xccl"
     priority = 80
     supported_dtypes = ("bfloat16", "float16", "float32")
@@ -36,6 +38,13 @@ class XpuPlatform(Platform):
                 f"torch {torch.__version__} sees no Intel GPU (torch.xpu.is_available() is False)",
             )
         return ProbeResult(True, f"{xpu.device_count()} x {xpu.get_device_name(0)}")
+
+    def __init__(self) -> None:
+        import torch
+
+        # The class attribute documents the modern name; an instance on an old stack
+        # reports what that stack's torch.distributed actually registers.
+        self.dist_backend = _dist_backend_for(torch.__version__)
 
     def device_count(self) -> int:
         import torch
@@ -64,6 +73,13 @@ class XpuPlatform(Platform):
         torch.xpu.empty_cache()
 
 
+def _dist_backend_for(torch_version: str) -> str:
+    """``xccl`` from torch 2.8 on (built into torch); ``ccl`` (oneccl_bindings_for_pytorch) before."""
+    from packaging.version import Version
+
+    return "xccl" if Version(Version(torch_version).base_version) >= Version("2.8") else "ccl"
+
+
 @hookimpl
 def halserve_manifest() -> PluginManifest:
     return PluginManifest(name="xpu", version="0.1.0", api=">=1,<2", description=XpuPlatform.description)
@@ -72,3 +88,11 @@ def halserve_manifest() -> PluginManifest:
 @hookimpl
 def halserve_platforms() -> list[type]:
     return [XpuPlatform]
+
+
+@hookimpl
+def halserve_attention_backends() -> list[type]:
+    # The module imports no IPEX; the backend imports it inside its calls.
+    from halserve.attention_backends.ipex import IpexAttentionBackend
+
+    return [IpexAttentionBackend]
