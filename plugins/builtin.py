@@ -44,3 +44,10 @@ def halserve_model_architectures() -> dict[str, str]:
         "Qwen2ForCausalLM": "halserve.models.llama:LlamaForCausalLM",
         "Qwen3ForCausalLM": "halserve.models.llama:LlamaForCausalLM",
     }
+
+
+@hookimpl
+def halserve_quant_methods() -> list[type]:
+    from halserve.quant_methods.unquantized import UnquantizedLinearMethod
+
+    return [UnquantizedLinearMethod]

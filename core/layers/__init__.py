@@ -1,0 +1,33 @@
+"""Model building blocks: they resolve their kernels once at construction and delegate
+matmuls to the quant method and attention to the selected backend."""
+from halserve.layers.activation import SiluAndMul
+from halserve.layers.attention import Attention
+from halserve.layers.context import ModelContext
+from halserve.layers.layernorm import RMSNorm
+from halserve.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from halserve.layers.rotary import RotaryEmbedding, get_rope
+from halserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
+__all__ = [
+    "Attention",
+    "ColumnParallelLinear",
+    "LinearBase",
+    "MergedColumnParallelLinear",
+    "ModelContext",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "ReplicatedLinear",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "VocabParallelEmbedding",
+    "get_rope",
+]

@@ -1,0 +1,56 @@
+"""The attention layer models call: reshapes, picks up the step's metadata from the
+forward context and hands the paged-cache work to the selected backend."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from halserve.forward_context import get_forward_context
+from halserve.layers.context import ModelContext
+
+
+class Attention(nn.Module):
+    """One layer's paged attention (TP-local head counts).
+
+    Attributes the model runner sets after building the model:
+        kv_cache          this layer's cache tensor, ``backend.kv_cache_shape(...)``
+        k_scale, v_scale  per-tensor fp8 KV scales (floats; 1.0 unless the checkpoint has them)
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, ctx: ModelContext,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None, prefix: str = "") -> None:
+        super().__init__()
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.sliding_window = sliding_window
+        self.prefix = prefix
+        kwargs = {"sliding_window": sliding_window, "kv_cache_dtype": ctx.kv_cache_dtype}
+        if logits_soft_cap is not None:
+            kwargs["logits_soft_cap"] = logits_soft_cap
+        self.backend = ctx.attn_backend_cls(num_heads, head_size, scale, num_kv_heads, **kwargs)
+        # a plain attribute, not a buffer: the runner owns and sizes it; model.to() leaves it alone
+        self.kv_cache = torch.empty(0)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [T, Hq * D], k/v [T, Hk * D] -> [T, Hq * D]
+        num_tokens = q.shape[0]
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:  # dummy run (profiling / warm-up): no cache, no attention
+            return torch.zeros_like(q)
+        if self.kv_cache.numel() == 0:
+            raise RuntimeError(f"attention layer {self.prefix!r} has no kv_cache; the model runner must set it")
+        out = self.backend.forward(
+            q.view(num_tokens, self.num_heads, self.head_size),
+            k.view(num_tokens, self.num_kv_heads, self.head_size),
+            v.view(num_tokens, self.num_kv_heads, self.head_size),
+            self.kv_cache,
+            metadata,
+            self.k_scale,
+            self.v_scale,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_size)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+                f"sliding_window={self.sliding_window}, backend={type(self.backend).__name__}")

@@ -1,0 +1,37 @@
+"""What layers need to know while a model is being built, passed down explicitly."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.quant_methods.base import QuantMethod
+
+
+@dataclass
+class ModelContext:
+    """Layer-construction context: built by the loader, given to the model's __init__.
+
+    Layers resolve their kernels from it once, at construction (never per call).
+    """
+
+    platform_name: str  # picks kernels (resolve_kernel's platform)
+    dtype: torch.dtype  # parameter / activation dtype
+    attn_backend_cls: type  # AttentionBackend subclass each Attention layer instantiates
+    kv_cache_dtype: str = "auto"
+    quant_method: "QuantMethod | None" = None  # None = unquantized
+    max_position: int | None = None  # rotary cache length; None = the model's max_position_embeddings
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).replace("torch.", "")
+
+    def linear_method(self, prefix: str) -> "QuantMethod":
+        """The quant method for the linear layer named ``prefix``."""
+        if self.quant_method is None:
+            from halserve.quant_methods.unquantized import UnquantizedLinearMethod
+
+            self.quant_method = UnquantizedLinearMethod(self.platform_name)
+        return self.quant_method.get_method_for_layer(prefix)

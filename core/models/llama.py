@@ -1,0 +1,228 @@
+"""The Llama family: Llama, Mistral, Qwen2 and Qwen3 (one decoder, switched by config).
+
+    differences                         read from
+    q/k/v bias                          attention_bias (Llama, Qwen3); always on for Qwen2
+    o_proj bias                         attention_bias (Llama, Qwen3); never for Qwen2
+    mlp bias                            mlp_bias (Llama)
+    per-head RMSNorm on q and k         Qwen3
+    head_dim != hidden / heads          head_dim
+    sliding window                      Mistral: sliding_window on every layer;
+                                        Qwen2/3: layer_types, else use_sliding_window +
+                                        max_window_layers (layers >= it slide)
+    tied embeddings                     tie_word_embeddings
+
+Forward works on the flattened batch: ``input_ids``/``positions`` [T] -> hidden [T, H].
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from halserve.distributed import divide, get_tp_size
+from halserve.layers import (
+    Attention,
+    MergedColumnParallelLinear,
+    ModelContext,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    get_rope,
+)
+from halserve.layers.rotary import RotaryEmbedding
+
+
+def model_type(hf_config: Any) -> str:
+    return str(getattr(hf_config, "model_type", "llama") or "llama")
+
+
+def head_size_of(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def layer_sliding_windows(hf_config: Any) -> list[int | None]:
+    """The sliding window of each layer (None = full attention)."""
+    num_layers = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    kind = model_type(hf_config)
+    if kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if not getattr(hf_config, "use_sliding_window", False):
+            return [None] * num_layers
+    if window is None:
+        return [None] * num_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if kind in ("qwen2", "qwen3"):
+        first = getattr(hf_config, "max_window_layers", 0)
+        return [window if i >= first else None for i in range(num_layers)]
+    return [window] * num_layers
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config: Any, ctx: ModelContext, prefix: str) -> None:
+        super().__init__()
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"{prefix}: hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        inter = hf_config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias, ctx,
+                                                       f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias, ctx, f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul(inter // get_tp_size(), ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, H] -> [T, 2I/tp] -> [T, I/tp] -> [T, H]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config: Any, ctx: ModelContext, rotary: RotaryEmbedding, sliding_window: int | None,
+                 prefix: str) -> None:
+        super().__init__()
+        tp = get_tp_size()
+        hidden = hf_config.hidden_size
+        total_heads = hf_config.num_attention_heads
+        total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
+        self.head_size = head_size_of(hf_config)
+        kind = model_type(hf_config)
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        qkv_bias = True if kind == "qwen2" else attention_bias
+        o_bias = False if kind == "qwen2" else attention_bias
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, total_heads, total_kv_heads, qkv_bias, ctx,
+                                          f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(total_heads * self.head_size, hidden, o_bias, ctx, f"{prefix}.o_proj")
+        self.num_heads = divide(total_heads, tp, "num_attention_heads")
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.rotary_emb = rotary
+        self.has_qk_norm = kind == "qwen3"
+        if self.has_qk_norm:
+            self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, ctx)
+            self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, ctx)
+        self.attn = Attention(self.num_heads, self.head_size, self.head_size**-0.5, self.num_kv_heads, ctx,
+                              sliding_window=sliding_window, prefix=f"{prefix}.attn")
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hk) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.has_qk_norm:  # per head: [T * H, D]
+            q = self.q_norm(q.reshape(-1, self.head_size)).view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_size)).view(-1, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, ctx: ModelContext, rotary: RotaryEmbedding, sliding_window: int | None,
+                 prefix: str) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, ctx)
+        self.self_attn = LlamaAttention(hf_config, ctx, rotary, sliding_window, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, ctx)
+        self.mlp = LlamaMLP(hf_config, ctx, f"{prefix}.mlp")
+
+    def forward(self, positions, hidden, residual):
+        # residual carries the un-normed stream; the norms fuse the add
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Any, ctx: ModelContext, prefix: str = "model") -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, ctx)
+        rotary = get_rope(hf_config, head_size_of(hf_config), ctx)  # one table shared by every layer
+        windows = layer_sliding_windows(hf_config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, ctx, rotary, windows[i], f"{prefix}.layers.{i}")
+            for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ctx)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, H]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model-module protocol the model runner relies on:
+
+    forward(input_ids [T], positions [T]) -> hidden [T, H]
+    compute_logits(hidden [N, H]) -> float32 [N, vocab]
+    attention_layers -> list[Attention] in layer order
+    load_weights(iterable of (HF name, tensor)) -> set of loaded parameter names
+    """
+
+    # HF checkpoint name fragment -> (our fused parameter fragment, shard id)
+    STACKED_PARAMS = [
+        (".q_proj", ".qkv_proj", "q"),
+        (".k_proj", ".qkv_proj", "k"),
+        (".v_proj", ".qkv_proj", "v"),
+        (".gate_proj", ".gate_up_proj", 0),
+        (".up_proj", ".gate_up_proj", 1),
+    ]
+
+    def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, ctx)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, ctx,
+                                      tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
+                continue
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue  # the same tensor as embed_tokens (some checkpoints store both)
+            for hf_part, our_part, shard_id in self.STACKED_PARAMS:
+                if hf_part in name:
+                    target = name.replace(hf_part, our_part)
+                    break
+            else:
+                target, shard_id = name, None
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter ({target!r}) in "
+                                 f"{type(self).__name__}; is this checkpoint for a different architecture?")
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard_id) if shard_id is not None else loader(param, tensor)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(target)
+        if self.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        return loaded

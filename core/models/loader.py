@@ -1,0 +1,259 @@
+"""From a model name to a loaded ``nn.Module``.
+
+    resolve_model_path(model)     local dir as is, else a hub snapshot (config, weights, tokenizer)
+    get_model_info(config, plat)  cheap: config files only -> ModelInfo (sizes, dtype, eos, ...)
+    load_model(config, info, ...) build the architecture on the device, stream safetensors in
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenizer*", "*.jinja"]
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                           "presence_penalty", "frequency_penalty", "max_new_tokens", "do_sample")
+PROGRESS_BAR_MIN_BYTES = 1 << 30  # show a progress bar past ~1 GB or more than one shard
+
+
+@dataclass
+class ModelInfo:
+    """What the engine needs to know about a checkpoint before building it."""
+
+    architecture: str  # HF architectures[0], e.g. "LlamaForCausalLM"
+    hf_config: Any  # transformers PretrainedConfig
+    model_path: str  # local directory
+    dtype: torch.dtype  # resolved model dtype
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int  # total (not per rank)
+    num_kv_heads: int  # total (not per rank)
+    head_size: int
+    max_model_len: int
+    sliding_window: int | None  # the largest window of any layer; None if every layer is full
+    eos_token_ids: list[int] = field(default_factory=list)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
+    kv_cache_bytes_per_token: int = 0  # K and V of every layer, all ranks together
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> str:
+    """A local directory for ``model``: itself if it is one, else a Hugging Face snapshot."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+    except Exception as exc:  # offline, unknown id, no access ...
+        raise ValueError(
+            f"model {model!r} is neither a local directory nor downloadable from the Hugging Face hub "
+            f"({type(exc).__name__}: {exc}). For offline use pass the path of a directory holding "
+            "config.json and *.safetensors, or download it first (huggingface-cli download) and set "
+            "HF_HUB_OFFLINE=1 so the cached snapshot is used."
+        ) from exc
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float": torch.float32, "half": torch.float16}
+
+
+def resolve_dtype(requested: str, hf_config: Any, platform: Any) -> torch.dtype:
+    """``auto`` -> the checkpoint's dtype if the platform supports it, else the platform default."""
+    if requested != "auto":
+        return _DTYPE_NAMES[requested]
+    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(checkpoint).replace("torch.", "") if checkpoint is not None else None
+    if name in _DTYPE_NAMES and name in platform.supported_dtypes:
+        return _DTYPE_NAMES[name]
+    return _DTYPE_NAMES[platform.default_dtype]
+
+
+def supported_architectures() -> dict[str, str]:
+    from halserve.plugins import get_plugin_manager
+
+    return {r.name: r.obj for r in get_plugin_manager().models}
+
+
+def get_model_info(config: Any, platform: Any) -> ModelInfo:
+    """Read the checkpoint's config files (no weights) and validate them against ``config``."""
+    from transformers import AutoConfig
+
+    from halserve.models.llama import head_size_of, layer_sliding_windows
+
+    path = resolve_model_path(config.model, config.revision)
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    supported = supported_architectures()
+    arch = next((a for a in archs if a in supported), None)
+    if arch is None:
+        raise ValueError(
+            f"model architecture {archs or '(none in config.json)'} of {config.model!r} is not supported; "
+            f"supported architectures: {', '.join(sorted(supported)) or 'none registered'} "
+            "(a plugin can add one through the halserve_model_architectures hook)"
+        )
+    model_max = getattr(hf_config, "max_position_embeddings", None)
+    if config.max_model_len is None:
+        if model_max is None:
+            raise ValueError(f"{config.model!r} does not declare max_position_embeddings; set max_model_len")
+        max_model_len = model_max
+    elif model_max is not None and config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} is larger than the model's max_position_embeddings "
+            f"{model_max}; use max_model_len <= {model_max}"
+        )
+    else:
+        max_model_len = config.max_model_len
+    dtype = resolve_dtype(config.dtype, hf_config, platform)
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_size = head_size_of(hf_config)
+    windows = [w for w in layer_sliding_windows(hf_config) if w is not None]
+    gen = _read_json(os.path.join(path, "generation_config.json"))
+    eos = _as_list(gen.get("eos_token_id")) or _as_list(getattr(hf_config, "eos_token_id", None))
+    if config.kv_cache_dtype == "auto":
+        elem_size = torch.empty((), dtype=dtype).element_size()
+    else:
+        elem_size = 1  # every fp8 flavour
+    return ModelInfo(
+        architecture=arch,
+        hf_config=hf_config,
+        model_path=path,
+        dtype=dtype,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        max_model_len=max_model_len,
+        sliding_window=max(windows) if windows else None,
+        eos_token_ids=eos,
+        generation_defaults={k: gen[k] for k in GENERATION_DEFAULT_KEYS if k in gen},
+        kv_cache_bytes_per_token=2 * hf_config.num_hidden_layers * num_kv_heads * head_size * elem_size,
+    )
+
+
+# -- weights ---------------------------------------------------------------------------
+def safetensors_files(model_path: str) -> list[str]:
+    """The checkpoint's shards: those the index names, else every *.safetensors file."""
+    index = _read_json(os.path.join(model_path, "model.safetensors.index.json"))
+    if index.get("weight_map"):
+        names = sorted(set(index["weight_map"].values()))
+        files = [os.path.join(model_path, n) for n in names]
+    else:
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    missing = [f for f in files if not os.path.isfile(f)]
+    if not files or missing:
+        raise ValueError(
+            f"no usable safetensors weights in {model_path!r}"
+            + (f" (missing shards: {', '.join(os.path.basename(m) for m in missing)})" if missing else "")
+            + "; halserve loads *.safetensors checkpoints only"
+        )
+    return files
+
+
+def iterate_weights(files: list[str], progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) pairs tensor by tensor; ``progress=None`` shows a bar for big checkpoints."""
+    from safetensors import safe_open
+
+    if progress is None:
+        progress = len(files) > 1 or sum(os.path.getsize(f) for f in files) > PROGRESS_BAR_MIN_BYTES
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(files), desc="Loading safetensors shards", unit="shard")
+    try:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def get_quant_method(config: Any, info: ModelInfo, platform: Any):
+    """The QuantMethod instance for this checkpoint (``--quantization`` or its quantization_config)."""
+    from halserve.plugins import get_plugin_manager
+
+    quant_config = getattr(info.hf_config, "quantization_config", None)
+    if quant_config is not None and not isinstance(quant_config, dict):
+        quant_config = quant_config.to_dict()
+    name = config.quantization or (quant_config or {}).get("quant_method") or "unquantized"
+    registry = get_plugin_manager().quant_methods
+    if name == "unquantized" and name not in registry:
+        from halserve.quant_methods.unquantized import UnquantizedLinearMethod as cls
+    elif name not in registry:
+        raise ValueError(f"quantization {name!r} is not supported; registered: {', '.join(sorted(registry.names()))}")
+    else:
+        cls = registry[name].obj
+    reason = cls.supports(platform=platform.name, dtype=str(info.dtype).replace("torch.", ""))
+    if reason is not None:
+        raise ValueError(reason)
+    return cls(platform.name, quant_config)
+
+
+def _import_architecture(dotted: str) -> type:
+    import importlib
+
+    module, _, attr = dotted.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def load_model(config: Any, info: ModelInfo, platform: Any, attn_backend_cls: type,
+               progress: bool | None = None) -> torch.nn.Module:
+    """Build ``info.architecture`` on the platform's device in ``info.dtype`` and load its weights.
+
+    ``progress``: True/False forces the loading progress bar on/off (None: automatic).
+    """
+    from halserve.layers.context import ModelContext
+
+    target = supported_architectures().get(info.architecture)
+    if target is None:
+        raise ValueError(f"architecture {info.architecture!r} is not registered")
+    model_cls = _import_architecture(target) if isinstance(target, str) else target
+    ctx = ModelContext(
+        platform_name=platform.name,
+        dtype=info.dtype,
+        attn_backend_cls=attn_backend_cls,
+        kv_cache_dtype=config.kv_cache_dtype,
+        quant_method=get_quant_method(config, info, platform),
+        max_position=info.max_model_len,
+    )
+    # parameters are created directly on the device, in ctx.dtype (layers pass it explicitly)
+    with torch.device(platform.device()):
+        model = model_cls(info.hf_config, ctx)
+    loaded = model.load_weights(iterate_weights(safetensors_files(info.model_path), progress))
+    missing = sorted(set(dict(model.named_parameters())) - set(loaded))
+    if missing:
+        raise ValueError(f"checkpoint {info.model_path!r} has no weights for: {', '.join(missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    return model.eval()
