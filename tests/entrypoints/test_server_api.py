@@ -1,0 +1,135 @@
+"""The OpenAI-compatible endpoints, through the official ``openai`` client and raw HTTP."""
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from conftest import MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
+
+PROMPT = "the quick brown fox"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me about paris"}]
+
+
+def test_models_version_health(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [SERVED_NAME]
+    card = models[0].model_dump()
+    assert card["object"] == "model" and card["owned_by"] == "halserve"
+    assert card["max_model_len"] == MAX_MODEL_LEN and card["root"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_completion_stream_equals_non_stream_and_usage(client, server):
+    kwargs = dict(model=SERVED_NAME, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs)
+    text = full.choices[0].text
+    assert full.choices[0].finish_reason == "length"
+    n_prompt = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["count"]
+    assert full.usage.prompt_tokens == n_prompt
+    assert full.usage.completion_tokens == 12 and full.usage.total_tokens == n_prompt + 12
+
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == n_prompt
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    # raw SSE framing: data lines, ending with [DONE]
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True}
+    raw = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    events = [e for e in raw.text.split("\n\n") if e]
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert json.loads(events[0][6:])["object"] == "text_completion"
+
+
+def test_chat_stream_equals_non_stream(client):
+    kwargs = dict(model=SERVED_NAME, messages=MESSAGES, max_completion_tokens=10, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    assert 1 <= full.usage.completion_tokens <= 10
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    # deprecated max_tokens still works; list-of-text-parts content renders like a string
+    parts = [{"role": "user", "content": [{"type": "text", "text": "tell me "}, {"type": "text", "text": "about paris"}]}]
+    a = client.chat.completions.create(model=SERVED_NAME, messages=parts, max_tokens=5, temperature=0)
+    b = client.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": "tell me about paris"}], max_tokens=5, temperature=0
+    )
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
+def test_token_id_prompts_batches_n_and_echo(client):
+    ids = [[5, 6, 7, 8], [9, 10, 11]]
+    out = client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.prompt_tokens == 7 and out.usage.completion_tokens == 8
+    single = client.completions.create(model=SERVED_NAME, prompt=ids[1], max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert single.choices[0].text == out.choices[1].text
+
+    sampled = client.completions.create(model=SERVED_NAME, prompt=PROMPT, n=3, max_tokens=4, temperature=1.0, seed=7)
+    assert sorted(c.index for c in sampled.choices) == [0, 1, 2]
+    again = client.completions.create(model=SERVED_NAME, prompt=PROMPT, n=3, max_tokens=4, temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in sampled.choices]  # seeded: reproducible
+
+    echoed = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
+    plain = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+
+
+def test_logprobs_formats(client):
+    out = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(3 <= len(d) <= 4 for d in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == out.choices[0].text
+
+    chat = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_completion_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    # greedy: the sampled token is the most likely one
+    assert all(abs(t.logprob - t.top_logprobs[0].logprob) < 1e-4 for t in content)
+
+
+def test_stop_strings_and_extras(client):
+    base = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    stop = text[3:5]
+    assert len(stop) == 2 and stop not in text[:4], text  # the tiny model's text has room for a stop string
+    if stop:
+        cut = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True})
+        assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+        assert text.startswith(cut.choices[0].text)
+        streamed = "".join(
+            c.choices[0].text
+            for c in client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=16, temperature=0,
+                                               stop=[stop], stream=True, extra_body={"ignore_eos": True})
+        )
+        assert streamed == cut.choices[0].text
+    extras = client.completions.create(
+        model=SERVED_NAME, prompt=PROMPT, max_tokens=6, temperature=0.8, seed=1,
+        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 6, "ignore_eos": True,
+                    "stop_token_ids": [3], "skip_special_tokens": True},
+    )
+    assert extras.usage.completion_tokens == 6
+
+
+def test_tokenize_detokenize(server):
+    tok = httpx.post(server.url + "/tokenize", json={"model": SERVED_NAME, "prompt": PROMPT}).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == MAX_MODEL_LEN
+    detok = httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert PROMPT in detok["prompt"]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["count"] > tok["count"]
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [VOCAB_SIZE]})
+    assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
