@@ -62,6 +62,13 @@ def resolve_platform(name: str | None = None) -> Platform:
                 detail = f"; plugin {explicit!r} did not load: {failed[0].error}"
             elif manager.record(explicit) is not None and manager.record(explicit).status == "disabled":
                 detail = f"; plugin {explicit!r} is disabled by HALSERVE_PLUGINS/HALSERVE_DISABLE_PLUGINS"
+            else:
+                # The platform may come from a plugin named differently that did not load.
+                broken = [r for r in manager.records if r.status in ("failed", "refused")]
+                if broken:
+                    detail = "; these plugins did not load and may provide it: " + "; ".join(
+                        f"{r.name} ({r.status}: {r.error})" for r in broken
+                    )
             raise PlatformUnavailableError(
                 f"unknown platform {explicit!r}{detail}. Known platforms:\n{_table(list_platforms())}"
             )

@@ -1,0 +1,186 @@
+"""The five bundled platforms: probes, reasons, selection and the CPU thread default."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from halserve.platforms import Platform, PlatformUnavailableError, ProbeResult, list_platforms, resolve_platform
+from halserve.platforms.cpu import CpuPlatform
+from halserve.platforms.cuda import CudaPlatform
+from halserve.platforms.rocm import RocmPlatform
+from halserve.platforms.tpu import TpuPlatform
+from halserve.platforms.xpu import XpuPlatform
+from halserve.plugins import PluginManager, get_plugin_manager, reset_plugin_manager
+from halserve.plugins import manager as manager_module
+
+BUNDLED = {"cpu", "cuda", "rocm", "xpu", "tpu"}
+NUM_CORES = len(os.sched_getaffinity(0))
+no_cuda = pytest.mark.skipif(torch.version.cuda is not None, reason="this torch is a CUDA build")
+no_hip = pytest.mark.skipif(torch.version.hip is not None, reason="this torch is a ROCm build")
+
+
+@pytest.fixture(autouse=True)
+def fresh_discovery(monkeypatch: pytest.MonkeyPatch):
+    """Real discovery of the installed plugins, without any outer HALSERVE_* setting."""
+    for var in ("HALSERVE_PLATFORM", "HALSERVE_PLUGINS", "HALSERVE_DISABLE_PLUGINS", "HALSERVE_CPU_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    reset_plugin_manager()
+    yield
+    reset_plugin_manager()
+
+
+def _bundled_load_errors() -> str:
+    return "; ".join(f"{r.name}: {r.error}" for r in get_plugin_manager().records if r.status != "loaded")
+
+
+def test_five_platforms_listed() -> None:
+    rows = list_platforms()
+    names = {r["name"] for r in rows}
+    assert names >= BUNDLED, f"missing {BUNDLED - names}; plugins that did not load: {_bundled_load_errors()}"
+    for row in rows:
+        if row["name"] in BUNDLED:
+            assert row["plugin"] == row["name"]  # each bundled platform is its own plugin
+            assert isinstance(row["reason"], str) and row["reason"]
+    priorities = [r["priority"] for r in rows]
+    assert priorities == sorted(priorities, reverse=True)
+
+
+def test_cpu_available_with_core_count() -> None:
+    result = CpuPlatform.probe()
+    assert result == ProbeResult(True, f"{NUM_CORES} CPU cores available")
+    (row,) = [r for r in list_platforms() if r["name"] == "cpu"]
+    assert row["available"] is True and str(NUM_CORES) in row["reason"]
+
+
+@no_cuda
+def test_cuda_unavailable_reason() -> None:
+    result = CudaPlatform.probe()
+    assert not result.available
+    assert "torch.version.cuda is None" in result.reason
+    assert torch.__version__ in result.reason
+    assert "halserve[cuda]" in result.reason  # says how to fix it
+
+
+@no_hip
+def test_rocm_unavailable_reason() -> None:
+    result = RocmPlatform.probe()
+    assert not result.available
+    assert "torch.version.hip is None" in result.reason
+    assert "ROCm build of torch" in result.reason
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("intel_extension_for_pytorch") is not None, reason="IPEX is installed"
+)
+def test_xpu_unavailable_reason() -> None:
+    result = XpuPlatform.probe()
+    assert not result.available
+    assert "intel_extension_for_pytorch" in result.reason or "torch.xpu" in result.reason
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("torch_xla") is not None, reason="torch_xla is installed")
+def test_tpu_unavailable_reason() -> None:
+    result = TpuPlatform.probe()
+    assert not result.available
+    assert "torch_xla is not installed" in result.reason
+
+
+@no_hip
+@pytest.mark.parametrize("how", ["env", "argument"])
+def test_explicit_unavailable_platform_is_an_error(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if how == "env":
+        monkeypatch.setenv("HALSERVE_PLATFORM", "rocm")
+        call = resolve_platform
+    else:
+        call = lambda: resolve_platform("rocm")  # noqa: E731
+    with pytest.raises(PlatformUnavailableError) as info:
+        call()
+    message = str(info.value)
+    assert message.startswith("platform 'rocm' is not available here: ")
+    assert "torch.version.hip is None" in message
+    for row in list_platforms():  # every known platform, with its reason
+        assert f"  {row['name']}: " in message
+        assert row["reason"] in message
+
+
+def test_argument_beats_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HALSERVE_PLATFORM", "rocm")
+    assert resolve_platform("cpu").name == "cpu"
+
+
+@no_cuda
+@no_hip
+def test_auto_detection_picks_cpu() -> None:
+    platform = resolve_platform()
+    assert isinstance(platform, CpuPlatform)
+
+
+@pytest.mark.parametrize("how", ["env", "argument"])
+def test_unknown_platform_name(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if how == "env":
+        monkeypatch.setenv("HALSERVE_PLATFORM", "nosuch")
+    with pytest.raises(PlatformUnavailableError) as info:
+        resolve_platform(None if how == "env" else "nosuch")
+    message = str(info.value)
+    assert "unknown platform 'nosuch'" in message
+    assert "  cpu: available (" in message  # lists the known platforms with their reasons
+
+
+class RaisingPlatform(Platform):
+    name = "raising"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    priority = 1000  # would win auto-detection if it were available
+
+    @classmethod
+    def _probe(cls) -> ProbeResult:
+        raise OSError("driver exploded")
+
+
+class SloppyPlatform(RaisingPlatform):
+    name = "sloppy"
+
+    @classmethod
+    def _probe(cls):
+        return True  # not a ProbeResult
+
+
+def test_probe_that_raises_becomes_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert RaisingPlatform.probe() == ProbeResult(False, "probe raised OSError: driver exploded")
+    sloppy = SloppyPlatform.probe()
+    assert not sloppy.available and "instead of a ProbeResult" in sloppy.reason
+
+    manager = PluginManager()
+    manager.platforms.add("raising", "vendor", RaisingPlatform)
+    manager.platforms.add("cpu", "cpu", CpuPlatform)
+    monkeypatch.setattr(manager_module, "_manager", manager)
+    rows = {r["name"]: r for r in list_platforms()}
+    assert rows["raising"]["available"] is False
+    assert rows["raising"]["reason"] == "probe raised OSError: driver exploded"
+    assert resolve_platform().name == "cpu"  # skipped by auto-detection, not fatal
+    with pytest.raises(PlatformUnavailableError, match="driver exploded"):
+        resolve_platform("raising")
+
+
+def test_cpu_platform_uses_all_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        CpuPlatform()
+        assert torch.get_num_threads() == NUM_CORES
+        monkeypatch.setenv("HALSERVE_CPU_THREADS", "1")
+        CpuPlatform()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_platform_describe_is_json_ready() -> None:
+    import json
+
+    for cls in (CpuPlatform, CudaPlatform, RocmPlatform, XpuPlatform, TpuPlatform):
+        data = json.loads(json.dumps(cls.describe()))
+        assert data["device_type"] == cls.device_type
+        assert data["default_dtype"] in data["supported_dtypes"]
