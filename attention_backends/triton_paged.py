@@ -135,3 +135,12 @@ class TritonPagedAttentionBackend(AttentionBackend):
             num_splits=self.num_kv_splits(metadata, q.device),
         )
         return out
+
+
+class RocmTritonPagedAttentionBackend(TritonPagedAttentionBackend):
+    """The same kernels, registered by the rocm plugin under its own name (names are unique
+    across plugins, and the rocm plugin must not depend on the cuda plugin being enabled).
+    An fp8 cache on MI300 (gfx94x) is float8_e4m3fnuz; MI350 uses OCP float8_e4m3fn."""
+
+    name = "triton_paged_rocm"
+    platforms = ("rocm",)

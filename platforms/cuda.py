@@ -92,3 +92,20 @@ def halserve_manifest() -> PluginManifest:
 @hookimpl
 def halserve_platforms() -> list[type]:
     return [CudaPlatform]
+
+
+@hookimpl
+def halserve_attention_backends() -> list[type]:
+    # classes only: flash_attn and triton are imported when a backend is instantiated
+    from halserve.attention_backends.flash_attn import FlashAttnBackend
+    from halserve.attention_backends.triton_paged import TritonPagedAttentionBackend
+
+    return [FlashAttnBackend, TritonPagedAttentionBackend]
+
+
+@hookimpl
+def halserve_kernels() -> list[type]:
+    from halserve.platforms.triton_kernels import kernels_for
+    from halserve.platforms.triton_kernels.fp8_gemm import CudaScaledMmFp8Gemm
+
+    return [CudaScaledMmFp8Gemm, *kernels_for("cuda")]

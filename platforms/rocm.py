@@ -16,7 +16,7 @@ class RocmPlatform(Platform):
     supported_dtypes = ("bfloat16", "float16", "float32")
     default_dtype = "bfloat16"
     fp8_dtype = "float8_e4m3fnuz"
-    preferred_attention_backends = ("triton_paged", "torch")
+    preferred_attention_backends = ("triton_paged_rocm", "triton_paged", "torch")
     description = "AMD GPUs (ROCm build of torch; Triton kernels)"
 
     @classmethod
@@ -88,3 +88,18 @@ def halserve_manifest() -> PluginManifest:
 @hookimpl
 def halserve_platforms() -> list[type]:
     return [RocmPlatform]
+
+
+@hookimpl
+def halserve_attention_backends() -> list[type]:
+    from halserve.attention_backends.triton_paged import RocmTritonPagedAttentionBackend
+
+    return [RocmTritonPagedAttentionBackend]
+
+
+@hookimpl
+def halserve_kernels() -> list[type]:
+    # the Triton kernels as "triton_rocm" classes with ROCm's fp8 flavours (e4m3fnuz first)
+    from halserve.platforms.triton_kernels import kernels_for
+
+    return kernels_for("rocm")
