@@ -221,7 +221,13 @@ class OutputProcessor:
                         continue
                     sample.logprobs.append(self._logprob_dict(entry))
                     sample.cumulative_logprob += entry.logprob
-            stop_str = sample.detokenizer.update(new_ids) if sample.detokenizer is not None and new_ids else None
+            # A request ended by eos or a stop token id: that token's text is not output (vLLM).
+            stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+            stop_str = (
+                sample.detokenizer.update(new_ids, stop_terminated=stop_terminated)
+                if sample.detokenizer is not None and new_ids
+                else None
+            )
             if out.finish_reason is not None:
                 sample.finish_reason = out.finish_reason
                 sample.stop_reason = out.stop_reason
