@@ -1,0 +1,151 @@
+"""halserve's wheel holds every subpackage and works on its own.
+
+Builds the wheel from a copy of the working tree, compares its listing with the package
+list setup.py computes, installs it into a fresh virtual environment and, there, imports
+every subpackage and runs ``halserve plugins --json``.
+
+The venv is created with ``--system-site-packages`` (torch and the other dependencies
+come from the system, nothing is downloaded); the test proves that every halserve module
+imported there comes from the venv's own copy, not from the system's editable install.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import runpy
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BUNDLED_PLUGINS = {"builtin", "cpu", "cuda", "rocm", "xpu", "tpu"}
+
+
+def _setup_kwargs(src: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """What setup.py passes to setuptools.setup() (its computed package list included)."""
+    import setuptools
+
+    captured: dict = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: captured.update(kw))
+    runpy.run_path(str(src / "setup.py"), run_name="__main__")
+    assert captured, "setup.py did not call setuptools.setup()"
+    return captured
+
+
+def _package_folder(package: str, package_dir: dict[str, str]) -> Path:
+    """The source folder of ``package`` under setup.py's ``package_dir`` mapping."""
+    top = max((n for n in package_dir if package == n or package.startswith(n + ".")), key=len)
+    rest = package[len(top):].lstrip(".")
+    return REPO / package_dir[top] / Path(*rest.split(".")) if rest else REPO / package_dir[top]
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HALSERVE_") and k != "PYTHONPATH"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, **kw)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    work = tmp_path_factory.mktemp("packaging")
+    src = work / "src"
+    src.mkdir()
+    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist")
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
+        if (REPO / name).exists():
+            shutil.copy2(REPO / name, src / name)
+    with pytest.MonkeyPatch.context() as mp:
+        kwargs = _setup_kwargs(REPO, mp)
+    for folder in set(kwargs["package_dir"].values()):
+        shutil.copytree(REPO / folder, src / folder, ignore=ignore)
+    wheels = work / "wheels"
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheels), str(src)])
+    (wheel,) = wheels.glob("halserve-*.whl")
+    return {"wheel": wheel, "kwargs": kwargs, "work": work}
+
+
+def test_setup_finds_every_package_folder(built: dict) -> None:
+    """setup.py's package list is exactly the folders with an __init__.py under the roots."""
+    kwargs = built["kwargs"]
+    expected = set()
+    for name, folder in kwargs["package_dir"].items():
+        root = REPO / folder
+        for init in root.rglob("__init__.py"):
+            rel = init.parent.relative_to(root)
+            if any(part == "__pycache__" or part.startswith(".") for part in rel.parts):
+                continue
+            # a folder counts only if every folder above it (up to the root) is a package too
+            if all((root / Path(*rel.parts[:i]) / "__init__.py").exists() for i in range(len(rel.parts))):
+                expected.add(".".join([name, *rel.parts]))
+    assert set(kwargs["packages"]) == expected
+    assert {"halserve", "halserve.platforms", "halserve.plugins", "halserve.attention_backends"} <= expected
+
+
+def test_wheel_holds_every_subpackage(built: dict) -> None:
+    kwargs = built["kwargs"]
+    with zipfile.ZipFile(built["wheel"]) as zf:
+        names = set(zf.namelist())
+        missing = [p for p in kwargs["packages"] if p.replace(".", "/") + "/__init__.py" not in names]
+        assert not missing, f"the wheel lacks these packages: {missing}"
+        # every module of every package, not just the __init__ files
+        for package in kwargs["packages"]:
+            for module in _package_folder(package, kwargs["package_dir"]).glob("*.py"):
+                assert f"{package.replace('.', '/')}/{module.name}" in names, f"{module} is not in the wheel"
+        # package data (the bundled demo model and chat template) when present in the tree
+        for package, patterns in kwargs.get("package_data", {}).items():
+            top_folder = REPO / kwargs["package_dir"][package]
+            for pattern in patterns:
+                for path in glob.glob(str(top_folder / pattern)):
+                    if os.path.isfile(path):
+                        rel = Path(path).relative_to(top_folder)
+                        assert f"{package.replace('.', '/')}/{rel.as_posix()}" in names, f"{path} is not in the wheel"
+        entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        text = zf.read(entry_points).decode()
+    assert "halserve = halserve.entrypoints.cli:main" in text
+    section = text.split("[halserve.plugins]", 1)[1].split("[", 1)[0]
+    registered = {line.split("=")[0].strip() for line in section.splitlines() if "=" in line}
+    assert BUNDLED_PLUGINS <= registered
+
+
+def test_installed_wheel_imports_and_runs(built: dict) -> None:
+    venv = built["work"] / "venv"
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
+    python = venv / "bin" / "python"
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(built["wheel"])])
+
+    packages = built["kwargs"]["packages"]
+    script = (
+        "import importlib, json, sys\n"
+        "out = {}\n"
+        "for name in json.loads(sys.argv[1]):\n"
+        "    try:\n"
+        "        out[name] = importlib.import_module(name).__file__\n"
+        "    except Exception as exc:\n"
+        "        out[name] = 'ERROR ' + type(exc).__name__ + ': ' + str(exc)\n"
+        "print(json.dumps(out))\n"
+    )
+    files = json.loads(_run([str(python), "-c", script, json.dumps(packages)], cwd=built["work"]).stdout)
+    errors = {n: f for n, f in files.items() if f.startswith("ERROR")}
+    assert not errors, f"these packages fail to import from the wheel: {errors}"
+    # every one of them comes from the venv, not from the system's editable checkout
+    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    outside = {n: f for n, f in files.items() if not Path(f).resolve().is_relative_to(site.resolve())}
+    assert not outside, f"imported from outside the venv ({site}): {outside}"
+
+    halserve = venv / "bin" / "halserve"
+    assert halserve.exists(), "the wheel did not install the halserve console script"
+    proc = _run([str(halserve), "plugins", "--json"], cwd=built["work"])
+    report = json.loads(proc.stdout)
+    assert report["selected_platform"] == "cpu"
+    plugins = {p["name"]: p for p in report["plugins"]}
+    assert BUNDLED_PLUGINS <= set(plugins)
+    assert plugins["cpu"]["status"] == "loaded"
+    cpu_module = _run([str(python), "-c", "import halserve.platforms.cpu as m; print(m.__file__)"], cwd=built["work"]).stdout
+    assert Path(cpu_module.strip()).resolve().is_relative_to(site.resolve())
