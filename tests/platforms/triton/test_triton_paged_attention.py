@@ -1,4 +1,5 @@
-"""triton_paged against a dense float64 reference on mixed prefill/decode batches.
+"""triton_paged against the torch reference backend (and a dense float64 gather) on mixed
+prefill/decode batches.
 
 Shapes are tiny because the interpreter runs each program in Python (~15 ms per K/V tile).
 Parametrizations are zipped rather than crossed so every head size, block size, GQA ratio
@@ -10,6 +11,7 @@ import pytest
 import torch
 from paged_batch import dense_reference, make_batch
 
+from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.attention_backends.triton_paged import TritonPagedAttentionBackend
 
 # (num_cached, query_len): a chunked prefill after a prefix hit, a decode, a fresh prefill
@@ -18,7 +20,16 @@ TOL = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 def _run(batch, backend, **ref_kwargs):
+    """Run ``backend`` and the torch reference backend on copies of one cache; both must write
+    the same cache, and the Triton output is returned with the float64 dense attention."""
+    ref = TorchAttentionBackend(backend.num_heads, backend.head_size, backend.scale, backend.num_kv_heads,
+                                backend.sliding_window, backend.logits_soft_cap)
+    ref_cache = batch.kv_cache.clone()
+    ref_out = ref.forward(batch.q, batch.k, batch.v, ref_cache, TorchAttentionBackend.build_metadata(batch.metadata))
     out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata)
+    assert torch.equal(batch.kv_cache.cpu(), ref_cache.cpu())
+    tol = TOL[batch.q.dtype] * 2  # the torch reference itself rounds in the model dtype
+    torch.testing.assert_close(out.cpu().float(), ref_out.cpu().float(), atol=tol, rtol=tol)
     expected = dense_reference(batch, batch.expected_cache, scale=backend.scale, **ref_kwargs)
     return out, expected
 
@@ -77,19 +88,19 @@ def test_padded_tokens_are_zero(device):
     assert torch.equal(batch.kv_cache.cpu(), batch.expected_cache.cpu())  # padding wrote nothing
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_cache_loads(cache_dtype, device):
-    """An fp8 cache written by torch casts, dequantized by the kernel with k/v scales."""
+@pytest.mark.parametrize("cache_dtype,name", [(torch.float8_e4m3fn, "fp8"), (torch.float8_e5m2, "fp8_e5m2")])
+def test_fp8_cache_loads(cache_dtype, name, device):
+    """An fp8 cache written by the torch reference (torch casts: the interpreter's own fp32->fp8
+    casts are inexact), read and dequantized by the Triton kernel with k/v scales."""
     from halserve.attention_backends.triton_paged_kernels import paged_attention
 
     batch = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
                        dtype=torch.float16, device=device, cache_dtype=cache_dtype, seed=3)
     md = batch.metadata
-    # the step's K/V, quantized by torch (the interpreter's own fp32->fp8 casts are inexact)
     k_scale, v_scale = 0.05, 0.02
-    flat = batch.kv_cache.view(2, -1, 2, 64)
-    flat[0, md.slot_mapping] = (batch.k.float() / k_scale).to(cache_dtype)
-    flat[1, md.slot_mapping] = (batch.v.float() / v_scale).to(cache_dtype)
+    ref = TorchAttentionBackend(4, 64, 0.125, 2, kv_cache_dtype=name)
+    ref_out = ref.forward(batch.q, batch.k, batch.v, batch.kv_cache, TorchAttentionBackend.build_metadata(md),
+                          k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(batch.q)
     paged_attention(
         out, batch.q, batch.kv_cache[0], batch.kv_cache[1], md.block_table, md.seq_lens, md.query_start_loc,
@@ -97,6 +108,7 @@ def test_fp8_cache_loads(cache_dtype, device):
     )
     expected = dense_reference(batch, batch.kv_cache, scale=0.125, k_scale=k_scale, v_scale=v_scale)
     torch.testing.assert_close(out.cpu().double(), expected, atol=4e-3, rtol=4e-3)
+    torch.testing.assert_close(out.cpu().float(), ref_out.cpu().float(), atol=1e-2, rtol=1e-2)
 
 
 def test_fp8_cache_write_close(device):
