@@ -1,0 +1,111 @@
+"""Every invalid input is an OpenAI-shaped 400 (unknown model: 404) and leaves the server
+serving."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+import httpx
+
+from conftest import MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
+
+OK = {"model": SERVED_NAME, "prompt": "hello world", "max_tokens": 3}
+CHAT_OK = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3}
+
+BAD_COMPLETIONS = {
+    "empty prompt": {"prompt": ""},
+    "empty token list": {"prompt": []},
+    "empty token list in batch": {"prompt": [[]]},
+    "token id >= vocab": {"prompt": [1, VOCAB_SIZE]},
+    "negative token id": {"prompt": [1, -1]},
+    "prompt longer than max_model_len": {"prompt": [5] * (MAX_MODEL_LEN + 10)},
+    "max_tokens < 1": {"max_tokens": 0},
+    "min_tokens > max_tokens": {"min_tokens": 5, "max_tokens": 2},
+    "temperature < 0": {"temperature": -0.5},
+    "top_p = 0": {"top_p": 0},
+    "top_p > 1": {"top_p": 1.5},
+    "top_k < -1": {"top_k": -2},
+    "min_p > 1": {"min_p": 1.5},
+    "min_p < 0": {"min_p": -0.1},
+    "presence_penalty > 2": {"presence_penalty": 2.5},
+    "frequency_penalty < -2": {"frequency_penalty": -3},
+    "repetition_penalty <= 0": {"repetition_penalty": 0},
+    "empty stop string": {"stop": [""]},
+    "empty stop string (scalar)": {"stop": ""},
+    "n > 1 with greedy": {"n": 2, "temperature": 0},
+    "logprobs > 20": {"logprobs": 21},
+    "wrong type: max_tokens": {"max_tokens": "ten"},
+    "wrong type: temperature": {"temperature": "hot"},
+    "wrong type: prompt": {"prompt": 5},
+    "wrong type: stream": {"stream": "yes"},
+    "wrong type: n": {"n": 1.5},
+    "wrong type: stop": {"stop": [1, 2]},
+    "stream_options without stream": {"stream_options": {"include_usage": True}},
+    "echo with logprobs": {"echo": True, "logprobs": 1},
+}
+
+BAD_CHAT = {
+    "no messages": {"messages": []},
+    "unknown role": {"messages": [{"role": "wizard", "content": "hi"}]},
+    "image content": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    "max_completion_tokens < 1": {"max_completion_tokens": 0},
+    "top_logprobs > 20": {"logprobs": True, "top_logprobs": 21},
+    "temperature < 0": {"temperature": -1},
+    "stream_options without stream": {"stream_options": {"include_usage": True}},
+    "wrong type: messages": {"messages": "hi"},
+    "prompt too long": {"messages": [{"role": "user", "content": "hello world " * 100}]},
+}
+
+
+def _check_400(response: httpx.Response) -> str:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    return error["message"]
+
+
+@pytest.mark.parametrize("case", list(BAD_COMPLETIONS), ids=list(BAD_COMPLETIONS))
+def test_bad_completion_request_is_400(server, case):
+    body = {**OK, **BAD_COMPLETIONS[case]}
+    _check_400(httpx.post(server.url + "/v1/completions", json=body, timeout=30))
+    if "stream_options" not in body and "stream" not in body:  # the same body, streamed, fails before the stream
+        _check_400(httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=30))
+
+
+@pytest.mark.parametrize("case", list(BAD_CHAT), ids=list(BAD_CHAT))
+def test_bad_chat_request_is_400(server, case):
+    _check_400(httpx.post(server.url + "/v1/chat/completions", json={**CHAT_OK, **BAD_CHAT[case]}, timeout=30))
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'{"prompt": "a",}', "{\"prompt\": \"\xff\"}".encode("latin-1")])
+def test_malformed_json_is_400(server, raw):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        r = httpx.post(server.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
+        _check_400(r)
+
+
+def test_messages_name_the_problem(server):
+    msg = _check_400(httpx.post(server.url + "/v1/completions", json={**OK, "prompt": [VOCAB_SIZE]}))
+    assert str(VOCAB_SIZE) in msg and "range" in msg
+    msg = _check_400(httpx.post(server.url + "/v1/completions", json={**OK, "max_tokens": "ten"}))
+    assert "max_tokens" in msg
+    msg = _check_400(httpx.post(server.url + "/v1/completions", json={**OK, "prompt": [5] * (MAX_MODEL_LEN + 10)}))
+    assert "max_model_len" in msg or str(MAX_MODEL_LEN) in msg
+
+
+def test_unknown_model_is_404_and_openai_client_raises(server, client):
+    for path, body in (("/v1/completions", OK), ("/v1/chat/completions", CHAT_OK), ("/tokenize", {"prompt": "a"})):
+        r = httpx.post(server.url + path, json={**body, "model": "no-such-model"}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="a", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=SERVED_NAME, prompt="a", max_tokens=2, temperature=-1)
+    assert "temperature" in str(info.value)
+
+
+def test_still_serves_after_bad_requests(client):
+    out = client.completions.create(model=SERVED_NAME, prompt="hello world", max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4
