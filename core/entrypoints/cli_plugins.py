@@ -8,7 +8,8 @@ JSON keys: ``api_version``, ``plugins``, ``platforms``, ``attention_backends``,
 ``kernels``, ``quant_methods``, ``kv_connectors``, ``executors``, ``models``,
 ``selected_platform`` (+ ``selected_platform_error``), ``resolved_for``,
 ``resolved_kernels`` ({op: kernel name | null}), ``resolution_errors`` ({op: reason}),
-``resolved_attention_backend`` (+ ``attention_backend_error``).
+``resolved_attention_backend`` (+ ``attention_backend_error``, ``attention_backend_skipped``,
+``attention_problem``: the representative layer it was resolved for).
 
 Exit status: 0, including when a plugin failed (it is shown, not fatal); 1 when
 HALSERVE_PLUGINS / HALSERVE_DISABLE_PLUGINS name an unknown plugin or two plugins
@@ -104,9 +105,11 @@ def collect(manager: Any, platform: str | None = None) -> dict[str, Any]:
     kernels, errors = _resolve_kernels(manager, target)
     report["resolved_kernels"] = kernels
     report["resolution_errors"] = errors
-    backend, backend_error = _resolve_attention(manager, target)
+    backend, skipped, problem = _resolve_attention(manager, target)
     report["resolved_attention_backend"] = backend
-    report["attention_backend_error"] = backend_error
+    report["attention_backend_error"] = None if backend else "; ".join(skipped)
+    report["attention_backend_skipped"] = skipped if backend else []  # preferred ones passed over
+    report["attention_problem"] = problem
     return report
 
 
@@ -201,9 +204,10 @@ def _resolve_kernels(manager: Any, platform: str | None) -> tuple[dict[str, str 
     return kernels, errors
 
 
-def _resolve_attention(manager: Any, platform: str | None) -> tuple[str | None, str | None]:
+def _resolve_attention(manager: Any, platform: str | None) -> tuple[str | None, list[str], dict[str, Any]]:
+    """(backend name | None, reasons the platform's earlier preferences were passed over, problem)."""
     if platform is None:
-        return None, "no platform selected"
+        return None, ["no platform selected"], {}
     platform_cls = manager.platforms[platform].obj
     problem = {"dtype": getattr(platform_cls, "default_dtype", "float32"), **_ATTENTION_PROBLEM}
     reasons = []
@@ -220,9 +224,9 @@ def _resolve_attention(manager: Any, platform: str | None) -> tuple[str | None, 
         except Exception as exc:  # noqa: BLE001
             reason = f"supports() raised {type(exc).__name__}: {exc}"
         if reason is None:
-            return name, None
+            return name, reasons, problem
         reasons.append(f"{name}: {reason}")
-    return None, "; ".join(reasons) or f"platform {platform} prefers no attention backend"
+    return None, reasons or [f"platform {platform} prefers no attention backend"], problem
 
 
 # -- rendering -----------------------------------------------------------------------
@@ -286,7 +290,10 @@ def render(report: dict[str, Any]) -> str:
     )
     if target is not None:
         chosen = report["resolved_attention_backend"] or f"none ({report['attention_backend_error']})"
-        out.append(f"  on {target}: {chosen}")
+        where = ", ".join(f"{k}={v}" for k, v in report["attention_problem"].items())
+        out.append(f"  on {target} ({where}): {chosen}")
+        for reason in report["attention_backend_skipped"]:
+            out.append(f"    passed over {reason}")
 
     out += ["", f"Kernels (resolved on {target or 'no platform'})"]
     from halserve.kernels import OPS  # noqa: PLC0415 - cheap, and only when rendering

@@ -172,6 +172,9 @@ def test_explicit_unavailable_platform_still_shows_its_resolution(fake_manager) 
     assert report["resolved_kernels"]["gemm"] == "ref"  # "fast" runs on cpu only
     # fast_attn rejects bfloat16, so the next preference wins
     assert report["resolved_attention_backend"] == "ref_attn"
+    assert report["attention_problem"]["dtype"] == "bfloat16"  # gpulike's default dtype
+    (skipped,) = report["attention_backend_skipped"]
+    assert skipped.startswith("fast_attn: dtype bfloat16 not supported")
 
     unknown = cli_plugins.collect(fake_manager, "nosuch")
     assert unknown["selected_platform"] is None and unknown["resolved_for"] is None
@@ -191,7 +194,7 @@ def test_table(fake_manager, capsys) -> None:
     assert "gemm -> fast" in out
     assert "rms_norm -> none (" in out
     assert "AcmeForCausalLM" in out and "myquant" in out
-    assert "on cpu: none (torch: not registered)" in out
+    assert "on cpu (dtype=float32, head_size=128, block_size=16, num_heads=32, num_kv_heads=8): none (torch: not registered)" in out
 
 
 def test_table_with_platform_flag(fake_manager, capsys) -> None:
@@ -200,6 +203,7 @@ def test_table_with_platform_flag(fake_manager, capsys) -> None:
     assert "no platform selected" in out
     assert "Kernels (resolved on gpulike)" in out
     assert "gemm -> ref" in out
+    assert "): ref_attn" in out and "passed over fast_attn: dtype bfloat16 not supported" in out
 
 
 def test_conflict_exits_1(fake_manager, capsys) -> None:
