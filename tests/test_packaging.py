@@ -149,3 +149,52 @@ def test_installed_wheel_imports_and_runs(built: dict) -> None:
     assert plugins["cpu"]["status"] == "loaded"
     cpu_module = _run([str(python), "-c", "import halserve.platforms.cpu as m; print(m.__file__)"], cwd=built["work"]).stdout
     assert Path(cpu_module.strip()).resolve().is_relative_to(site.resolve())
+
+
+# -- README and CI ---------------------------------------------------------------------
+def _readme_commands() -> dict[str, str]:
+    """The README's labelled set-up commands: label -> the one command line in its block."""
+    text = (REPO / "README.md").read_text()
+    commands = {}
+    for chunk in text.split("Set-up command ")[1:]:
+        label = chunk.split(" ", 1)[0]  # "1" or "2"
+        block = chunk.split("```bash\n", 1)[1].split("```", 1)[0].strip()
+        assert "\n" not in block, f"set-up command {label} must be one line, got:\n{block}"
+        commands[label] = block
+    return commands
+
+
+def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one() -> None:
+    commands = _readme_commands()
+    assert commands == {
+        "1": "pip install torch==2.13.0 && pip install -e . && halserve serve",
+        "2": 'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest -q',
+    }
+    ci = (REPO / ".ci" / "run").read_text()
+    assert ci.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in ci
+    assert f"({commands['2']})" in ci
+
+
+@pytest.mark.parametrize(
+    ("pytest_output", "pytest_status", "ci_ok"),
+    [
+        ("3 passed, 1 skipped in 0.50s", 0, True),
+        ("1 failed, 2 passed in 0.50s", 1, False),
+        ("no tests ran in 0.01s", 5, False),
+    ],
+)
+def test_ci_run_fails_on_any_failure(tmp_path: Path, pytest_output: str, pytest_status: int, ci_ok: bool) -> None:
+    """.ci/run with pip and python replaced by stubs: its exit status and summary line."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "pip").write_text("#!/bin/sh\necho \"pip $*\"\n")
+    (shims / "python").write_text(f"#!/bin/sh\necho \"python $*\"\necho '{pytest_output}'\nexit {pytest_status}\n")
+    for shim in shims.iterdir():
+        shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}", "CI": "true"}
+    proc = subprocess.run(["bash", str(REPO / ".ci" / "run")], capture_output=True, text=True, env=env, timeout=60)
+    assert "python -m pytest -q" in proc.stdout
+    assert f"pytest summary: {pytest_output}" in proc.stdout
+    assert (proc.returncode == 0) is ci_ok, proc.stdout + proc.stderr
+    if not ci_ok:
+        assert "FAILED" in proc.stderr
