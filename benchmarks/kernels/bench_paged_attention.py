@@ -1,0 +1,113 @@
+"""Benchmark the triton_paged backend: decode bandwidth and prefill throughput.
+
+    python benchmarks/kernels/bench_paged_attention.py                 # H100 defaults
+    python benchmarks/kernels/bench_paged_attention.py --peak-gbps 4800 # H200
+    python benchmarks/kernels/bench_paged_attention.py --tiny          # CPU smoke run (Triton interpreter)
+
+Decode: ``--batch`` requests with ``--context`` cached tokens each, one new token. Figure of
+merit: achieved bandwidth = bytes of K and V read (the whole context of every request,
+every kv head) / time, and its share of ``--peak-gbps`` (H100 SXM: ~3350 GB/s).
+Prefill: ``--prefill-batch`` fresh prompts of ``--prefill-len`` tokens; TFLOP/s counts the
+causal half of QK^T and PV: 2 * 2 * (L^2 / 2) * head_size * num_heads per prompt.
+Each timed call is a full backend forward (the cache write of the step's K/V included).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+from timing import setup_device, time_ms
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def make_step(specs, *, num_heads, num_kv_heads, head_size, block_size, dtype, device, kv_cache_dtype):
+    """Inputs of one step: specs = [(num_cached, query_len)] per request; blocks in shuffled order."""
+    import torch
+
+    from halserve.attention_backends.base import AttentionMetadata
+
+    blocks_per_req = [math.ceil((c + n) / block_size) for c, n in specs]
+    num_blocks = sum(blocks_per_req)
+    perm = torch.randperm(num_blocks, dtype=torch.int32)
+    block_table = torch.zeros(len(specs), max(blocks_per_req), dtype=torch.int32)
+    slots, used = [], 0
+    for r, ((cached, n), nb) in enumerate(zip(specs, blocks_per_req)):
+        block_table[r, :nb] = perm[used : used + nb]
+        used += nb
+        for pos in range(cached, cached + n):
+            slots.append(int(block_table[r, pos // block_size]) * block_size + pos % block_size)
+    num_tokens = sum(n for _, n in specs)
+    cache_dtype = dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, device=device).to(cache_dtype)
+    q = torch.randn(num_tokens, num_heads, head_size, device=device, dtype=dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_size, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    qsl = torch.tensor([0] + [n for _, n in specs], dtype=torch.int32).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([c + n for c, n in specs], dtype=torch.int32)
+    md = AttentionMetadata(
+        num_actual_tokens=num_tokens, num_reqs=len(specs), max_query_len=max(n for _, n in specs),
+        max_seq_len=int(seq_lens.max()), query_start_loc=qsl.to(device), seq_lens=seq_lens.to(device),
+        block_table=block_table.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+    )
+    return q, k, v, kv_cache, md
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--num-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    p.add_argument("--prefill-batch", type=int, default=4)
+    p.add_argument("--prefill-len", type=int, default=2048)
+    p.add_argument("--peak-gbps", type=float, default=3350.0, help="HBM peak, GB/s (H100 SXM ~3350, H200 ~4800)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--tiny", action="store_true", help="tiny sizes, fp16: a smoke run that works on CPU")
+    args = p.parse_args()
+    device = setup_device()
+    if args.tiny:
+        args.batch, args.context, args.num_heads, args.num_kv_heads, args.head_size = 2, 64, 4, 2, 64
+        args.prefill_batch, args.prefill_len, args.iters = 1, 32, 1
+        args.dtype = "fp16" if args.dtype == "bf16" else args.dtype  # the interpreter cannot compute bf16
+
+    import torch
+
+    from halserve.attention_backends.triton_paged import TritonPagedAttentionBackend
+
+    dtype = getattr(torch, DTYPES[args.dtype])
+    backend = TritonPagedAttentionBackend(args.num_heads, args.head_size, args.head_size**-0.5, args.num_kv_heads,
+                                          kv_cache_dtype=args.kv_cache_dtype)
+    common = dict(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_size=args.head_size,
+                  block_size=args.block_size, dtype=dtype, device=device, kv_cache_dtype=args.kv_cache_dtype)
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (Triton interpreter)'}")
+
+    # decode: each request reads its whole context once per kv head
+    q, k, v, kv_cache, md = make_step([(args.context - 1, 1)] * args.batch, **common)
+    ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
+    kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_size * kv_cache.element_size()
+    gbps = kv_bytes / (ms * 1e-3) / 1e9
+    splits = backend.num_kv_splits(md, q.device)
+    print(
+        f"decode  batch={args.batch} context={args.context} heads={args.num_heads}/{args.num_kv_heads} "
+        f"d={args.head_size} {args.dtype} kv={args.kv_cache_dtype} splits={splits}: {ms:.3f} ms, "
+        f"{gbps:.1f} GB/s = {100 * gbps / args.peak_gbps:.1f}% of {args.peak_gbps:.0f} GB/s"
+    )
+
+    # prefill: fresh prompts, causal
+    q, k, v, kv_cache, md = make_step([(0, args.prefill_len)] * args.prefill_batch, **common)
+    ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
+    flops = args.prefill_batch * 2 * args.prefill_len**2 * args.head_size * args.num_heads
+    print(
+        f"prefill batch={args.prefill_batch} len={args.prefill_len} heads={args.num_heads}/{args.num_kv_heads} "
+        f"d={args.head_size} {args.dtype}: {ms:.3f} ms, {flops / (ms * 1e-3) / 1e12:.2f} TFLOP/s"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""The kernel benchmarks import and run (``--tiny``: CPU interpreter here, small on a GPU)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+@pytest.mark.parametrize("script,expect", [("bench_paged_attention.py", "GB/s"), ("bench_gemm.py", "TFLOP/s")])
+def test_benchmark_tiny_runs(script, expect):
+    path = os.path.join(ROOT, "benchmarks", "kernels", script)
+    result = subprocess.run([sys.executable, path, "--tiny"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert expect in result.stdout
