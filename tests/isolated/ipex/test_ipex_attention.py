@@ -201,3 +201,33 @@ def test_plugins_json_lists_ipex_backend():
     assert not xpu["available"]
     assert "no Intel GPU" in xpu["reason"], xpu["reason"]
     print("xpu:", xpu["reason"])
+
+
+# -- engine level -----------------------------------------------------------------------------
+
+
+def test_engine_greedy_matches_torch_backend_on_cpu(tmp_path):
+    """LLM on the CPU platform with attention_backend="ipex" produces the same greedy tokens
+    as the torch backend (float32, random-weight checkpoint, chunked prefill + prefix hits)."""
+    try:
+        from halserve import LLM, SamplingParams
+        from model_factory import make_checkpoint
+    except ImportError as exc:
+        pytest.skip(f"the engine or tests/model_factory.py is not there yet: {exc}")
+    import random
+
+    path = make_checkpoint(str(tmp_path / "ckpt"), "llama", num_heads=4, num_kv_heads=2)
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 500) for _ in range(40)]  # a shared prefix: prefix-cache hits
+    prompts = [shared + [rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 30)]
+    prompts += [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 16, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "ipex"):
+        llm = LLM(path, platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=32,
+                  attention_backend=backend, num_kv_blocks=64)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs[backend] = [o.outputs[0].token_ids for o in got]
+        del llm
+    for i, (a, b) in enumerate(zip(outs["torch"], outs["ipex"])):
+        assert a == b, f"prompt {i} (len {len(prompts[i])}): torch {a} vs ipex {b}"
