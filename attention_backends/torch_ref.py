@@ -17,9 +17,11 @@ Per layer (``forward``):
 Both read K/V back from the cache, so new tokens are seen exactly as later steps will
 see them (quantized, for fp8 caches). Masks depend only on the step and the sliding
 window, so they are built by the first layer that needs them and reused by the rest.
-SDPA with ``enable_gqa`` was the fastest decode option measured on CPU fp32
-(64 requests x 256 context x 12/4 heads x 64: ~35-45 ms vs ~80 ms for matmul+softmax);
-the explicit matmul path is kept for logits soft-capping, which SDPA cannot do.
+Measured on CPU fp32, one thread, 64 decodes x 256 context x 12/4 heads x 64: SDPA with
+``enable_gqa`` beat explicit matmul+softmax about 2x, and gathering into a per-step
+workspace instead of fresh tensors took a layer from ~70 ms to ~15 ms (page faults of
+multi-MB allocations dominated). The explicit matmul path (~40 ms) is kept for logits
+soft-capping, which SDPA cannot do.
 """
 from __future__ import annotations
 
@@ -130,13 +132,33 @@ class TorchAttentionBackend(AttentionBackend):
         # CPU has no index_copy_ for fp8: move the bytes through a uint8 view.
         flat.view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
 
-    def _read(self, cache: torch.Tensor, block_ids: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-        """Gather blocks: cache [num_blocks, B, Hk, D], block_ids [n] -> [n * B, Hk, D]."""
-        src = cache.view(torch.uint8) if self.fp8_dtype is not None else cache
-        out = src.index_select(0, block_ids).flatten(0, 1)
+    def _read(self, cache: torch.Tensor, block_ids: torch.Tensor, scale: float, dtype: torch.dtype,
+              workspace: torch.Tensor) -> torch.Tensor:
+        """Gather blocks: cache [num_blocks, B, Hk, D], block_ids [n] -> [n * B, Hk, D].
+
+        Writes into ``workspace`` (reused by every layer of the step): allocating a fresh
+        multi-MB tensor per layer costs more in page faults than the copy itself."""
+        n = block_ids.shape[0]
+        rows = cache.view(cache.shape[0], -1)  # [num_blocks, B * Hk * D]: one memcpy per block
+        out_shape = (n * cache.shape[1], self.num_kv_heads, self.head_size)
         if self.fp8_dtype is None:
-            return out
-        return out.view(self.fp8_dtype).to(dtype) * scale
+            out = workspace[: rows.shape[1] * n].view(n, -1)
+            torch.index_select(rows, 0, block_ids, out=out)
+            return out.view(out_shape)
+        raw = torch.index_select(rows.view(torch.uint8), 0, block_ids)  # [n, B * Hk * D] fp8 bytes
+        out = workspace[: raw.numel()].view(raw.shape)
+        out.copy_(raw.view(self.fp8_dtype)).mul_(scale)
+        return out.view(out_shape)
+
+    @staticmethod
+    def _workspace(meta: "TorchAttentionMetadata", name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A flat scratch buffer of at least ``numel`` elements, kept for the whole step."""
+        key = ("workspace", name, like.dtype, like.device)
+        buf = meta.cache.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            meta.cache[key] = buf
+        return buf
 
     # -- attention ----------------------------------------------------------------------
     def _attend(self, q, k, v, mask, is_causal=False):
@@ -148,18 +170,20 @@ class TorchAttentionBackend(AttentionBackend):
             )
         b, hq, lq, d = q.shape
         hk, lk = k.shape[1], k.shape[2]
-        qg = q.reshape(b, hk, hq // hk, lq, d).float()  # [B, Hk, G, Lq, D]
-        scores = torch.matmul(qg, k.float().unsqueeze(2).transpose(-1, -2)) * self.scale  # [B, Hk, G, Lq, Lk]
+        group = hq // hk
+        # the G query heads sharing a kv head become G * Lq rows: plain batched matmuls
+        qg = q.reshape(b, hk, group * lq, d).float()  # [B, Hk, G * Lq, D]
+        scores = torch.matmul(qg, k.float().transpose(-1, -2)) * self.scale  # [B, Hk, G * Lq, Lk]
         cap = self.logits_soft_cap
         scores = torch.tanh(scores / cap) * cap
         if is_causal:
             mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
         if mask is not None:
             mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))  # [B|1, 1, Lq, Lk]
-            scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, v.float().unsqueeze(2))  # [B, Hk, G, Lq, D]
-        return out.reshape(b, hq, lq, d).to(q.dtype)
+            scores = scores.view(b, hk, group, lq, lk).masked_fill(~mask.unsqueeze(2), float("-inf"))
+        probs = torch.softmax(scores.view(b, hk, group * lq, lk), dim=-1)
+        out = torch.matmul(probs, v.float())  # [B, Hk, G * Lq, D]
+        return out.view(b, hq, lq, d).to(q.dtype)
 
     def _decode_inputs(self, meta: TorchAttentionMetadata, block_size: int, device: torch.device):
         """(block_ids [Nd * nb], token_idx [Nd], mask [Nd, 1, 1, nb * B]) for this window; cached per step."""
@@ -226,17 +250,23 @@ class TorchAttentionBackend(AttentionBackend):
         if metadata.decode_req_indices:
             block_ids, token_idx, mask = self._decode_inputs(metadata, block_size, device)
             num_decodes = token_idx.shape[0]
-            # [Nd * nb * B, Hk, D] -> [Nd, Hk, L, D]
-            keys = self._read(key_cache, block_ids, k_scale, dtype).view(num_decodes, -1, self.num_kv_heads, self.head_size)
-            values = self._read(value_cache, block_ids, v_scale, dtype).view_as(keys)
+            numel = block_ids.shape[0] * key_cache[0].numel()
+            # [Nd * nb * B, Hk, D] -> [Nd, L, Hk, D]
+            keys = self._read(key_cache, block_ids, k_scale, dtype, self._workspace(metadata, "k", numel, q))
+            values = self._read(value_cache, block_ids, v_scale, dtype, self._workspace(metadata, "v", numel, q))
+            keys = keys.view(num_decodes, -1, self.num_kv_heads, self.head_size)
+            values = values.view_as(keys)
             q_dec = q.index_select(0, token_idx).unsqueeze(2)  # [Nd, Hq, 1, D]
             o = self._attend(q_dec, keys.transpose(1, 2), values.transpose(1, 2), mask)  # [Nd, Hq, 1, D]
             out.index_copy_(0, token_idx, o.squeeze(2))
         for span in metadata.prefills:
             block_ids, mask = self._prefill_inputs(metadata, span, block_size, device)
+            numel = block_ids.shape[0] * key_cache[0].numel()
+            keys = self._read(key_cache, block_ids, k_scale, dtype, self._workspace(metadata, "k", numel, q))
+            values = self._read(value_cache, block_ids, v_scale, dtype, self._workspace(metadata, "v", numel, q))
             # [nb * B, Hk, D] -> [1, Hk, seq_len, D]
-            keys = self._read(key_cache, block_ids, k_scale, dtype)[: span.seq_len].transpose(0, 1).unsqueeze(0)
-            values = self._read(value_cache, block_ids, v_scale, dtype)[: span.seq_len].transpose(0, 1).unsqueeze(0)
+            keys = keys[: span.seq_len].transpose(0, 1).unsqueeze(0)
+            values = values[: span.seq_len].transpose(0, 1).unsqueeze(0)
             q_pre = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
             o = self._attend(q_pre, keys, values, mask, is_causal=mask is None)
             out[span.token_start : span.token_end] = o.squeeze(0).transpose(0, 1)
