@@ -72,10 +72,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"halserve plugins: error: {exc}", file=sys.stderr)
         return 1
     report = collect(manager, args.platform)
-    if args.json:
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        print(render(report))
+    text = json.dumps(report, indent=2, default=str) if args.json else render(report)
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `halserve plugins | head`: the reader left, not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -88,3 +88,9 @@ def run_scenario(env: dict[str, str], resolve: tuple[str | None, ...] = ()) -> S
         data["json"]["rc"], data["json"]["stdout"], data["table"]["rc"], data["table"]["stdout"],
         data["resolve"], result.stderr,
     )
+
+
+def auto_detected(report: dict) -> str:
+    """What auto-detection must pick: the first available platform, highest priority first
+    (cpu on a CPU-only machine; cuda on a machine with an NVIDIA GPU)."""
+    return next(p["name"] for p in report["platforms"] if p["available"])
