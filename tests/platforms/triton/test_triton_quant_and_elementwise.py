@@ -44,12 +44,13 @@ def test_scaled_fp8_quant(dtype, mode, device):
     q_ref, s_ref = TorchScaledFp8Quant()(x, "float8_e4m3fn", scale, per_token)
     assert q.dtype == torch.float8_e4m3fn and s.shape == s_ref.shape
     torch.testing.assert_close(s.cpu(), s_ref)
-    # the interpreter's fp32->fp8 casts drop a rounding carry on a few % of values (triton#8322):
-    # exact on the rest, and a miss is at most 2x too small; bit-exact on a GPU (test below)
+    # the interpreter's fp32->fp8 casts are inexact on a few % of values (triton#8322): a dropped
+    # rounding carry (up to 2x too small) or a one-ulp miss (3 mantissa bits: 1/8 relative);
+    # exact on the rest, and bit-exact on a GPU (test below)
     exact = q.cpu().float() == q_ref.float()
     assert exact.float().mean() > 0.9
     ratio = q.cpu().float()[~exact] / q_ref.float()[~exact]
-    assert torch.all((ratio >= 0.5) & (ratio <= 1.0))
+    assert torch.all((ratio >= 0.5) & (ratio <= 1.0 + 1 / 8 + 1e-6)), ratio
 
 
 @pytest.mark.gpu
@@ -57,10 +58,11 @@ def test_scaled_fp8_quant(dtype, mode, device):
 def test_scaled_fp8_quant_exact_gpu(dtype, device):
     fp8 = "float8_e4m3fnuz" if torch.version.hip else "float8_e4m3fn"
     x = (torch.randn(64, 512) * 2).to(dtype)
-    q, s = TritonScaledFp8Quant()(x.to(device), fp8, None, True)
-    q_ref, s_ref = TorchScaledFp8Quant()(x, fp8, None, True)
-    torch.testing.assert_close(s.cpu(), s_ref)
-    assert torch.equal(q.cpu().float(), q_ref.float())
+    for scale, per_token in [(None, True), (None, False), (torch.tensor([0.01]), False)]:
+        q, s = TritonScaledFp8Quant()(x.to(device), fp8, None if scale is None else scale.to(device), per_token)
+        q_ref, s_ref = TorchScaledFp8Quant()(x, fp8, scale, per_token)
+        torch.testing.assert_close(s.cpu(), s_ref)
+        assert torch.equal(q.cpu().float(), q_ref.float())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
