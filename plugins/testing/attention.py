@@ -27,7 +27,11 @@ from halserve.plugins.testing.results import ConformanceReport
 from halserve.plugins.testing.target import INTERPRETER_BF16_REASON, Target, TargetResolver
 
 TOLERANCE = {"float32": 4e-4, "float16": 8e-3, "bfloat16": 6e-2}
-FP8_KV_TOLERANCE = {False: 3e-2, True: 1e-1}  # interpreter: its fp32->fp8 casts drop rounding carries
+FP8_KV_TOLERANCE = 3e-2
+INTERPRETER_FP8_REASON = (
+    "fp8 KV cache skipped under the Triton interpreter: its fp32->fp8 casts drop rounding carries "
+    "(triton#8322), so cache writes are not exact; this case runs compiled on a GPU"
+)
 WINDOW = 5
 FP8_SCALES = (0.5, 0.25)
 
@@ -115,6 +119,9 @@ def _run_scenario(report, subject, cls, sc: Scenario, dtype, head_size, block_si
     if target.interpreter and dtype == "bfloat16":
         report.add("attention", subject, label, "declined", INTERPRETER_BF16_REASON)
         return
+    if target.interpreter and sc.kv_cache_dtype != "auto":
+        report.add("attention", subject, label, "declined", INTERPRETER_FP8_REASON)
+        return
     fp8_platform = None
     if target.platform in resolver.manager.platforms:
         fp8_platform = resolver.manager.platforms[target.platform].obj.fp8_dtype
@@ -187,7 +194,7 @@ def run_and_compare(cls, sc: Scenario, dtype_name: str, head_size: int, block_si
         shape = klass.kv_cache_shape(num_blocks, block_size, hk, head_size)
         caches[key] = (torch.randn(shape, generator=g) * 3).to(cdtype).to(dev)  # garbage nobody may read
 
-    tol = FP8_KV_TOLERANCE[target.interpreter] if sc.kv_cache_dtype != "auto" else TOLERANCE[dtype_name]
+    tol = FP8_KV_TOLERANCE if sc.kv_cache_dtype != "auto" else TOLERANCE[dtype_name]
     worst_rel = 0.0
     for step_index, step in enumerate(sc.steps, start=1):
         q = torch.cat([qs[r][s : s + n] for r, s, n in step])

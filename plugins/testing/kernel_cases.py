@@ -102,7 +102,7 @@ def fp8_gemm_cases(quick: bool) -> list[KernelCase]:
         scales = "per-token x per-channel scales" if per_token else "per-tensor scales"
         cases.append(KernelCase(f"M={m} N={n} K={k} {fp8} {scales} -> {out}{' bias' if bias else ''}",
                                 {"dtype": fp8, "fp8_dtype": fp8, "n": n, "k": k}, make, 2 * TOLERANCE[out],
-                                dtypes=(out,)))
+                                dtypes=(out, fp8)))
     return cases
 
 
@@ -155,7 +155,7 @@ def fp8_quant_cases(quick: bool) -> list[KernelCase]:
             return [x, fp8, scale, mode == "dynamic per-token"], {}
 
         cases.append(KernelCase(f"[{m},{k}] {dtype} -> {fp8} {mode}", {"dtype": dtype, "fp8_dtype": fp8}, make,
-                                compare="fp8_quant", dtypes=(dtype,)))
+                                compare="fp8_quant", dtypes=(dtype, fp8)))
     return cases
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from halserve.plugins.testing.kernel_cases import CASES, KernelCase
 from halserve.plugins.testing.results import ConformanceReport
-from halserve.plugins.testing.target import INTERPRETER_BF16_REASON, TargetResolver
+from halserve.plugins.testing.target import TargetResolver, interpreter_decline
 
 FP8_QUANT_MISMATCH = {False: 0.01, True: 0.10}  # share of q values allowed to differ (interpreter: triton#8322)
 
@@ -64,8 +64,8 @@ def _run_case(report: ConformanceReport, subject: str, cls: type, reference: Any
     if not target.runnable:
         report.add("kernel", subject, case.label, "declined", target.reason)
         return
-    if target.interpreter and "bfloat16" in case.dtypes:
-        report.add("kernel", subject, case.label, "declined", INTERPRETER_BF16_REASON)
+    if target.interpreter and (why := interpreter_decline(case.dtypes)) is not None:
+        report.add("kernel", subject, case.label, "declined", why)
         return
     args, kwargs = case.make()
     want = reference(*_clone(args), **_clone(kwargs))

@@ -27,6 +27,20 @@ INTERPRETER_BF16_REASON = (
     "this case runs compiled on a GPU"
 )
 
+INTERPRETER_FNUZ_REASON = (
+    "float8_e4m3fnuz skipped under the Triton interpreter (it cannot convert fp8e4b8 to an IR type); "
+    "this case runs compiled on an MI300"
+)
+
+
+def interpreter_decline(dtypes: tuple[str, ...]) -> str | None:
+    """Why a case with these dtypes cannot run in the Triton interpreter, or None."""
+    if "bfloat16" in dtypes:
+        return INTERPRETER_BF16_REASON
+    if "float8_e4m3fnuz" in dtypes:
+        return INTERPRETER_FNUZ_REASON
+    return None
+
 
 @dataclass(frozen=True, slots=True)
 class Target:
