@@ -121,14 +121,19 @@ class TorchAttentionBackend(AttentionBackend):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported by the torch backend")
 
     # -- cache I/O ----------------------------------------------------------------------
+    def _cache_fp8(self, cache: torch.Tensor) -> torch.dtype:
+        """The fp8 flavour actually allocated (a platform may use e4m3fnuz for "fp8")."""
+        return cache.dtype if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point else self.fp8_dtype
+
     def _write(self, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, scale: float) -> None:
         """cache [num_blocks, block_size, Hk, D]; x [n, Hk, D]; slots [n]."""
         flat = cache.view(-1, self.num_kv_heads, self.head_size)  # [num_slots, Hk, D]
         if self.fp8_dtype is None:
             flat.index_copy_(0, slots, x.to(flat.dtype))
             return
-        fmax = torch.finfo(self.fp8_dtype).max
-        q = (x.float() / scale).clamp_(-fmax, fmax).to(self.fp8_dtype)
+        fp8 = self._cache_fp8(cache)
+        fmax = torch.finfo(fp8).max
+        q = (x.float() / scale).clamp_(-fmax, fmax).to(fp8)
         # CPU has no index_copy_ for fp8: move the bytes through a uint8 view.
         flat.view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
 
@@ -147,7 +152,7 @@ class TorchAttentionBackend(AttentionBackend):
             return out.view(out_shape)
         raw = torch.index_select(rows.view(torch.uint8), 0, block_ids)  # [n, B * Hk * D] fp8 bytes
         out = workspace[: raw.numel()].view(raw.shape)
-        out.copy_(raw.view(self.fp8_dtype)).mul_(scale)
+        out.copy_(raw.view(self._cache_fp8(cache))).mul_(scale)
         return out.view(out_shape)
 
     @staticmethod

@@ -1,9 +1,10 @@
 """Tensor-parallel state of this process and the collectives layers use.
 
 One rank (the default) needs no setup: every collective is a no-op. A multi-rank
-executor calls ``init_tensor_parallel(rank, size, group)`` in each worker after
-``torch.distributed.init_process_group`` (with the platform's ``dist_backend``) and
-before the model is built, because layers size their shards at construction.
+executor's workers call ``init_distributed(backend, init_method, rank, world_size)``
+(the platform's ``dist_backend``; e.g. ``tcp://127.0.0.1:<port>``) before the model is
+built, because layers size their shards at construction; it joins the process group and
+makes every rank one tensor-parallel group. ``destroy_distributed()`` undoes both.
 """
 from __future__ import annotations
 
@@ -37,6 +38,44 @@ def init_tensor_parallel(rank: int, size: int, group: Any = None) -> TensorParal
         )
     _state = TensorParallelState(rank=rank, size=size, group=group)
     return _state
+
+
+def init_distributed(backend: str, init_method: str | None, rank: int, world_size: int,
+                     timeout_s: float | None = None) -> TensorParallelState:
+    """Join the ``world_size``-rank process group and use all of it for tensor parallelism.
+
+    Called by each worker in ``init_device`` (one process per rank). ``init_method`` is a
+    torch.distributed URL every rank can reach (``tcp://host:port``); None reads the
+    ``env://`` variables (MASTER_ADDR, MASTER_PORT). Idempotent for the same rank/size.
+    """
+    import datetime
+
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} / world_size {world_size}: need 0 <= rank < world_size")
+    dist = torch.distributed
+    if not dist.is_available():
+        raise ValueError("torch.distributed is not available in this torch build; use tensor_parallel_size=1")
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise ValueError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, not rank {rank} of {world_size}"
+            )
+    else:
+        kwargs = {}
+        if timeout_s is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=rank,
+                                world_size=world_size, **kwargs)
+    return init_tensor_parallel(rank, world_size, group=None)
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (if any) and go back to a single rank. Idempotent."""
+    destroy_tensor_parallel()
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def destroy_tensor_parallel() -> None:
@@ -90,12 +129,14 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
 
 __all__ = [
     "TensorParallelState",
+    "destroy_distributed",
     "destroy_tensor_parallel",
     "divide",
     "get_tp_group",
     "get_tp_rank",
     "get_tp_size",
     "get_tp_state",
+    "init_distributed",
     "init_tensor_parallel",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
