@@ -1,0 +1,7 @@
+"""halserve-plugin-example: a complete, minimal halserve plugin for a (CPU-backed) device.
+
+Modules: ``plugin`` (the hooks halserve calls), ``platform`` (``ExamplePlatform``),
+``attention`` (``ExampleAttentionBackend``), ``kernels`` (``ExampleGemm``). Nothing here
+touches a device at import time: halserve imports this package on every start.
+"""
+__version__ = "0.1.0"

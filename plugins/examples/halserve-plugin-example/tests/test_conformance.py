@@ -1,0 +1,25 @@
+"""This plugin against halserve's conformance kit (run after installing the plugin).
+
+Same as ``halserve conformance example`` or ``pytest --halserve-conformance=example``.
+"""
+from __future__ import annotations
+
+from halserve.plugins import get_plugin_manager
+from halserve.plugins.testing import run_conformance
+
+
+def test_plugin_is_discovered_and_loaded():
+    record = get_plugin_manager().record("example")
+    assert record is not None, "halserve-plugin-example is not installed in this environment"
+    assert record.status == "loaded", record.error
+
+
+def test_conformance_kit_passes():
+    report = run_conformance("example", quick=True)
+    assert report.ok, report.table()
+    checked = {(r.check, r.subject) for r in report.results if r.status == "passed"}
+    # what this plugin contributes was really exercised, not declined
+    assert ("kernel", "gemm/example_gemm") in checked
+    assert ("attention", "example_attn") in checked
+    assert ("platform", "example") in checked
+    assert ("e2e", "example") in checked
