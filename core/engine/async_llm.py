@@ -310,12 +310,14 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Abort a request by its id (unknown or finished ids are ignored)."""
-        self._drop(request_id, abort_core=True)
+        state = self._drop(request_id, abort_core=True)
+        if state is not None:
+            self._record_finished(state, "abort")
 
-    def _drop(self, request_id: str, abort_core: bool) -> None:
+    def _drop(self, request_id: str, abort_core: bool) -> _RequestState | None:
         state = self._requests.pop(request_id, None)
         if state is None:
-            return
+            return None
         state.stream.finished = True
         for child_id in state.child_ids:
             self._child_to_parent.pop(child_id, None)
@@ -325,6 +327,7 @@ class AsyncLLM:
             logger.debug("output processor had no state for %s", request_id)
         if abort_core:
             self._input.put(("abort", list(state.child_ids)))
+        return state
 
     def _finish_aborted(self, request_id: str) -> None:
         """End a stream with a final output whose finish_reason is "abort" (shutdown)."""

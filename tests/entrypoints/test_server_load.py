@@ -1,0 +1,169 @@
+"""Concurrency, client disconnects, metrics consistency, SIGTERM under load."""
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from conftest import SERVED_NAME, ServerProcess, server_args
+
+PROMPTS = ["the quick brown fox", "tell me about paris", "hello world model", "once upon a time", "red green blue"]
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``/metrics`` as {"name{labels}": value} (label model_name dropped)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, value = line.rsplit(" ", 1)
+        key = re.sub(r',?model_name="[^"]*"', "", key).replace("{,", "{").replace("{}", "")
+        values[key] = float(value)
+    return values
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(url)
+        if m["halserve:num_requests_running"] == 0 and m["halserve:num_requests_waiting"] == 0:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout}s: {m}")
+        time.sleep(0.2)
+
+
+def test_64_concurrent_streams_and_32_disconnects(server, client, async_client_factory):
+    idle_kv = wait_idle(server.url)["halserve:kv_cache_usage_perc"]
+    max_tokens = 24
+    expected = {
+        p: client.completions.create(model=SERVED_NAME, prompt=p, max_tokens=max_tokens, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+        for p in PROMPTS
+    }
+
+    async def one(i: int, aclient) -> tuple[int, str | None]:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        close_early = i % 2 == 1
+        stream = await aclient.completions.create(
+            model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens if not close_early else 120,
+            temperature=0, stream=True, extra_body={"ignore_eos": True},
+        )
+        text = ""
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            if close_early and text:
+                await stream.close()  # the client goes away mid-stream
+                return i, None
+        return i, text
+
+    async def main():
+        aclient = async_client_factory()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(i, aclient) for i in range(64))), 240)
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    completed = [(i, text) for i, text in results if text is not None]
+    assert len(completed) == 32
+    for i, text in completed:
+        assert text == expected[PROMPTS[i % len(PROMPTS)]]
+    # the 32 closed streams were aborted: nothing left running, KV cache back to idle
+    after = wait_idle(server.url)
+    assert after["halserve:kv_cache_usage_perc"] == pytest.approx(idle_kv, abs=1e-9)
+    assert after['halserve:request_success_total{finished_reason="abort"}'] >= 32
+
+
+def test_non_streaming_disconnect_aborts(server):
+    body = {"model": SERVED_NAME, "prompt": "hello world", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    before = scrape(server.url)['halserve:request_success_total{finished_reason="abort"}']
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(0.3, connect=5))
+    deadline = time.monotonic() + 20
+    while scrape(server.url)['halserve:request_success_total{finished_reason="abort"}'] < before + 1:
+        assert time.monotonic() < deadline, "the abandoned request was not aborted"
+        time.sleep(0.1)
+    wait_idle(server.url)
+
+
+def test_metrics_agree_with_a_known_workload(server, client):
+    before = wait_idle(server.url)
+    returned = prompt_tokens = 0
+    for i, p in enumerate(PROMPTS):
+        out = client.completions.create(model=SERVED_NAME, prompt=p, max_tokens=3 + i, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        returned += out.usage.completion_tokens
+        prompt_tokens += out.usage.prompt_tokens
+    stream = client.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "hi"}],
+                                            max_completion_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    usage = [c.usage for c in stream if c.usage][-1]
+    returned += usage.completion_tokens
+    prompt_tokens += usage.prompt_tokens
+    after = wait_idle(server.url)
+    n = len(PROMPTS) + 1
+
+    def delta(key):
+        return after[key] - before[key]
+
+    assert delta("halserve:generation_tokens_total") == returned
+    assert delta("halserve:prompt_tokens_total") == prompt_tokens
+    assert delta("halserve:time_to_first_token_seconds_count") == n
+    assert delta("halserve:e2e_request_latency_seconds_count") == n
+    assert delta('halserve:request_success_total{finished_reason="length"}') == n
+    assert delta("halserve:inter_token_latency_seconds_count") == returned - n
+    assert delta("halserve:prefix_cache_queries_total") >= 0 and "halserve:num_preemptions_total" in after
+
+
+def test_sigterm_under_load_exits_zero_quickly(checkpoint, tmp_path):
+    srv = ServerProcess(server_args(checkpoint), str(tmp_path / "sigterm.log")).wait_ready()
+    proc = psutil.Process(srv.proc.pid)
+    children = proc.children(recursive=True)
+    body = {"model": SERVED_NAME, "prompt": "hello world", "max_tokens": 120, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    finish_reasons: list = []
+
+    async def one(aclient: httpx.AsyncClient):
+        reason = None
+        try:
+            async with aclient.stream("POST", srv.url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        import json
+
+                        choices = json.loads(line[6:]).get("choices") or []
+                        if choices and choices[0].get("finish_reason"):
+                            reason = choices[0]["finish_reason"]
+        except httpx.HTTPError:
+            reason = "connection closed"
+        finish_reasons.append(reason)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as aclient:
+            tasks = [asyncio.create_task(one(aclient)) for _ in range(16)]
+            deadline = time.monotonic() + 60
+            while scrape(srv.url)["halserve:num_requests_running"] < 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            start = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            rc = await asyncio.get_running_loop().run_in_executor(None, srv.proc.wait, 30)
+            elapsed = time.monotonic() - start
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            return rc, elapsed
+
+    try:
+        rc, elapsed = asyncio.run(main())
+    finally:
+        srv.stop()
+    assert rc == 0, srv.log()
+    assert elapsed < 10
+    assert len(finish_reasons) == 16 and "abort" in finish_reasons
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
