@@ -207,6 +207,12 @@ class IpexAttentionBackend(AttentionBackend):
         return -1 if self.sliding_window is None else self.sliding_window - 1
 
     @property
+    def _decode_window(self) -> int:
+        # single_query_cached_kv_attention counts the query's own key: window_size = W
+        # (measured: W - 1 drops one key).
+        return -1 if self.sliding_window is None else self.sliding_window
+
+    @property
     def _softcap(self) -> float:
         return -1.0 if not self.logits_soft_cap else float(self.logits_soft_cap)
 
@@ -226,8 +232,17 @@ class IpexAttentionBackend(AttentionBackend):
         v_act = v[:num_tokens].contiguous()
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         kv_dtype = _IPEX_KV_DTYPE[self.kv_cache_dtype]
+        scaled = kv_dtype != "auto" and (k_scale != 1.0 or v_scale != 1.0)
+        if scaled:
+            # IPEX (2.8, CPU) ignores k_scale/v_scale: it stores K/V unscaled and reads
+            # them back unscaled. Apply them ourselves, exactly, and pass 1.0: the cache
+            # holds K / k_scale and V / v_scale (what every backend stores), and
+            # (q * k_scale) . (K / k_scale) = q . K, attention is linear in V.
+            k_act = (k_act.float() / k_scale).to(k_act.dtype)
+            v_act = (v_act.float() / v_scale).to(v_act.dtype)
+            q_act = (q_act.float() * k_scale).to(q_act.dtype)
         _checked_reshape_and_cache(
-            k_act, v_act, key_cache, value_cache, metadata.slot_mapping, kv_dtype, k_scale, v_scale,
+            k_act, v_act, key_cache, value_cache, metadata.slot_mapping, kv_dtype, 1.0, 1.0,
             num_kv_heads=self.num_kv_heads, head_size=self.head_size,
         )
         out = torch.zeros_like(q)  # padded rows stay zero
@@ -238,7 +253,7 @@ class IpexAttentionBackend(AttentionBackend):
             _checked_single_query(
                 out_dec, q_dec, key_cache, value_cache, self.head_mapping(q.device), self.scale,
                 metadata.decode_block_table, metadata.decode_seq_lens, metadata.decode_max_seq_len,
-                window=self._window_left, k_scale=k_scale, v_scale=v_scale, softcap=self._softcap,
+                window=self._decode_window, k_scale=1.0, v_scale=1.0, softcap=self._softcap,
                 num_kv_heads=self.num_kv_heads, fp8=kv_dtype != "auto",
             )
             if metadata.decode_slice is not None:
@@ -252,13 +267,15 @@ class IpexAttentionBackend(AttentionBackend):
             _checked_varlen(
                 out_pre, q_pre, key_cache, value_cache, metadata.prefill_cu_seqlens_q, metadata.prefill_cu_seqlens_kv,
                 metadata.prefill_max_query_len, metadata.prefill_max_seq_len, self.scale, metadata.prefill_block_table,
-                window_left=self._window_left, kv_cache_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale,
+                window_left=self._window_left, kv_cache_dtype=kv_dtype, k_scale=1.0, v_scale=1.0,
                 softcap=self._softcap, num_kv_heads=self.num_kv_heads,
             )
             if metadata.prefill_slice is not None:
                 out[metadata.prefill_slice] = out_pre
             else:
                 out.index_copy_(0, metadata.prefill_token_idx, out_pre)
+        if scaled:
+            out = (out.float() * v_scale).to(out.dtype)
         return out
 
     def _check_kv_cache(self, kv_cache: "torch.Tensor", q: "torch.Tensor") -> None:

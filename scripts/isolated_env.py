@@ -261,10 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run", help="run a command inside the stack's venv (builds it if needed)")
     p.add_argument("stack", choices=sorted(STACKS))
     p.add_argument("--no-build", action="store_true", help="fail instead of building a missing venv")
-    p.add_argument("cmd", nargs=argparse.REMAINDER)
+    p.add_argument("cmd", nargs="*", help="the command (put it after --)")
     p = sub.add_parser("path", help="print the stack's venv path")
     p.add_argument("stack", choices=sorted(STACKS))
     sub.add_parser("list", help="list stacks, their venvs and whether they are built")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    tail: list[str] = []
+    if "--" in argv:  # everything after -- is the command, verbatim
+        cut = argv.index("--")
+        argv, tail = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
 
     if args.action == "ensure":
@@ -275,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if args.action == "run":
-        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        cmd = args.cmd + tail
         try:
             return run(args.stack, cmd, build=not args.no_build)
         except RuntimeError as exc:
