@@ -153,7 +153,9 @@ def test_stop_string_and_text(llm):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     full = llm.generate("the quick brown fox", params, use_tqdm=False)[0].outputs[0]
     tok = llm.get_tokenizer()
-    assert full.text == tok.decode(full.token_ids, skip_special_tokens=True)
+    # A trailing incomplete UTF-8 character is held back, never emitted as U+FFFD.
+    assert full.text == tok.decode(full.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+    assert "\ufffd" not in full.text[-1:]
     if len(full.text.strip()) < 4:
         pytest.skip("the random model produced too little text to cut a stop string from")
     stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
