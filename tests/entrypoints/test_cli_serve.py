@@ -1,0 +1,61 @@
+"""`halserve serve` startup failures: fast, clear, exit codes (no model is loaded)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def serve(*args: str, timeout: float = 60) -> tuple[int, str, float]:
+    start = time.monotonic()
+    from conftest import free_port
+
+    cmd = [sys.executable, "-m", "halserve.entrypoints.cli", "serve", *args]
+    if "--port" not in args:
+        cmd += ["--host", "127.0.0.1", "--port", str(free_port())]
+    proc = subprocess.Popen(cmd,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # it started serving: stop it and everything it spawned
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"halserve serve {' '.join(args)} did not fail:\n{out}") from None
+    return proc.returncode, out, time.monotonic() - start
+
+
+def test_unavailable_platform_fails_fast_with_the_probe_reason(checkpoint):
+    rc, out, elapsed = serve(checkpoint, "--platform", "rocm")
+    assert rc == 1 and elapsed < 30
+    assert "rocm" in out and "not available" in out and "torch.version.hip is None" in out
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"], "no such executor"),
+        (["--distributed-executor-backend", "nope"], "no such executor"),
+        (["--quantization", "no-such-quant"], "no quantization method"),
+        (["--attention-backend", "no-such-backend"], "no attention backend"),
+        (["--block-size", "3"], "power of two"),
+        (["--dtype", "int3"], "dtype"),
+        (["--chat-template", "/no/such/file.jinja"], "no such file"),
+        (["--kv-cache-memory", "lots"], "invalid size"),
+    ],
+)
+def test_unsupported_or_invalid_flags_exit_2(checkpoint, flags, expected):
+    rc, out, _ = serve(checkpoint, "--platform", "cpu", *flags)
+    assert rc == 2, out
+    assert expected in out
+
+
+def test_help_lists_groups_and_defaults():
+    proc = subprocess.run([sys.executable, "-m", "halserve.entrypoints.cli", "serve", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    for text in ("server:", "scheduler and KV cache:", "--enable-prefix-caching", "(default: 8000)", "--api-key"):
+        assert text in proc.stdout
