@@ -22,7 +22,7 @@ class CpuPlatform(Platform):
     supported_dtypes = ("float32", "bfloat16", "float16")
     default_dtype = "float32"
     fp8_dtype = None
-    preferred_attention_backends = ("torch",)
+    preferred_attention_backends = ("cpu_native", "torch")
     description = "CPU through torch (uses all cores by default)"
 
     @classmethod
@@ -61,3 +61,10 @@ def halserve_manifest() -> PluginManifest:
 @hookimpl
 def halserve_platforms() -> list[type]:
     return [CpuPlatform]
+
+
+@hookimpl
+def halserve_attention_backends() -> list[type]:
+    from halserve.attention_backends.cpu_native import CpuNativeAttentionBackend
+
+    return [CpuNativeAttentionBackend]
