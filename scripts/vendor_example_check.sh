@@ -3,8 +3,8 @@
 #   1. build its wheel; install it into a fresh venv (--system-site-packages: torch and halserve
 #      come from the system Python, nothing is installed there);
 #   2. `halserve plugins` lists it;  3. `halserve conformance example` passes;
-#   4. `halserve serve --platform example <tiny checkpoint>` answers a completion (then SIGTERM);
-#   5. the new-vendor path: copy the folder, rename everything "example" -> "acme" with sed,
+#   4. its own tests pass (pytest tests/);  5. `halserve serve --platform example <tiny checkpoint>` answers a completion (then SIGTERM);
+#   6. the new-vendor path: copy the folder, rename everything "example" -> "acme" with sed,
 #      build, install, and `halserve conformance acme` passes.
 # Usage: scripts/vendor_example_check.sh [--quick]     (--quick: trimmed conformance grids)
 # Env: PYTHON (default python3), KEEP_TMP=1 keeps the work folder. Exit 0 when every step passed.
@@ -36,7 +36,8 @@ for var in $(env | grep -o '^HALSERVE_[A-Z_]*' || true); do unset "$var"; done
 build_and_install() {  # $1 = source folder, $2 = name for logs
   local src="$1" name="$2"
   rm -rf "$WORK/wheels-$name"
-  "$VPY" -m pip wheel --quiet --no-deps --no-build-isolation --no-index -w "$WORK/wheels-$name" "$src" \
+  # built by the system Python (its setuptools + wheel); installed into the venv only
+  "$PYTHON" -m pip wheel --quiet --no-deps --no-build-isolation --no-index -w "$WORK/wheels-$name" "$src" \
     || fail "building the $name wheel failed"
   "$VPY" -m pip install --quiet --no-deps --no-index "$WORK/wheels-$name"/*.whl \
     || fail "installing the $name wheel into the venv failed"
@@ -69,6 +70,9 @@ print("plugin example:", plugin[0]["status"], plugin[0]["distribution"], plugin[
 
 step "halserve conformance example ${QUICK[*]}"
 "${HALSERVE[@]}" conformance example "${QUICK[@]}" || fail "halserve conformance example did not pass"
+
+step "the example's own tests (tests/test_conformance.py runs the kit)"
+"$VPY" -m pytest -q -p no:cacheprovider "$WORK/example-src/tests" || fail "the example plugin's own tests failed"
 
 step "halserve serve --platform example answers a completion"
 "$VPY" -m halserve.plugins.testing.tiny_model "$WORK/tiny" > /dev/null
