@@ -31,9 +31,10 @@ def halserve_attention_backends() -> list[type]:
 
 @hookimpl
 def halserve_executors() -> list[type]:
+    from halserve.executors.mp import MultiprocExecutor
     from halserve.executors.uni import UniExecutor
 
-    return [UniExecutor]
+    return [UniExecutor, MultiprocExecutor]
 
 
 @hookimpl

@@ -1,0 +1,163 @@
+"""The ``mp`` executor: real worker processes, real torch.distributed (gloo), tensor
+parallelism end to end on CPU. Engines are shared per module: starting worker
+processes (each imports torch) is the slow part."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import psutil
+import pytest
+
+from engine_helpers import hf_greedy
+
+NEW_TOKENS = 12
+PROMPT_LENGTHS = [1, 7, 16, 37, 70]  # under, at and over a block; 70 > the step budget: chunked
+ENGINE_KWARGS = dict(platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=64,
+                     num_kv_blocks=64, max_num_seqs=8)
+
+
+def _greedy(max_tokens: int = NEW_TOKENS):
+    from halserve import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _generate(llm, prompts, params) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _children() -> set[int]:
+    """Our descendant processes, zombies included (a zombie is a child nobody reaped)."""
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """num_heads 4, num_kv_heads 2: two ranks hold two q heads and one kv head each."""
+    from model_factory import make_checkpoint
+
+    path = make_checkpoint(str(tmp_path_factory.mktemp("llama_tp")), "llama", num_layers=2, num_heads=4,
+                           num_kv_heads=2, attention_bias=True, mlp_bias=True)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return path, prompts
+
+
+@pytest.fixture(scope="module")
+def tp2_llm(llama):
+    from halserve import LLM
+
+    path, _ = llama
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE_KWARGS)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def _executor_of(llm):
+    return llm.llm_engine.core.executor
+
+
+def _attention_layout(worker) -> tuple:
+    """Run in a worker: (local q heads, local kv heads, KV cache shape) of its first layer."""
+    layer = worker.model_runner.model.attention_layers[0]
+    return layer.num_heads, layer.num_kv_heads, tuple(layer.kv_cache.shape)
+
+
+def test_mp_is_registered_and_default_for_several_ranks(tp2_llm):
+    from halserve.executors.mp import MultiprocExecutor
+    from halserve.plugins import get_plugin_manager
+
+    assert get_plugin_manager().executors["mp"].obj is MultiprocExecutor
+    executor = _executor_of(tp2_llm)
+    assert isinstance(executor, MultiprocExecutor)
+    assert len(executor.worker_pids) == 2
+    assert set(executor.worker_pids) <= _children()
+    executor.check_health()
+    # each rank holds half the q heads and one of the two kv heads; its KV cache only that one
+    layouts = executor.collective_rpc(_attention_layout)
+    assert [(q, kv) for q, kv, _ in layouts] == [(2, 1), (2, 1)]
+    from halserve.attention_backends.torch_ref import TorchAttentionBackend
+
+    expected_shape = TorchAttentionBackend.kv_cache_shape(64, 16, 1, 16)  # num_kv_blocks=64, head_size 64/4
+    assert [shape for _, _, shape in layouts] == [expected_shape] * 2
+
+
+def test_tp2_greedy_matches_tp1_and_transformers(llama, tp2_llm):
+    from halserve import LLM
+
+    path, prompts = llama
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    tp1 = LLM(path, **ENGINE_KWARGS)
+    try:
+        got_tp1 = _generate(tp1, prompts, _greedy())
+    finally:
+        tp1.llm_engine.shutdown()
+    got_tp2 = _generate(tp2_llm, prompts, _greedy())
+    assert got_tp1 == expected
+    for i, (g, e) in enumerate(zip(got_tp2, expected)):
+        assert g == e, f"tp=2 prompt {i} (len {len(prompts[i])}) differs from transformers"
+
+
+def test_tp2_seeded_sampling_is_reproducible(llama, tp2_llm):
+    """Random sampling: the ranks must agree on every token (the executor checks each step)
+    and a seeded request gives the same tokens every time."""
+    from halserve import SamplingParams
+
+    _, prompts = llama
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=8, ignore_eos=True)
+    first = _generate(tp2_llm, prompts, params)
+    second = _generate(tp2_llm, prompts[::-1], params)[::-1]
+    assert first == second
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    assert all(len(t) == 8 for t in _generate(tp2_llm, prompts, unseeded))
+
+
+def test_tp2_worker_death_raises_and_shutdown_leaves_no_children(llama, tp2_llm):
+    from halserve.executors.mp import WorkerDiedError
+
+    _, prompts = llama
+    executor = _executor_of(tp2_llm)
+    executor.check_health()
+    pids = executor.worker_pids
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pid \d+\) (died|could not be sent)"):
+        _generate(tp2_llm, prompts[:1], _greedy(2))
+    assert time.monotonic() - start < 30, "a dead worker must be reported, not waited for"
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        executor.check_health()
+    with pytest.raises(WorkerDiedError, match="unusable"):
+        executor.execute_model(None)  # every later call fails at once, before sending anything
+    tp2_llm.llm_engine.shutdown()
+    assert not set(pids) & _children(), "shutdown must stop and reap every worker"
+    executor.shutdown()  # idempotent
+    tp2_llm.llm_engine.shutdown()
+
+
+def test_mp_with_one_rank(llama):
+    """``distributed_executor_backend="mp"`` with one rank: a single worker process."""
+    from halserve import LLM
+    from halserve.executors.mp import MultiprocExecutor, WorkerDiedError
+
+    path, prompts = llama
+    llm = LLM(path, tensor_parallel_size=1, distributed_executor_backend="mp", **ENGINE_KWARGS)
+    executor = _executor_of(llm)
+    pids = executor.worker_pids
+    try:
+        assert isinstance(executor, MultiprocExecutor) and len(pids) == 1
+        assert _generate(llm, prompts[:2], _greedy(4)) == [e[:4] for e in hf_greedy(path, prompts[:2], 4)]
+        # a failing call on the worker comes back as the worker's own exception type
+        with pytest.raises(AttributeError, match="no_such_method"):
+            executor.collective_rpc("no_such_method")
+        executor.check_health()  # a failed call that every rank answered leaves it usable
+    finally:
+        executor.shutdown()
+    assert not set(pids) & _children()
+    executor.shutdown()
+    llm.llm_engine.shutdown()
+    with pytest.raises(WorkerDiedError, match="shut down"):
+        executor.collective_rpc("attention_backend_name")
