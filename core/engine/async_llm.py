@@ -357,11 +357,11 @@ class AsyncLLM:
                     break
                 if core.has_unfinished_requests():
                     outputs = core.step()
-                    stats = core.get_stats()
+                    # Published from this thread only, so a newer snapshot is never
+                    # overwritten by an older one still queued for the event loop.
+                    self._stats = core.get_stats()
                     if outputs:
-                        self._call_in_loop(self._on_outputs, outputs, stats)
-                    else:
-                        self._stats = stats
+                        self._call_in_loop(self._on_outputs, outputs)
                 else:
                     self._stats = core.get_stats()
         except BaseException as exc:  # noqa: BLE001 - report to every stream, never hang them
@@ -407,8 +407,7 @@ class AsyncLLM:
             pass
 
     # ------------------------------------------------------------------ asyncio side
-    def _on_outputs(self, core_outputs: list[Any], stats: EngineStats) -> None:
-        self._stats = stats
+    def _on_outputs(self, core_outputs: list[Any]) -> None:
         # Outputs of requests aborted meanwhile (the core had not seen the abort yet).
         live = [o for o in core_outputs if o.request_id in self._child_to_parent]
         if not live:

@@ -257,6 +257,12 @@ def run(args: argparse.Namespace) -> int:
 
     gc.collect()
     gc.freeze()
+    # `kill -USR1 <pid>` prints every thread's stack (diagnosing a stuck server).
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     metrics = ServerMetrics(served[0], engine.get_stats)
     engine.stat_observers.append(metrics)
     serving = OpenAIServing(engine, served, model_path=getattr(engine.model_info, "model_path", None) or model, chat_template=chat_template)
