@@ -96,8 +96,10 @@ def _loc_to_param(loc: tuple | list) -> str | None:
     return "".join(parts) or None
 
 
-def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """One readable message (and the first offending param) for pydantic errors."""
+def validation_message(errors: list[dict[str, Any]], hints: dict[str, str] | None = None) -> tuple[str, str | None]:
+    """One readable message (and the first offending param) for pydantic errors.
+    ``hints`` maps a union-typed field to what it accepts, instead of one complaint per
+    union branch."""
     if not errors:
         return "invalid request", None
     lines = []
@@ -106,7 +108,10 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     for err in errors:
         param = _loc_to_param(err.get("loc", ()))
         first_param = first_param or param
+        root = str(param or "").split("[")[0].split(".")[0]
         msg = str(err.get("msg", "invalid value"))
+        if hints and root in hints and err.get("type", "").endswith("_type"):
+            param, msg = root, f"must be {hints[root]}"
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
         key = f"{param}: {msg}" if param else msg
@@ -132,7 +137,7 @@ def parse_body(model: type, raw: bytes) -> Any:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        message, param = validation_message(exc.errors(include_url=False))
+        message, param = validation_message(exc.errors(include_url=False), getattr(model, "type_hints", None))
         raise BadRequestError(message, param=param) from None
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,6 +45,11 @@ class OpenAIModel(BaseModel):
     """Base of request bodies: strict types, unknown fields ignored (and logged)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
+    # union-typed fields -> what they accept (for readable 400 messages)
+    type_hints: ClassVar[dict[str, str]] = {
+        "prompt": "a string, a list of strings, a list of token ids (integers) or a list of such lists",
+        "stop": "a string or a list of strings",
+    }
 
     @model_validator(mode="after")
     def _log_unknown(self) -> "OpenAIModel":
