@@ -208,6 +208,13 @@ class AsyncLLM:
             self._shutdown_core()
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
+    def request_shutdown(self) -> None:
+        """Schedule ``shutdown()`` on the engine's event loop; safe from any thread or a
+        signal handler."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.shutdown()))
+
     def _shutdown_core(self) -> None:
         try:
             self.engine_core.shutdown()

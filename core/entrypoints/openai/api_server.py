@@ -6,7 +6,6 @@ FastAPI) so malformed JSON and wrong types are OpenAI-shaped 400s.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
@@ -164,9 +163,7 @@ def _make_server(config: Any, engine: "AsyncLLM", url: str, served: str) -> Any:
             super().handle_exit(sig, frame)
             if first:
                 logger.info("received %s: aborting in-flight requests and shutting down", signal.Signals(sig).name)
-                loop = engine._loop
-                if loop is not None and not loop.is_closed():
-                    loop.call_soon_threadsafe(lambda: asyncio.ensure_future(engine.shutdown()))
+                engine.request_shutdown()
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets=sockets)
