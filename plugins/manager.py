@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Iterable, Literal
@@ -43,6 +44,13 @@ CONTRIBUTION_HOOKS = {
 }
 
 
+# Deprecated hooks: name -> (plugin API version that deprecated it, what to implement instead).
+# A deprecated hook keeps working for at least one full API version (docs/plugins.md);
+# a plugin implementing one gets a DeprecationWarning, recorded on its PluginRecord and
+# shown by `halserve plugins`. Plugin API 1 deprecates nothing yet.
+DEPRECATED_HOOKS: dict[str, tuple[int, str]] = {}
+
+
 class PluginSelectionError(ValueError):
     """HALSERVE_PLUGINS / HALSERVE_DISABLE_PLUGINS names a plugin that does not exist."""
 
@@ -56,6 +64,7 @@ class PluginRecord:
     manifest: PluginManifest | None = None
     error: str | None = None  # one-line reason, for listings
     traceback: str | None = None  # summary of the failure, for `halserve plugins`
+    warnings: list[str] = field(default_factory=list)  # deprecations and other warnings at load
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -67,6 +76,7 @@ class PluginRecord:
             "target": self.target,
             "status": self.status,
             "error": self.error,
+            "warnings": list(self.warnings),
         }
 
 
@@ -146,6 +156,13 @@ class PluginManager:
             )
             logger.warning("halserve plugin refused: %s", record.error)
             return
+        for hook, (since, replacement) in DEPRECATED_HOOKS.items():
+            if getattr(plugin, hook, None) is not None:
+                warnings.warn(
+                    f"plugin {name!r} implements {hook}, deprecated since plugin API {since}; {replacement}",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
         contributions: list[tuple[str, str, Any]] = []
         try:
             for hook, kind in CONTRIBUTION_HOOKS.items():
@@ -233,14 +250,20 @@ def discover() -> PluginManager:
         if (allow is not None and ep.name not in allow) or (block is not None and ep.name in block):
             record.status = "disabled"
             continue
-        try:
-            plugin = ep.load()
-        except BaseException as exc:  # a plugin may even sys.exit() at import
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            _fail(record, exc)
-            continue
-        manager.load_plugin(ep.name, plugin, record)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                plugin = ep.load()
+            except BaseException as exc:  # a plugin may even sys.exit() at import
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                _fail(record, exc)
+                plugin = None
+            if plugin is not None:
+                manager.load_plugin(ep.name, plugin, record)
+        for w in caught:
+            record.warnings.append(f"{w.category.__name__}: {w.message}")
+            logger.warning("halserve plugin %r: %s: %s", ep.name, w.category.__name__, w.message)
     return manager
 
 

@@ -260,6 +260,8 @@ def render(report: dict[str, Any]) -> str:
         )
     )
     for p in report["plugins"]:
+        for w in p.get("warnings") or []:
+            out.append(f"  plugin {p['name']!r} warning: {w}")
         if p["status"] == "failed" and p.get("traceback"):
             out.append(f"\n  plugin {p['name']!r} failed:")
             out.extend("    " + line for line in p["traceback"].rstrip().splitlines())

@@ -160,7 +160,7 @@ def test_resolution_on_the_selected_platform(fake_manager) -> None:
     assert "no kernel for awq_gemm is registered for platform cpu" in report["resolution_errors"]["awq_gemm"]
     # CpuPlatform prefers ("torch",), which this manager does not register
     assert report["resolved_attention_backend"] is None
-    assert report["attention_backend_error"] == "torch: not registered"
+    assert report["attention_backend_error"] == "cpu_native: not registered; torch: not registered"
 
 
 def test_explicit_unavailable_platform_still_shows_its_resolution(fake_manager) -> None:
@@ -194,7 +194,7 @@ def test_table(fake_manager, capsys) -> None:
     assert "gemm -> fast" in out
     assert "rms_norm -> none (" in out
     assert "AcmeForCausalLM" in out and "myquant" in out
-    assert "on cpu (dtype=float32, head_size=128, block_size=16, num_heads=32, num_kv_heads=8): none (torch: not registered)" in out
+    assert "on cpu (dtype=float32, head_size=128, block_size=16, num_heads=32, num_kv_heads=8): none (cpu_native: not registered; torch: not registered)" in out
 
 
 def test_table_with_platform_flag(fake_manager, capsys) -> None:
@@ -241,3 +241,27 @@ def test_real_command_in_a_subprocess() -> None:
     table = run_halserve("plugins", env=clean_env())
     assert table.returncode == 0, table.stderr
     assert "Platforms (* = selected)" in table.stdout
+
+
+def test_deprecated_hook_warns_and_is_listed(monkeypatch):
+    """A plugin implementing a deprecated hook still loads, with the warning on its record."""
+    import types
+
+    from halserve.plugins import PluginManifest, hookimpl, manager as manager_mod
+    from halserve.plugins.manager import PluginManager, PluginRecord
+
+    monkeypatch.setitem(manager_mod.DEPRECATED_HOOKS, "halserve_old_thing", (1, "implement halserve_platforms instead"))
+    plugin = types.SimpleNamespace(
+        halserve_manifest=hookimpl(lambda: PluginManifest(name="old", version="1", api=">=1,<2")),
+        halserve_old_thing=lambda: None,
+    )
+    mgr = PluginManager()
+    record = PluginRecord(name="old", target="old", distribution=None)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr.load_plugin("old", plugin, record)
+    assert record.status == "loaded"
+    assert any("deprecated since plugin API 1" in str(w.message) for w in caught)
+    assert "warnings" in record.to_json()
