@@ -102,6 +102,25 @@ def test_tp2_greedy_matches_tp1_and_transformers(llama, tp2_llm):
         assert g == e, f"tp=2 prompt {i} (len {len(prompts[i])}) differs from transformers"
 
 
+def test_tp2_replicated_kv_head_tied_odd_vocab(tmp_path):
+    """More ranks than kv heads (one kv head, replicated on both ranks), qkv bias (Qwen2),
+    tied embeddings and a vocabulary that does not split evenly (padded vocab shards)."""
+    from halserve import LLM
+    from model_factory import make_checkpoint
+
+    path = make_checkpoint(str(tmp_path), "qwen2", num_layers=2, num_heads=4, num_kv_heads=1, vocab_size=515,
+                           tie_word_embeddings=True)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 515) for _ in range(n)] for n in (1, 9, 33)]
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE_KWARGS)
+    try:
+        assert [kv for _, kv, _ in _executor_of(llm).collective_rpc(_attention_layout)] == [1, 1]
+        got = _generate(llm, prompts, _greedy(8))
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == hf_greedy(path, prompts, 8)
+
+
 def test_tp2_seeded_sampling_is_reproducible(llama, tp2_llm):
     """Random sampling: the ranks must agree on every token (the executor checks each step)
     and a seeded request gives the same tokens every time."""
