@@ -108,6 +108,10 @@ class Platform:
 
         torch.manual_seed(seed)
 
+    model_runner_cls: ClassVar[str] = "halserve.worker.model_runner:ModelRunner"
+    """(optional) "module:Class" of the model runner this platform's workers use; XLA
+    platforms need one that pads steps to static shapes."""
+
     def check_and_update_config(self, config: Any) -> None:
         """Adjust an EngineConfig for this platform (optional) default: resolve ``dtype``.
 

@@ -33,6 +33,7 @@ class TpuPlatform(Platform):
     fp8_dtype = None
     preferred_attention_backends = ("xla", "torch")
     description = "Google TPUs (torch-xla / PJRT; Pallas ragged paged attention)"
+    model_runner_cls = "halserve.worker.xla_model_runner:XlaModelRunner"
 
     @classmethod
     def _probe(cls) -> ProbeResult:

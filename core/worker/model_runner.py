@@ -16,6 +16,7 @@ full records only for new or resumed requests and diffs for the rest.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -37,6 +38,20 @@ logger = logging.getLogger(__name__)
 
 # kv_cache_dtype -> torch dtype name ("fp8" is the platform's e4m3 flavour)
 _FP8_KV = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's flattened inputs, on the host; the runner moves them to the device."""
+
+    req_ids: list[str]  # batch order
+    states: list["CachedRequestState"]
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    common: AttentionMetadata  # host tensors
+    seq_lens: np.ndarray  # [R] context length after this step
+    sample_rows: list[int]  # requests that sample a token this step
+    logits_indices: torch.Tensor  # [len(sample_rows)] their last token in the batch
 
 
 @dataclass(slots=True)
@@ -202,11 +217,20 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    @torch.inference_mode()
+    # Gradient mode of a step; XLA cannot run under inference_mode, so its runner overrides.
+    grad_mode = staticmethod(torch.inference_mode)
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(out)
-        if out.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+        with self.grad_mode():
+            self._update_states(out)
+            if out.is_empty:
+                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+            step = self._prepare_inputs(out)
+            logits = self._forward(step) if step.sample_rows else None
+            return self._sample(step, logits)
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> "StepInputs":
+        """Host-side (numpy/CPU tensors) flattened inputs of one step."""
         req_ids = [r.req_id for r in out.scheduled_new_reqs] + [r.req_id for r in out.scheduled_cached_reqs]
         states = [self.requests[i] for i in req_ids]
         num_reqs = len(states)
@@ -236,9 +260,6 @@ class ModelRunner:
         # Requests that reach the end of their known tokens produce a new token.
         num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
         sample_mask = seq_lens >= num_tokens
-        logits_indices = query_start_loc[1:][sample_mask] - 1
-
-        dev = self.device
         qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
         seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
         common = AttentionMetadata(
@@ -246,41 +267,60 @@ class ModelRunner:
             num_reqs=num_reqs,
             max_query_len=int(num_sched.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
-            block_table=torch.from_numpy(block_table).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=qsl_cpu,
+            seq_lens=seq_lens_cpu,
+            block_table=torch.from_numpy(block_table),
+            slot_mapping=torch.from_numpy(slot_mapping),
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens_cpu,
         )
-        attn_metadata = self.attn_backend_cls.build_metadata(common)
-        input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
-        positions_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+        return StepInputs(
+            req_ids=req_ids,
+            states=states,
+            input_ids=torch.tensor(token_ids, dtype=torch.long),
+            positions=torch.from_numpy(positions),
+            common=common,
+            seq_lens=seq_lens,
+            sample_rows=[r for r in range(num_reqs) if sample_mask[r]],
+            logits_indices=torch.from_numpy(query_start_loc[1:][sample_mask] - 1),
+        )
 
+    def _forward(self, step: "StepInputs") -> torch.Tensor:
+        """Run the model on the step; logits [len(sample_rows), vocab] float32."""
+        dev = self.device
+        c = step.common
+        common = dataclasses.replace(
+            c,
+            query_start_loc=c.query_start_loc.to(dev, non_blocking=True),
+            seq_lens=c.seq_lens.to(dev, non_blocking=True),
+            block_table=c.block_table.to(dev, non_blocking=True),
+            slot_mapping=c.slot_mapping.to(dev, non_blocking=True),
+        )
+        attn_metadata = self.attn_backend_cls.build_metadata(common)
         from halserve.forward_context import set_forward_context
 
         with set_forward_context(attn_metadata):
-            hidden = self.model(input_ids, positions_t)
-        sampled_rows = [r for r in range(num_reqs) if sample_mask[r]]
+            hidden = self.model(step.input_ids.to(dev, non_blocking=True), step.positions.to(dev, non_blocking=True))
+        return self.model.compute_logits(hidden.index_select(0, step.logits_indices.to(dev)))
+
+    def _sample(self, step: "StepInputs", logits: torch.Tensor | None) -> ModelRunnerOutput:
+        num_reqs = len(step.states)
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs: list = [None] * num_reqs
-        if sampled_rows:
-            idx = torch.from_numpy(logits_indices).to(dev)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
-            rows = [states[r] for r in sampled_rows]
-            meta = self._sampling_metadata(rows)
-            tokens, row_logprobs = self.sampler(logits, meta)
+        if logits is not None:
+            rows = [step.states[r] for r in step.sample_rows]
+            tokens, row_logprobs = self.sampler(logits, self._sampling_metadata(rows, logits.device))
             tokens = tokens.tolist()
-            for j, r in enumerate(sampled_rows):
-                tok = int(tokens[j])
+            for j, r in enumerate(step.sample_rows):
+                tok = tokens[j]
                 sampled_token_ids[r] = [tok]
-                states[r].output_token_ids.append(tok)
+                step.states[r].output_token_ids.append(tok)
                 logprobs[r] = row_logprobs[j] if row_logprobs else None
-        for r, state in enumerate(states):
-            state.num_computed_tokens = int(seq_lens[r])
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs)
+        for r, state in enumerate(step.states):
+            state.num_computed_tokens = int(step.seq_lens[r])
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs)
 
-    def _sampling_metadata(self, rows: list[CachedRequestState]):
+    def _sampling_metadata(self, rows: list[CachedRequestState], device: torch.device):
         from halserve.sampling import SamplingMetadata
 
         return SamplingMetadata.build(
@@ -289,5 +329,5 @@ class ModelRunner:
             output_token_ids=[s.output_token_ids for s in rows],
             eos_token_ids=self.info.eos_token_ids,
             vocab_size=self.info.vocab_size,
-            device=self.device,
+            device=device,
         )

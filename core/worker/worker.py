@@ -2,6 +2,7 @@
 runner caches each running request), driven by an executor through ``collective_rpc``."""
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -53,7 +54,9 @@ class Worker:
                 world_size=self.world_size,
             )
         self.platform.seed_everything(self.config.seed)
-        self.model_runner = ModelRunner(self.config, self.platform, self.model_info)
+        module, _, cls_name = self.platform.model_runner_cls.partition(":")
+        runner_cls = getattr(importlib.import_module(module), cls_name)
+        self.model_runner = runner_cls(self.config, self.platform, self.model_info)
 
     def load_model(self) -> None:
         self.model_runner.load_model()

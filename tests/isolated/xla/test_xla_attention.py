@@ -233,47 +233,54 @@ def test_tpu_available_on_xla_cpu_only_with_the_test_switch():
 # -- engine level -----------------------------------------------------------------------------
 
 
-def _engine_greedy(path, platform, prompts):
-    from halserve import LLM, SamplingParams
+def _engine(path, platform):
+    from halserve import LLM
 
-    llm = LLM(path, platform=platform, dtype="float32", block_size=16, max_num_batched_tokens=32, num_kv_blocks=32)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    return LLM(path, platform=platform, dtype="float32", block_size=16, max_num_batched_tokens=32, max_num_seqs=8,
+               num_kv_blocks=32)
+
+
+def _greedy(llm, prompts, max_tokens=6):
+    from halserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in got]
 
 
-def test_engine_on_the_tpu_platform_matches_the_cpu_platform(tmp_path, monkeypatch):
-    """The whole engine on the tpu platform (XLA CPU device, test switch on, xla attention
-    backend) gives the CPU platform's greedy tokens."""
-    try:
-        from model_factory import make_checkpoint
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from model_factory import make_checkpoint
 
-        from halserve.worker.model_runner import ModelRunner
-    except ImportError as exc:
-        pytest.skip(f"the engine or tests/model_factory.py is not there yet: {exc}")
+    return make_checkpoint(str(tmp_path_factory.mktemp("ckpt")), "llama", num_heads=4, num_kv_heads=2)
+
+
+def test_engine_on_the_tpu_platform_matches_the_cpu_platform(tiny_checkpoint, monkeypatch):
+    """The whole engine on the tpu platform (XLA CPU device, test switch on, xla attention
+    backend, bucketed XLA model runner) gives the CPU platform's greedy tokens."""
     import random
 
     monkeypatch.setenv("HALSERVE_TPU_ALLOW_XLA_CPU", "1")
-    # torch-xla cannot run under torch.inference_mode ("Cannot set version_counter for
-    # inference tensor"); until the runner picks no_grad on XLA, run its step under no_grad.
-    wrapped = getattr(ModelRunner.execute_model, "__wrapped__", None)
-    if wrapped is not None:
-        monkeypatch.setattr(ModelRunner, "execute_model", torch.no_grad()(wrapped))
-    path = make_checkpoint(str(tmp_path / "ckpt"), "llama", num_heads=4, num_kv_heads=2)
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 30)]
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 30, 45)]
+    tpu_llm = _engine(tiny_checkpoint, "tpu")
+    assert tpu_llm.llm_engine.core.executor.collective_rpc("attention_backend_name")[0] == "xla"
+    assert _greedy(tpu_llm, prompts) == _greedy(_engine(tiny_checkpoint, "cpu"), prompts)
+
+
+def test_engine_compilations_within_the_bucket_bound(tiny_checkpoint, monkeypatch):
+    """Runs with varied batch sizes and prompt lengths compile at most one graph per
+    (token bucket, request bucket) pair."""
+    import random
+
+    monkeypatch.setenv("HALSERVE_TPU_ALLOW_XLA_CPU", "1")
+    llm = _engine(tiny_checkpoint, "tpu")
+    rng = random.Random(1)
     before = _compile_count()
-    on_tpu = _engine_greedy(path, "tpu", prompts)
+    for batch in (1, 3, 8, 5, 2, 7):
+        prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))] for _ in range(batch)]
+        _greedy(llm, prompts, max_tokens=rng.randrange(2, 8))
     compiles = _compile_count() - before
-    on_cpu = _engine_greedy(path, "cpu", prompts)
-    print(f"tpu platform on XLA CPU: {on_tpu}; {compiles} graph compilations (runner not bucketed yet)")
-    assert on_tpu == on_cpu
-
-
-def test_engine_compilations_within_the_bucket_bound():
-    import importlib.util
-
-    if importlib.util.find_spec("halserve.worker.xla_model_runner") is None:
-        pytest.skip("the model runner does not pad steps to halserve.worker.xla_buckets yet (the XLA model runner "
-                    "is not integrated): the per-bucket bound is checked at backend level in "
-                    "test_graph_compilations_stay_within_the_bucket_bound")
+    bound = max_num_graphs(32, 8)
+    print(f"{compiles} graph compilations over 6 varied runs; bucket bound {bound}")
+    assert 0 < compiles <= bound
