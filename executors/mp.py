@@ -70,7 +70,8 @@ def _num_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _error_reply(rank: int, method: str, exc: BaseException) -> tuple:
+def _error_reply(exc: BaseException) -> tuple:
+    """("error", pickled exception or None, one-line summary, formatted traceback)."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         payload = pickle.dumps(exc)
@@ -111,7 +112,7 @@ def _worker_main(conn, config, platform_name: str, model_info, rank: int, world_
                     result = result.sampled_token_ids
                 reply = ("ok", result)
             except BaseException as exc:  # reported to the engine, which decides
-                reply = _error_reply(rank, method, exc)
+                reply = _error_reply(exc)
             try:
                 conn.send(reply)
             except (EOFError, OSError):
@@ -244,17 +245,39 @@ class MultiprocExecutor(Executor):
 
     def _gather(self, method) -> list[Any]:
         """Each rank's reply to ``method``, in rank order; raises the first rank's error."""
-        from multiprocessing.connection import wait
-
         method = getattr(method, "__name__", method)
         replies: dict[int, tuple] = {}
+        try:
+            self._collect_replies(method, replies)
+        except BaseException:
+            # A dead rank, a timeout, Ctrl-C: replies may still come down the pipes, and the
+            # next call would take them for its own. So there is no next call.
+            if self._failure is None and len(replies) < self.world_size:
+                self._failure = f"{method!r} was interrupted before every rank answered"
+            raise
+        errors = [(r, rep) for r, rep in sorted(replies.items()) if rep[0] == "error"]
+        if errors:
+            rank, (_, payload, summary, tb) = errors[0]
+            if len(replies) < self.world_size or method == "execute_model":
+                # other ranks are stuck in (or went past) a collective the failed one left
+                self._failure = f"worker rank {rank} failed in {method!r}: {summary}"
+            exc = pickle.loads(payload) if payload is not None else RuntimeError(
+                f"worker rank {rank} failed in {method!r}: {summary}")
+            exc.add_note(f"(raised in {method!r} by worker rank {rank} of the mp executor)")
+            raise exc from _RemoteTraceback(f"\n(worker rank {rank})\n{tb}")
+        return [replies[r][1] for r in range(self.world_size)]
+
+    def _collect_replies(self, method: str, replies: dict[int, tuple]) -> None:
+        """Fill ``replies`` (rank -> reply) until every rank answered, waiting on the pipes
+        and the processes' sentinels together. Once one rank answered with an error the
+        others get ``_ERROR_GRACE_S``; a rank that exits raises ``WorkerDiedError``."""
+        from multiprocessing.connection import wait
+
         start = time.monotonic()
         first_error_at: float | None = None
         while len(replies) < self.world_size:
             pending = [r for r in range(self.world_size) if r not in replies]
-            deadline = None
-            if self.rpc_timeout_s is not None:
-                deadline = start + self.rpc_timeout_s
+            deadline = None if self.rpc_timeout_s is None else start + self.rpc_timeout_s
             if first_error_at is not None:
                 grace_end = first_error_at + _ERROR_GRACE_S
                 deadline = grace_end if deadline is None else min(deadline, grace_end)
@@ -269,31 +292,19 @@ class MultiprocExecutor(Executor):
                                  f"{self.rpc_timeout_s}s (HALSERVE_MP_RPC_TIMEOUT_S)")
                 raise WorkerDiedError(self._failure)
             for rank in sorted({handles[h] for h in ready}):
-                conn = self._conns[rank]
                 try:
-                    has_reply = conn.poll()
-                    reply = conn.recv() if has_reply else None
+                    reply = self._conns[rank].recv() if self._conns[rank].poll() else None
                 except (EOFError, OSError):
                     reply = None
-                if reply is None:
+                if reply is None:  # only the sentinel was ready: the process is gone
                     self._procs[rank].join(0.5)
                     self._fail(rank, f"died during {method!r}")
                 replies[rank] = reply
                 if reply[0] == "error" and first_error_at is None:
                     first_error_at = time.monotonic()
-        errors = [(r, rep) for r, rep in sorted(replies.items()) if rep[0] == "error"]
-        if errors:
-            for rank in range(self.world_size):
-                if rank not in replies and self._has_exited(rank):
-                    self._fail(rank, f"died during {method!r}")  # the cause of the others' errors
-            rank, (_, payload, summary, tb) = errors[0]
-            if len(replies) < self.world_size or method == "execute_model":
-                # some ranks are stuck in (or past) a collective the failed one left: unusable
-                self._failure = f"worker rank {rank} failed in {method!r}: {summary}"
-            exc = pickle.loads(payload) if payload is not None else RuntimeError(
-                f"worker rank {rank} failed in {method!r}: {summary}")
-            raise exc from _RemoteTraceback(f"\n(worker rank {rank})\n{tb}")
-        return [replies[r][1] for r in range(self.world_size)]
+        for rank in range(self.world_size):
+            if rank not in replies and self._has_exited(rank):
+                self._fail(rank, f"died during {method!r}")  # the cause of the others' errors
 
     # -- lifecycle -------------------------------------------------------------------
     def shutdown(self) -> None:

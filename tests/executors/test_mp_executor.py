@@ -180,3 +180,39 @@ def test_mp_with_one_rank(llama):
     llm.llm_engine.shutdown()
     with pytest.raises(WorkerDiedError, match="shut down"):
         executor.collective_rpc("attention_backend_name")
+
+
+_ENGINE_SCRIPT = """
+import sys, time
+if __name__ == "__main__":  # "spawn" workers import the main module
+    from halserve import LLM
+    llm = LLM(sys.argv[1], platform="cpu", dtype="float32", tensor_parallel_size=2, num_kv_blocks=16)
+    print("PIDS", *llm.llm_engine.core.executor.worker_pids, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_workers_exit_when_the_engine_process_is_killed(llama, tmp_path):
+    """No orphans even without shutdown or atexit: a worker leaves when its pipe closes."""
+    import subprocess
+    import sys
+
+    path, _ = llama
+    script = tmp_path / "engine.py"
+    script.write_text(_ENGINE_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), path], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()  # blocks until the engine is up (or the script died)
+        assert line.startswith("PIDS"), f"engine script failed (exit code {proc.poll()})"
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    assert alive == [], f"orphaned workers {alive}"
