@@ -104,7 +104,7 @@ def test_wheel_holds_every_subpackage(built: dict) -> None:
                 assert f"{package.replace('.', '/')}/{module.name}" in names, f"{module} is not in the wheel"
         # package data (the bundled demo model and chat template) when present in the tree
         for package, patterns in kwargs.get("package_data", {}).items():
-            top_folder = built["src"] / kwargs["package_dir"][package]
+            top_folder = _package_folder(built["src"], package, kwargs["package_dir"])
             for pattern in patterns:
                 for path in glob.glob(str(top_folder / pattern)):
                     if os.path.isfile(path):
