@@ -1,29 +1,31 @@
-"""The CPU platform's default backend: the torch backend with a native decode kernel.
+"""The CPU platform's default backend: a native C++ paged decode kernel over a cache
+layout made for it, with prefills through torch's SDPA.
 
-Decodes are most of a serving step's attention, and in plain torch they need every
-request's blocks gathered into a contiguous copy first (tens of MB per layer per step).
-This backend runs decodes with a C++ kernel (``halserve.platforms.cpu_kernels``) that
-reads K/V straight from the paged cache; prefills, the cache write and everything the
-kernel does not cover (fp16/bf16, fp8 caches) go through the torch backend it extends,
-so both always agree. If the kernel cannot be built here, every step uses the torch path
-and a warning says why.
+Cache layout (per layer): ``[2, num_blocks, num_kv_heads, block_size * head_size]``::
+
+    keys   [blk, h] viewed as [head_size, block_size]   (transposed: tokens innermost)
+    values [blk, h] viewed as [block_size, head_size]   (a row per token)
+
+With keys transposed, the decode kernel scores the block_size tokens of a block with
+head_size vector FMAs and no horizontal sums (the gather-then-SDPA path of the torch
+backend copies every request's blocks each layer instead). Prefills gather their blocks
+and run SDPA, like the torch backend whose masks and metadata this backend reuses.
+float32 only; other dtypes and fp8 caches use the torch backend (the platform's next
+preference). The kernel is compiled on first use (``halserve.platforms.cpu_kernels``).
 """
 from __future__ import annotations
-
-import dataclasses
-import logging
 
 import torch
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend, TorchAttentionMetadata
 
-logger = logging.getLogger(__name__)
-
 
 class CpuNativeAttentionBackend(TorchAttentionBackend):
     name = "cpu_native"
     platforms = ("cpu",)
-    description = "torch prefill + a native C++ paged decode kernel (float32, auto KV dtype); built on first use"
+    dtypes = ("float32",)
+    kv_cache_dtypes = ("auto",)
+    description = "native C++ paged decode (transposed-key cache layout) + SDPA prefill; float32; built on first use"
 
     @classmethod
     def _supports(cls, **config) -> str | None:
@@ -31,38 +33,61 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
 
         return toolchain_missing()
 
+    @classmethod
+    def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, num_kv_heads, block_size * head_size)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._kernel = None
-        if self.fp8_dtype is None:
-            from halserve.platforms import cpu_kernels
+        from halserve.platforms import cpu_kernels
 
-            self._kernel = cpu_kernels.load()
-            if self._kernel is None:
-                logger.warning("cpu_native: decoding through the torch path: %s", cpu_kernels.load_error())
+        self._kernel = cpu_kernels.load()
+        if self._kernel is None:
+            raise RuntimeError(
+                f"the cpu_native attention backend could not build its kernel: {cpu_kernels.load_error()}; "
+                "use attention_backend='torch' (or HALSERVE_ATTENTION_BACKEND=torch)"
+            )
 
-    def forward(self, q, k, v, kv_cache, metadata, k_scale: float = 1.0, v_scale: float = 1.0):
-        if self._kernel is None or q.dtype != torch.float32 or not metadata.decode_req_indices:
-            return super().forward(q, k, v, kv_cache, metadata, k_scale, v_scale)
-        # The torch backend writes the cache and runs the prefills; decodes are ours.
-        no_decodes = metadata.cache.get("cpu_native_no_decodes")
-        if no_decodes is None:
-            no_decodes = dataclasses.replace(metadata, decode_req_indices=[], decode_token_indices=[])
-            no_decodes.cache = metadata.cache
-            metadata.cache["cpu_native_no_decodes"] = no_decodes
-        out = super().forward(q, k, v, kv_cache, no_decodes, k_scale, v_scale)
-        token_idx, block_table, seq_lens = self._decode_rows(metadata)
-        q_dec = q.index_select(0, token_idx)  # [Nd, Hq, D]
-        o = self._kernel.paged_decode(
-            q_dec, kv_cache[0], kv_cache[1], block_table, seq_lens, self.scale,
-            self.sliding_window or 0, self.logits_soft_cap or 0.0,
-        )
-        out.index_copy_(0, token_idx, o)
+    def _views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        num_blocks = kv_cache.shape[1]
+        block_size = kv_cache.shape[3] // self.head_size
+        keys = kv_cache[0].view(num_blocks, self.num_kv_heads, self.head_size, block_size)
+        values = kv_cache[1].view(num_blocks, self.num_kv_heads, block_size, self.head_size)
+        return keys, values, block_size
+
+    def forward(self, q, k, v, kv_cache, metadata: TorchAttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0):
+        """q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D]."""
+        if q.dtype != torch.float32:
+            raise ValueError(f"cpu_native runs float32 only, got {q.dtype}; use the torch attention backend")
+        n = metadata.num_actual_tokens
+        keys, values, block_size = self._views(kv_cache)
+        slots = metadata.slot_mapping[:n].long()
+        blk, off = slots // block_size, slots % block_size
+        keys[blk, :, :, off] = k[:n]  # [T, Hk, D] into [blk, h, :, off]
+        values[blk, :, off, :] = v[:n]
+
+        out = torch.zeros_like(q)
+        if metadata.decode_req_indices:
+            token_idx, block_table, seq_lens = self._decode_rows(metadata)
+            o = self._kernel.paged_decode(
+                q.index_select(0, token_idx), kv_cache, block_table, seq_lens, block_size, self.scale,
+                self.sliding_window or 0, self.logits_soft_cap or 0.0,
+            )
+            out.index_copy_(0, token_idx, o)
+        for span in metadata.prefills:
+            block_ids, mask = self._prefill_inputs(metadata, span, block_size, q.device)
+            # [nb, Hk, D, B] -> [1, Hk, nb * B, D];  [nb, Hk, B, D] -> [1, Hk, nb * B, D]
+            kk = keys.index_select(0, block_ids).permute(1, 0, 3, 2).reshape(self.num_kv_heads, -1, self.head_size)
+            vv = values.index_select(0, block_ids).transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)
+            kk, vv = kk[:, : span.seq_len].unsqueeze(0), vv[:, : span.seq_len].unsqueeze(0)
+            q_pre = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+            o = self._attend(q_pre, kk, vv, mask, is_causal=mask is None)
+            out[span.token_start : span.token_end] = o.squeeze(0).transpose(0, 1)
         return out
 
     @staticmethod
     def _decode_rows(meta: TorchAttentionMetadata):
-        """(token index [Nd], block table rows [Nd, nb] int32, seq_lens [Nd] int32), once per step."""
+        """(token index [Nd], block-table rows [Nd, nb] int32, seq_lens [Nd] int32), once per step."""
         hit = meta.cache.get("cpu_native_rows")
         if hit is None:
             rows = torch.tensor(meta.decode_req_indices, dtype=torch.long)
@@ -70,5 +95,5 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             block_table = meta.block_table.index_select(0, rows).contiguous()
             seq_lens = meta.seq_lens.index_select(0, rows).contiguous()
             hit = (token_idx, block_table, seq_lens)
-            meta.cache["cpu_native_rows"] = hit
+            meta.cache[("cpu_native_rows")] = hit
         return hit

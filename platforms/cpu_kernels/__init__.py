@@ -38,10 +38,10 @@ def load() -> object | None:
         try:
             from torch.utils.cpp_extension import load as load_ext
 
-            src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_decode.cpp")
+            src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attention.cpp")
             logger.info("building halserve's native CPU attention kernel (once per machine)")
             _module = load_ext(
-                name="halserve_cpu_paged_decode",
+                name="halserve_cpu_paged_attention",
                 sources=[src],
                 extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
                 verbose=False,

@@ -32,42 +32,53 @@ def _step(query_lens, seq_lens, block_size, num_blocks, gen):
     )
 
 
+def _run(backend_cls, steps, num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, gen_seed):
+    gen = torch.Generator().manual_seed(gen_seed)
+    backend = backend_cls(num_heads, head_size, head_size**-0.5, num_kv_heads, **kwargs)
+    cache = torch.zeros(backend_cls.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size))
+    outs = []
+    for meta_args in steps:
+        t = meta_args.num_actual_tokens
+        q = torch.randn(t, num_heads, head_size, generator=gen)
+        k = torch.randn(t, num_kv_heads, head_size, generator=gen)
+        v = torch.randn(t, num_kv_heads, head_size, generator=gen)
+        outs.append(backend.forward(q, k, v, cache, backend_cls.build_metadata(meta_args)))
+    return outs
+
+
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_size,block_size,window,soft_cap",
     [(4, 4, 64, 16, None, None), (8, 2, 64, 16, None, None), (6, 1, 32, 4, None, None),
      (8, 2, 80, 16, 9, None), (4, 2, 64, 8, None, 30.0), (12, 4, 128, 32, 20, 5.0)],
 )
 def test_matches_torch_backend(num_heads, num_kv_heads, head_size, block_size, window, soft_cap):
+    """Step 1 prefills every request's history; step 2 mixes decodes, a fresh prefill and
+    a chunked prefill over the cached prefix. Each backend fills its own cache layout."""
     gen = torch.Generator().manual_seed(num_heads * 31 + head_size)
-    # decodes of various lengths mixed with a fresh prefill and a chunked prefill after a prefix
-    query_lens = [1, 9, 1, 1, 5, 1]
-    seq_lens = [1, 9, 37, 16, 40, 70]
+    history = [1, 1, 36, 15, 35, 69]          # cached before step 2
+    query_lens = [1, 9, 1, 1, 5, 1]           # step 2
+    seq_lens = [h + q for h, q in zip(history, query_lens)]
     num_blocks = len(query_lens) * -(-max(seq_lens) // block_size) + 5
-    meta_args = _step(query_lens, seq_lens, block_size, num_blocks, gen)
-    shape = TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-    cache = torch.randn(shape, generator=gen)  # the cached prefix: random history
-    t = sum(query_lens)
-    q = torch.randn(t, num_heads, head_size, generator=gen)
-    k = torch.randn(t, num_kv_heads, head_size, generator=gen)
-    v = torch.randn(t, num_kv_heads, head_size, generator=gen)
+    step2 = _step(query_lens, seq_lens, block_size, num_blocks, gen)
+    # step 1: the same block tables, each request computing its history in one prefill
+    step1 = AttentionMetadata(
+        num_actual_tokens=sum(history), num_reqs=len(history), max_query_len=max(history),
+        max_seq_len=max(history), query_start_loc=torch.tensor([0] + history).cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor(history, dtype=torch.int32), block_table=step2.block_table,
+        slot_mapping=torch.tensor([int(step2.block_table[r, p // block_size]) * block_size + p % block_size
+                                   for r, h in enumerate(history) for p in range(h)], dtype=torch.int64),
+        query_start_loc_cpu=torch.tensor([0] + history).cumsum(0).to(torch.int32),
+        seq_lens_cpu=torch.tensor(history, dtype=torch.int32),
+    )
     kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
-    ref = TorchAttentionBackend(num_heads, head_size, head_size**-0.5, num_kv_heads, **kwargs)
-    nat = CpuNativeAttentionBackend(num_heads, head_size, head_size**-0.5, num_kv_heads, **kwargs)
-    assert nat._kernel is not None, cpu_kernels.load_error()
-    cache_ref, cache_nat = cache.clone(), cache.clone()
-    want = ref.forward(q, k, v, cache_ref, TorchAttentionBackend.build_metadata(meta_args))
-    got = nat.forward(q, k, v, cache_nat, CpuNativeAttentionBackend.build_metadata(meta_args))
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-    assert torch.equal(cache_ref, cache_nat)
+    args = (num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, 7)
+    want = _run(TorchAttentionBackend, [step1, step2], *args)
+    got = _run(CpuNativeAttentionBackend, [step1, step2], *args)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
-def test_non_float32_falls_back_to_torch_path():
-    gen = torch.Generator().manual_seed(0)
-    meta_args = _step([1, 1], [5, 17], 16, 8, gen)
-    cache = torch.randn(TorchAttentionBackend.kv_cache_shape(8, 16, 2, 64), generator=gen).to(torch.bfloat16)
-    q = torch.randn(2, 4, 64, generator=gen).to(torch.bfloat16)
-    k = torch.randn(2, 2, 64, generator=gen).to(torch.bfloat16)
-    ref = TorchAttentionBackend(4, 64, 0.125, 2).forward(q, k, k, cache.clone(), TorchAttentionBackend.build_metadata(meta_args))
-    got = CpuNativeAttentionBackend(4, 64, 0.125, 2).forward(q, k, k, cache.clone(),
-                                                            CpuNativeAttentionBackend.build_metadata(meta_args))
-    assert torch.equal(got, ref)
+def test_declines_what_it_does_not_run():
+    assert CpuNativeAttentionBackend.supports(dtype="bfloat16", head_size=64, block_size=16)
+    assert CpuNativeAttentionBackend.supports(dtype="float32", head_size=64, block_size=16, kv_cache_dtype="fp8")
+    assert CpuNativeAttentionBackend.supports(dtype="float32", head_size=64, block_size=16) is None
