@@ -226,8 +226,9 @@ class ModelRunner:
             if out.is_empty:
                 return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
             step = self._prepare_inputs(out)
-            logits = self._forward(step) if step.sample_rows else None
-            return self._sample(step, logits)
+            # The forward runs even when nothing samples (a prefill chunk): it writes the KV cache.
+            logits = self._forward(step)
+            return self._sample(step, logits if step.sample_rows else None)
 
     def _prepare_inputs(self, out: SchedulerOutput) -> "StepInputs":
         """Host-side (numpy/CPU tensors) flattened inputs of one step."""
@@ -285,8 +286,9 @@ class ModelRunner:
             logits_indices=torch.from_numpy(query_start_loc[1:][sample_mask] - 1),
         )
 
-    def _forward(self, step: "StepInputs") -> torch.Tensor:
-        """Run the model on the step; logits [len(sample_rows), vocab] float32."""
+    def _forward(self, step: "StepInputs") -> torch.Tensor | None:
+        """Run the model on the step (writing its K/V); logits [len(sample_rows), vocab]
+        float32, or None when no request samples this step."""
         dev = self.device
         c = step.common
         common = dataclasses.replace(
@@ -301,6 +303,8 @@ class ModelRunner:
 
         with set_forward_context(attn_metadata):
             hidden = self.model(step.input_ids.to(dev, non_blocking=True), step.positions.to(dev, non_blocking=True))
+        if not step.sample_rows:
+            return None
         return self.model.compute_logits(hidden.index_select(0, step.logits_indices.to(dev)))
 
     def _sample(self, step: "StepInputs", logits: torch.Tensor | None) -> ModelRunnerOutput:

@@ -40,5 +40,7 @@ class XlaModelRunner(ModelRunner):
         # [R_pad, vocab]: the last token of every (padded) request
         logits = self.model.compute_logits(hidden.index_select(0, padded.logits_indices.to(dev)))
         torch_xla.sync()
+        if not step.sample_rows:  # a prefill chunk: the step only wrote the KV cache
+            return None
         logits = logits.cpu()
         return logits.index_select(0, torch.tensor(step.sample_rows, dtype=torch.long))
