@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import SERVED_NAME
+from server_utils import SERVED_NAME
 from halserve.bench.serve import RequestResult, compute_metrics, format_table
 
 

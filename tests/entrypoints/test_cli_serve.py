@@ -12,7 +12,7 @@ import pytest
 
 def serve(*args: str, timeout: float = 60) -> tuple[int, str, float]:
     start = time.monotonic()
-    from conftest import free_port
+    from server_utils import free_port
 
     cmd = [sys.executable, "-m", "halserve.entrypoints.cli", "serve", *args]
     if "--port" not in args:

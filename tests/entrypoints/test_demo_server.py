@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from conftest import ServerProcess
+from server_utils import ServerProcess
 from halserve.demo import DEMO_MODEL_NAME, is_correct, make_problem
 
 

@@ -5,7 +5,7 @@ import json
 
 import httpx
 
-from conftest import MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
+from server_utils import MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
 
 PROMPT = "the quick brown fox"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me about paris"}]

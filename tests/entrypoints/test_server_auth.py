@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import SERVED_NAME, ServerProcess, server_args
+from server_utils import SERVED_NAME, ServerProcess, server_args
 
 
 @pytest.fixture(scope="module")

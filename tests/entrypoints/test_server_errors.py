@@ -7,7 +7,7 @@ import pytest
 
 import httpx
 
-from conftest import MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
+from server_utils import MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
 
 OK = {"model": SERVED_NAME, "prompt": "hello world", "max_tokens": 3}
 CHAT_OK = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3}

@@ -10,7 +10,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import SERVED_NAME, ServerProcess, server_args
+from server_utils import SERVED_NAME, ServerProcess, server_args
 
 PROMPTS = ["the quick brown fox", "tell me about paris", "hello world model", "once upon a time", "red green blue"]
 
@@ -82,20 +82,21 @@ def test_64_concurrent_streams_and_32_disconnects(server, client, async_client_f
 
 
 def test_non_streaming_disconnect_aborts(server):
-    # 8 prompts x 120 tokens keep the server busy well past the client's 0.15 s timeout
-    body = {"model": SERVED_NAME, "prompt": ["hello world"] * 8, "max_tokens": 120, "temperature": 0,
+    # 64 prompts x 120 tokens keep the server busy well past the client's 0.05 s timeout
+    num = 64
+    body = {"model": SERVED_NAME, "prompt": ["hello world"] * num, "max_tokens": 120, "temperature": 0,
             "ignore_eos": True}
     key = 'halserve:request_success_total{finished_reason="abort"}'
     before = wait_idle(server.url)
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(0.15, connect=5))
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(0.05, connect=5))
     deadline = time.monotonic() + 20
-    while scrape(server.url)[key] < before[key] + 8:
+    while scrape(server.url)[key] < before[key] + num:
         assert time.monotonic() < deadline, "the abandoned requests were not aborted"
         time.sleep(0.1)
     after = wait_idle(server.url)
     assert after["halserve:kv_cache_usage_perc"] == pytest.approx(before["halserve:kv_cache_usage_perc"], abs=1e-9)
-    assert after["halserve:generation_tokens_total"] - before["halserve:generation_tokens_total"] < 8 * 120
+    assert after["halserve:generation_tokens_total"] - before["halserve:generation_tokens_total"] < num * 120
 
 
 def test_metrics_agree_with_a_known_workload(server, client):

@@ -64,7 +64,8 @@ def _executor_of(llm):
 def _attention_layout(worker) -> tuple:
     """Run in a worker: (local q heads, local kv heads, KV cache shape) of its first layer."""
     layer = worker.model_runner.model.attention_layers[0]
-    return layer.num_heads, layer.num_kv_heads, tuple(layer.kv_cache.shape)
+    backend = worker.model_runner.attn_backend_cls
+    return layer.num_heads, layer.num_kv_heads, tuple(layer.kv_cache.shape), backend.kv_cache_shape(64, 16, 1, 16)
 
 
 def test_mp_is_registered_and_default_for_several_ranks(tp2_llm):
@@ -79,11 +80,9 @@ def test_mp_is_registered_and_default_for_several_ranks(tp2_llm):
     executor.check_health()
     # each rank holds half the q heads and one of the two kv heads; its KV cache only that one
     layouts = executor.collective_rpc(_attention_layout)
-    assert [(q, kv) for q, kv, _ in layouts] == [(2, 1), (2, 1)]
-    from halserve.attention_backends.torch_ref import TorchAttentionBackend
-
-    expected_shape = TorchAttentionBackend.kv_cache_shape(64, 16, 1, 16)  # num_kv_blocks=64, head_size 64/4
-    assert [shape for _, _, shape in layouts] == [expected_shape] * 2
+    assert [(q, kv) for q, kv, _, _ in layouts] == [(2, 1), (2, 1)]
+    # the backend's layout for num_kv_blocks=64, block 16, one kv head of size 64/4
+    assert all(shape == expected for _, _, shape, expected in layouts)
 
 
 def test_tp2_greedy_matches_tp1_and_transformers(llama, tp2_llm):
@@ -114,7 +113,7 @@ def test_tp2_replicated_kv_head_tied_odd_vocab(tmp_path):
     prompts = [[rng.randrange(3, 515) for _ in range(n)] for n in (1, 9, 33)]
     llm = LLM(path, tensor_parallel_size=2, **ENGINE_KWARGS)
     try:
-        assert [kv for _, kv, _ in _executor_of(llm).collective_rpc(_attention_layout)] == [1, 1]
+        assert [kv for _, kv, _, _ in _executor_of(llm).collective_rpc(_attention_layout)] == [1, 1]
         got = _generate(llm, prompts, _greedy(8))
     finally:
         llm.llm_engine.shutdown()
