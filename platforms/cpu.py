@@ -68,3 +68,10 @@ def halserve_attention_backends() -> list[type]:
     from halserve.attention_backends.cpu_native import CpuNativeAttentionBackend
 
     return [CpuNativeAttentionBackend]
+
+
+@hookimpl
+def halserve_kernels() -> list[type]:
+    from halserve.platforms.cpu_kernels.onednn_gemm import OneDnnGemm
+
+    return [OneDnnGemm]

@@ -25,5 +25,14 @@ class UnquantizedLinearMethod(QuantMethod):
         dtype_name = str(params_dtype).replace("torch.", "")
         layer.gemm_kernel = resolve_kernel("gemm", self.platform_name, dtype=dtype_name, n=output_size, k=input_size)
 
+    def process_weights_after_loading(self, layer: "nn.Module") -> None:
+        # The kernel may repack the weight for its library (e.g. oneDNN's blocked layout);
+        # the dense copy is then dropped so the weights are not held twice.
+        prepared = layer.gemm_kernel.prepare_weight(layer.weight.data)
+        if prepared is not layer.weight.data:
+            layer.prepared_weight = prepared
+            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
+
     def apply(self, layer: "nn.Module", x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return layer.gemm_kernel(x, layer.weight, bias)
+        weight = getattr(layer, "prepared_weight", None)
+        return layer.gemm_kernel(x, layer.weight if weight is None else weight, bias)

@@ -56,9 +56,11 @@ class LLMEngine:
             raise
         self.output_processor.add_request(text, children)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step; outputs of the requests that progressed (only those that
+        finished with ``final_only``, which spares building outputs nobody reads)."""
         core_outputs = self.core.step()
-        outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs, final_only)
         self.core.abort_requests(to_abort)
         return outputs
 

@@ -195,9 +195,10 @@ class OutputProcessor:
                 out[tok] = Logprob(lp, rank, decode([tok]))
         return out
 
-    def process_outputs(self, core_outputs: list) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(self, core_outputs: list, final_only: bool = False) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step's core outputs; returns (cumulative outputs of the parents that
-        progressed, child ids the core must abort because a stop string matched)."""
+        progressed — only the finished ones with ``final_only`` — and child ids the core
+        must abort because a stop string matched)."""
         now = time.time()
         touched: dict[str, _ParentState] = {}
         to_abort: list[str] = []
@@ -237,7 +238,11 @@ class OutputProcessor:
                 sample.finish_reason = "stop"
                 sample.stop_reason = stop_str
             touched[parent_id] = parent
-        results = [self._make_output(p, now) for p in touched.values()]
+        results = [
+            self._make_output(p, now)
+            for p in touched.values()
+            if not final_only or all(s.finished for s in p.samples.values())
+        ]
         for res in results:
             if res.finished:
                 self.abort_request(res.request_id)

@@ -122,7 +122,7 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                for out in engine.step(final_only=True):
                     if out.finished:
                         finished[out.request_id] = out
                         if bar is not None:

@@ -63,6 +63,13 @@ class Kernel:
         """(optional) default: {}. Extra configuration facts for ``halserve plugins``."""
         return {}
 
+    def prepare_weight(self, weight: Any) -> Any:
+        """(optional) default: the weight itself. Called once per layer after loading (never
+        per call) for weight-taking ops; what it returns (e.g. a weight repacked into the
+        library's blocked layout) is what the layer then passes as the weight on every call.
+        A kernel that repacks must still accept an unprepared weight."""
+        return weight
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"kernel {self.op}/{self.name} has no __call__")
 

@@ -155,7 +155,7 @@ class TorchSiluAndMul(Kernel):
 
     def __call__(self, x):
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)
 
 
 class TorchAwqGemm(Kernel):

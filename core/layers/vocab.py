@@ -66,9 +66,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.gemm = resolve_kernel("gemm", ctx.platform_name, dtype=ctx.dtype_name,
                                    n=self.rows_per_rank, k=embedding_dim)
 
+    def process_weights_after_loading(self) -> None:
+        # Called once by the loader. The dense weight stays: a tied embedding reads it too.
+        prepared = self.gemm.prepare_weight(self.weight.data)
+        self.prepared_weight = None if prepared is self.weight.data else prepared
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [N, hidden] -> logits [N, vocab] float32
-        logits = self.gemm(hidden, self.weight, None)  # [N, rows_per_rank]
+        weight = getattr(self, "prepared_weight", None)
+        logits = self.gemm(hidden, self.weight if weight is None else weight, None)  # [N, rows_per_rank]
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.num_embeddings].float()
 

@@ -256,4 +256,6 @@ def load_model(config: Any, info: ModelInfo, platform: Any, attn_backend_cls: ty
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+        elif callable(getattr(module, "process_weights_after_loading", None)):
+            module.process_weights_after_loading()  # e.g. the LM head's kernel repacking
     return model.eval()
