@@ -66,7 +66,9 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         keys[blk, :, :, off] = k[:n]  # [T, Hk, D] into [blk, h, :, off]
         values[blk, :, off, :] = v[:n]
 
-        out = torch.zeros_like(q)
+        # Every real token is written below (decode or prefill); only padding needs zeros.
+        out = torch.empty_like(q)
+        out[n:] = 0
         if metadata.decode_req_indices:
             token_idx, block_table, seq_lens = self._decode_rows(metadata)
             o = self._kernel.paged_decode(
