@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from halserve.platforms.base import Platform, ProbeResult
+from halserve.platforms.base import ProbeResult
+from halserve.platforms.torch_cuda_api import TorchCudaApiPlatform
 from halserve.plugins import PluginManifest, hookimpl
 
 
-class CudaPlatform(Platform):
+class CudaPlatform(TorchCudaApiPlatform):
     name = "cuda"
     device_type = "cuda"
     dist_backend = "nccl"
@@ -41,31 +42,6 @@ class CudaPlatform(Platform):
             True, f"{n} x {torch.cuda.get_device_name(0)} (sm_{major}{minor}), CUDA {torch.version.cuda}"
         )
 
-    def device_count(self) -> int:
-        import torch
-
-        return torch.cuda.device_count()
-
-    def memory_info(self, index: int = 0) -> tuple[int, int]:
-        import torch
-
-        return torch.cuda.mem_get_info(index)
-
-    def set_device(self, index: int) -> None:
-        import torch
-
-        torch.cuda.set_device(index)
-
-    def synchronize(self) -> None:
-        import torch
-
-        torch.cuda.synchronize()
-
-    def empty_cache(self) -> None:
-        import torch
-
-        torch.cuda.empty_cache()
-
     def capability(self, index: int = 0) -> tuple[int, int]:
         import torch
 
@@ -73,12 +49,6 @@ class CudaPlatform(Platform):
 
     def supports_fp8(self) -> bool:
         return self.capability() >= (8, 9)  # Ada and Hopper have fp8 tensor cores
-
-    def seed_everything(self, seed: int) -> None:
-        import torch
-
-        torch.manual_seed(seed)
-        torch.cuda.manual_seed_all(seed)
 
     def check_and_update_config(self, config: Any) -> None:
         super().check_and_update_config(config)

@@ -1,14 +1,15 @@
 """AMD GPUs through the ROCm (HIP) build of torch."""
 from __future__ import annotations
 
-from halserve.platforms.base import Platform, ProbeResult
+from halserve.platforms.base import ProbeResult
+from halserve.platforms.torch_cuda_api import TorchCudaApiPlatform
 from halserve.plugins import PluginManifest, hookimpl
 
 # gfx architectures whose fp8 is the "fnuz" flavour (MI300 family); newer ones use OCP e4m3fn.
 FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")
 
 
-class RocmPlatform(Platform):
+class RocmPlatform(TorchCudaApiPlatform):
     name = "rocm"
     device_type = "cuda"  # HIP devices appear as torch "cuda" devices
     dist_backend = "nccl"  # RCCL behind the nccl name
@@ -47,37 +48,6 @@ class RocmPlatform(Platform):
     @property
     def fp8_flavour(self) -> str:
         return "float8_e4m3fnuz" if self.gfx_arch() in FNUZ_ARCHS else "float8_e4m3fn"
-
-    def device_count(self) -> int:
-        import torch
-
-        return torch.cuda.device_count()
-
-    def memory_info(self, index: int = 0) -> tuple[int, int]:
-        import torch
-
-        return torch.cuda.mem_get_info(index)
-
-    def set_device(self, index: int) -> None:
-        import torch
-
-        torch.cuda.set_device(index)
-
-    def synchronize(self) -> None:
-        import torch
-
-        torch.cuda.synchronize()
-
-    def empty_cache(self) -> None:
-        import torch
-
-        torch.cuda.empty_cache()
-
-    def seed_everything(self, seed: int) -> None:
-        import torch
-
-        torch.manual_seed(seed)
-        torch.cuda.manual_seed_all(seed)
 
 
 @hookimpl

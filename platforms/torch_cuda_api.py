@@ -1,0 +1,43 @@
+"""Device handling shared by the platforms whose devices torch exposes as ``cuda``
+(NVIDIA through CUDA, AMD through HIP): the same ``torch.cuda`` calls serve both."""
+from __future__ import annotations
+
+from halserve.platforms.base import Platform
+
+
+class TorchCudaApiPlatform(Platform):
+    """A platform whose devices are driven through ``torch.cuda`` (subclasses set the
+    class attributes and the probe)."""
+
+    device_type = "cuda"
+
+    def device_count(self) -> int:
+        import torch
+
+        return torch.cuda.device_count()
+
+    def memory_info(self, index: int = 0) -> tuple[int, int]:
+        import torch
+
+        return torch.cuda.mem_get_info(index)
+
+    def set_device(self, index: int) -> None:
+        import torch
+
+        torch.cuda.set_device(index)
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+    def empty_cache(self) -> None:
+        import torch
+
+        torch.cuda.empty_cache()
+
+    def seed_everything(self, seed: int) -> None:
+        import torch
+
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)
