@@ -38,12 +38,16 @@ def load() -> object | None:
         try:
             from torch.utils.cpp_extension import load as load_ext
 
-            src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attention.cpp")
+            here = os.path.dirname(os.path.abspath(__file__))
+            sources = [os.path.join(here, name) for name in ("paged_attention.cpp", "elementwise.cpp")]
             logger.info("building halserve's native CPU attention kernel (once per machine)")
             _module = load_ext(
                 name="halserve_cpu_paged_attention",
-                sources=[src],
-                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                sources=sources,
+                # -fopenmp: at::parallel_for is a header template over OpenMP pragmas,
+                # so without it the kernel would run on one thread.
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
         except Exception as exc:  # noqa: BLE001 - a failed build falls back, loudly

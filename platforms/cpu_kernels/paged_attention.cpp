@@ -209,7 +209,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
   return out;
 }
 
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_sin,
+                                  int64_t head_size, bool is_neox);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm (float32)");
+  m.def("rotary", &rotary, "rotary embedding of q and k (float32, neox or gpt-j pairs)");
   m.def("paged_decode", &paged_decode,
         "paged attention decode over a [2, blocks, Hk, B*D] float32 cache (keys stored [D, B] per block)");
 }

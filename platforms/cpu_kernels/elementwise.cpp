@@ -1,0 +1,92 @@
+// Fused elementwise kernels of the CPU platform (float32): one pass over memory where
+// torch needs several ops (and their temporaries) for the same result.
+//
+//   add_rms_norm(x [T, H], residual [T, H], weight [H], eps) -> (out, x + residual)
+//       s = x + residual; out = s / sqrt(mean(s^2) + eps) * weight
+//   rotary(positions [T], q [T, Hq*D], k [T, Hk*D], cos_sin [P, R], D, is_neox) -> (q', k')
+//       rotates the first R dims of every head by the angle of its position; cos_sin holds
+//       R/2 cosines then R/2 sines per position. neox pairs (i, i + R/2); gpt-j pairs
+//       (2i, 2i + 1). q and k may be row-strided views (slices of the fused qkv output).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes(), "x and residual must be [T, H] of one shape");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && residual.scalar_type() == torch::kFloat &&
+                  weight.scalar_type() == torch::kFloat, "add_rms_norm takes float32");
+  auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
+  const int64_t T = x.size(0), H = x.size(1);
+  auto out = torch::empty_like(xc), sum = torch::empty_like(xc);
+  const float *xp = xc.data_ptr<float>(), *rp = rc.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *sp = sum.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *a = xp + t * H, *b = rp + t * H;
+      float* s = sp + t * H;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) {
+        const float v = a[i] + b[i];
+        s[i] = v;
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
+      float* o = op + t * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) o[i] = s[i] * inv * wp[i];
+    }
+  });
+  return {out, sum};
+}
+
+static void rotate_rows(const int64_t* pos, const float* src, int64_t src_stride, float* dst, int64_t T,
+                        int64_t heads, int64_t D, const float* cs, int64_t R, bool neox) {
+  const int64_t half = R / 2;
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cs + pos[t] * R;  // cos[0:half] then sin[0:half]
+      const float* s = c + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* x = src + t * src_stride + h * D;
+        float* y = dst + (t * heads + h) * D;
+        if (neox) {
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = x[i], x2 = x[i + half];
+            y[i] = x1 * c[i] - x2 * s[i];
+            y[i + half] = x2 * c[i] + x1 * s[i];
+          }
+        } else {
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = x[2 * i], x2 = x[2 * i + 1];
+            y[2 * i] = x1 * c[i] - x2 * s[i];
+            y[2 * i + 1] = x2 * c[i] + x1 * s[i];
+          }
+        }
+        for (int64_t i = R; i < D; ++i) y[i] = x[i];
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_sin,
+                                  int64_t head_size, bool is_neox) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
+                  cos_sin.scalar_type() == torch::kFloat, "rotary takes float32 q, k and cos_sin cache");
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && q.stride(1) == 1 && k.stride(1) == 1,
+              "q and k must be [T, heads * head_size] with unit column stride");
+  auto pos = positions.to(torch::kLong).contiguous();
+  auto cs = cos_sin.contiguous();
+  const int64_t T = q.size(0), R = cs.size(1), D = head_size;
+  TORCH_CHECK(R <= D && R % 2 == 0, "rotary dim must be even and at most head_size");
+  auto q_out = torch::empty({T, q.size(1)}, q.options());
+  auto k_out = torch::empty({T, k.size(1)}, k.options());
+  rotate_rows(pos.data_ptr<int64_t>(), q.data_ptr<float>(), q.stride(0), q_out.data_ptr<float>(), T, q.size(1) / D, D,
+              cs.data_ptr<float>(), R, is_neox);
+  rotate_rows(pos.data_ptr<int64_t>(), k.data_ptr<float>(), k.stride(0), k_out.data_ptr<float>(), T, k.size(1) / D, D,
+              cs.data_ptr<float>(), R, is_neox);
+  return {q_out, k_out};
+}

@@ -1,0 +1,62 @@
+"""Fused elementwise kernels of the cpu platform (C++ in ``elementwise.cpp``, float32):
+one pass over memory for the residual-add + RMSNorm and for the rotary embedding, where
+the torch references take several ops and temporaries. Other cases (no residual, other
+dtypes) go through torch's own fused ``rms_norm`` or the reference."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from halserve.kernels.base import Kernel
+from halserve.kernels.reference import TorchRotaryEmbedding
+
+
+def _module():
+    from halserve.platforms import cpu_kernels
+
+    module = cpu_kernels.load()
+    if module is None:
+        raise RuntimeError(f"the cpu platform's native kernels could not be built: {cpu_kernels.load_error()}")
+    return module
+
+
+class _NativeKernel(Kernel):
+    platforms = ("cpu",)
+    priority = 10
+    dtypes = ("float32",)
+
+    @classmethod
+    def _supports(cls, **problem) -> str | None:
+        from halserve.platforms.cpu_kernels import toolchain_missing
+
+        return toolchain_missing()
+
+    def __init__(self) -> None:
+        self.native = _module()
+
+
+class CpuFusedRmsNorm(_NativeKernel):
+    op = "rms_norm"
+    name = "cpu_fused"
+    description = "residual add + RMSNorm in one C++ pass; torch.rms_norm without a residual"
+
+    def __call__(self, x, weight, eps, residual=None):
+        if residual is None:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        out, summed = self.native.add_rms_norm(x, residual, weight, eps)
+        return out, summed
+
+
+class CpuFusedRotaryEmbedding(_NativeKernel):
+    op = "rotary_embedding"
+    name = "cpu_fused"
+    description = "q and k rotated in one C++ pass from the cos/sin cache"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fallback = TorchRotaryEmbedding()
+
+    def __call__(self, positions, q, k, cos_sin_cache, head_size, is_neox):
+        if q.dtype != torch.float32 or q.stride(-1) != 1 or k.stride(-1) != 1 or q.dim() != 2:
+            return self.fallback(positions, q, k, cos_sin_cache, head_size, is_neox)
+        return tuple(self.native.rotary(positions, q, k, cos_sin_cache.float(), head_size, is_neox))
