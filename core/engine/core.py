@@ -5,6 +5,7 @@ thread). Text (tokenization, detokenization, stop strings) is handled outside it
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -94,16 +95,8 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def get_stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            kv_cache_usage=s.kv_cache_usage,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions,
-            num_steps=self.num_steps,
-        )
+        # The scheduler's snapshot, plus what only the engine knows.
+        return EngineStats(**dataclasses.asdict(self.scheduler.get_stats()), num_steps=self.num_steps)
 
     def shutdown(self) -> None:
         executor, self.executor = getattr(self, "executor", None), None
