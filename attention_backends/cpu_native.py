@@ -61,31 +61,50 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             raise ValueError(f"cpu_native runs float32 only, got {q.dtype}; use the torch attention backend")
         n = metadata.num_actual_tokens
         keys, values, block_size = self._views(kv_cache)
-        slots = metadata.slot_mapping[:n].long()
-        blk, off = slots // block_size, slots % block_size
-        keys[blk, :, :, off] = k[:n]  # [T, Hk, D] into [blk, h, :, off]
-        values[blk, :, off, :] = v[:n]
+        self._kernel.write_kv(kv_cache, k[:n], v[:n], metadata.slot_mapping[:n], block_size)
+        decode_args = (block_size, self.scale, self.sliding_window or 0, self.logits_soft_cap or 0.0)
+        if not metadata.prefills and q.shape[0] == n and self._all_decodes_in_order(metadata) and q.is_contiguous():
+            # The common decode step: the kernel's output is the layer's output.
+            return self._kernel.paged_decode(q, kv_cache, metadata.block_table, metadata.seq_lens, *decode_args)
 
         # Every real token is written below (decode or prefill); only padding needs zeros.
         out = torch.empty_like(q)
         out[n:] = 0
         if metadata.decode_req_indices:
             token_idx, block_table, seq_lens = self._decode_rows(metadata)
-            o = self._kernel.paged_decode(
-                q.index_select(0, token_idx), kv_cache, block_table, seq_lens, block_size, self.scale,
-                self.sliding_window or 0, self.logits_soft_cap or 0.0,
-            )
+            o = self._kernel.paged_decode(q.index_select(0, token_idx), kv_cache, block_table, seq_lens, *decode_args)
             out.index_copy_(0, token_idx, o)
         for span in metadata.prefills:
             block_ids, mask = self._prefill_inputs(metadata, span, block_size, q.device)
-            # [nb, Hk, D, B] -> [1, Hk, nb * B, D];  [nb, Hk, B, D] -> [1, Hk, nb * B, D]
-            kk = keys.index_select(0, block_ids).permute(1, 0, 3, 2).reshape(self.num_kv_heads, -1, self.head_size)
-            vv = values.index_select(0, block_ids).transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)
-            kk, vv = kk[:, : span.seq_len].unsqueeze(0), vv[:, : span.seq_len].unsqueeze(0)
+            if span.context_len == 0:
+                # A fresh prompt sees only this step's keys: the same float32 values that
+                # were just written, so skip reading them back from the blocks.
+                kk = k[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
+                vv = v[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)
+            else:
+                # [nb, Hk, D, B] -> [1, Hk, nb * B, D];  [nb, Hk, B, D] -> [1, Hk, nb * B, D]
+                kk = keys.index_select(0, block_ids).permute(1, 0, 3, 2).reshape(self.num_kv_heads, -1, self.head_size)
+                vv = values.index_select(0, block_ids).transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)
+                kk, vv = kk[:, : span.seq_len].unsqueeze(0), vv[:, : span.seq_len].unsqueeze(0)
             q_pre = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
             o = self._attend(q_pre, kk, vv, mask, is_causal=mask is None)
             out[span.token_start : span.token_end] = o.squeeze(0).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _all_decodes_in_order(meta: TorchAttentionMetadata) -> bool:
+        """Request r is a decode whose token is token r, for every r (cached per step)."""
+        hit = meta.cache.get("cpu_native_in_order")
+        if hit is None:
+            hit = (
+                len(meta.decode_req_indices) == meta.num_reqs
+                and meta.decode_req_indices == list(range(meta.num_reqs))
+                and meta.decode_token_indices == list(range(meta.num_reqs))
+                and meta.block_table.dtype == torch.int32
+                and meta.seq_lens.dtype == torch.int32
+            )
+            meta.cache["cpu_native_in_order"] = hit
+        return hit
 
     @staticmethod
     def _decode_rows(meta: TorchAttentionMetadata):

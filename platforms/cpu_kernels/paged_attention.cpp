@@ -24,22 +24,86 @@ namespace {
 
 // 16 floats: one AVX-512 register (two AVX2 registers; GCC lowers it for any target).
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
 
-// s[g][0:16] = sum_d q[g][d] * kb[d][0:16] for a block of 16 tokens, G accumulators in
-// registers (keys are stored [D, B] per block, so each d is one 16-wide load).
+inline v16 load16(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof(v16));
+  return v;
+}
+inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof(v16)); }
+inline v16 splat16(float x) { return v16{} + x; }
+
+// exp(x) on 16 lanes: Cephes expf's range reduction (x = n ln2 + r, |r| <= ln2 / 2) and
+// degree-6 polynomial, about 1 ulp. Lanes below -87.3 (-inf included: masked positions)
+// give exactly 0 (the true value would be subnormal).
+inline v16 exp16(v16 x) {
+  const v16 lo = splat16(-87.33654f), hi = splat16(88.0f);
+  const vi16 underflow = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  // n = round(x / ln2) by the 1.5 * 2^23 trick (exact for |n| < 2^22)
+  const v16 magic = splat16(12582912.0f);
+  const v16 n = (x * 1.44269504088896341f + magic) - magic;
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const v16 z = r * r;
+  v16 y = splat16(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;  // 2^n
+  v16 scale;
+  __builtin_memcpy(&scale, &bits, sizeof(v16));
+  const v16 out = y * scale;
+  return underflow ? v16{} : out;
+}
+
+inline float hsum16(v16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+inline float hmax16(v16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// s[g][0:16] = scale * sum_d q[g][d] * kb[d * ldk + 0:16]: the 16 keys starting at kb of
+// a block stored [D, ldk] (tokens innermost), G accumulators in registers.
 template <int G>
-inline void score_block16(const float* qh, const float* kb, int64_t D, float* s) {
+inline void score16(const float* qh, const float* kb, int64_t D, int64_t ldk, float scale, float* s, int64_t s_stride) {
   v16 acc[G];
   for (int g = 0; g < G; ++g) acc[g] = v16{};
   for (int64_t d = 0; d < D; ++d) {
-    v16 k;
-    __builtin_memcpy(&k, kb + d * 16, sizeof(v16));
+    const v16 k = load16(kb + d * ldk);
     for (int g = 0; g < G; ++g) acc[g] += qh[g * D + d] * k;
   }
-  for (int g = 0; g < G; ++g) __builtin_memcpy(s + g * 16, &acc[g], sizeof(v16));
+  for (int g = 0; g < G; ++g) store16(s + g * s_stride, acc[g] * scale);
 }
 
-// Generic fallback: any block size, any group size.
+// acc[g][0:D] += sum_{t in [lo, hi)} p[g][t - base] * v[t - t0][0:D] for one block stored
+// [B, D]; D = 16 * chunks, one 16-wide column chunk at a time so G accumulators stay in
+// registers whatever D is.
+template <int G>
+inline void pv16(const float* vb, const float* p, int64_t p_stride, int64_t base, int64_t lo, int64_t hi, int64_t t0,
+                 int64_t D, float* acc) {
+  for (int64_t c = 0; c < D; c += 16) {
+    v16 a[G];
+    for (int g = 0; g < G; ++g) a[g] = load16(acc + g * D + c);
+    for (int64_t t = lo; t < hi; ++t) {
+      const v16 v = load16(vb + (t - t0) * D + c);
+      for (int g = 0; g < G; ++g) a[g] += p[g * p_stride + (t - base)] * v;
+    }
+    for (int g = 0; g < G; ++g) store16(acc + g * D + c, a[g]);
+  }
+}
+
+// Generic scoring: any block size, any group size.
 inline void score_block(const float* qh, const float* kb, int64_t D, int64_t B, int64_t G, float* s) {
   std::fill(s, s + G * B, 0.f);
   for (int64_t d = 0; d < D; ++d) {
@@ -51,44 +115,6 @@ inline void score_block(const float* qh, const float* kb, int64_t D, int64_t B, 
       for (int64_t t = 0; t < B; ++t) sg[t] += qv * kd[t];
     }
   }
-}
-
-inline void score_any(const float* qh, const float* kb, int64_t D, int64_t B, int64_t G, float* s) {
-  if (B == 16) {
-    switch (G) {
-      case 1: return score_block16<1>(qh, kb, D, s);
-      case 2: return score_block16<2>(qh, kb, D, s);
-      case 3: return score_block16<3>(qh, kb, D, s);
-      case 4: return score_block16<4>(qh, kb, D, s);
-      case 5: return score_block16<5>(qh, kb, D, s);
-      case 6: return score_block16<6>(qh, kb, D, s);
-      case 7: return score_block16<7>(qh, kb, D, s);
-      case 8: return score_block16<8>(qh, kb, D, s);
-      default: break;
-    }
-  }
-  score_block(qh, kb, D, B, G, s);
-}
-
-// acc[g][0:D] += p[g] * v[0:D] over the rows of one block, accumulators in registers
-// when D = 16 * NV (G * NV <= 24 registers).
-template <int G, int NV>
-inline void pv_rows(const float* vb, const float* p, int64_t p_stride, int64_t base, int64_t lo, int64_t hi, int64_t t0, float* acc) {
-  constexpr int D = 16 * NV;
-  v16 a[G][NV];
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NV; ++j) __builtin_memcpy(&a[g][j], acc + g * D + j * 16, sizeof(v16));
-  for (int64_t t = lo; t < hi; ++t) {
-    const float* v = vb + (t - t0) * D;
-    v16 vr[NV];
-    for (int j = 0; j < NV; ++j) __builtin_memcpy(&vr[j], v + j * 16, sizeof(v16));
-    for (int g = 0; g < G; ++g) {
-      const float pg = p[g * p_stride + (t - base)];
-      for (int j = 0; j < NV; ++j) a[g][j] += pg * vr[j];
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NV; ++j) __builtin_memcpy(acc + g * D + j * 16, &a[g][j], sizeof(v16));
 }
 
 inline void pv_generic(const float* vb, const float* p, int64_t p_stride, int64_t base, int64_t lo, int64_t hi, int64_t t0,
@@ -104,15 +130,141 @@ inline void pv_generic(const float* vb, const float* p, int64_t p_stride, int64_
   }
 }
 
-// p: the [G, p_stride] probabilities; position t is column t - base.
-inline void pv_any(const float* vb, const float* p, int64_t p_stride, int64_t base, int64_t lo, int64_t hi, int64_t t0,
-                   int64_t G, int64_t D, float* acc) {
-#define HALSERVE_PV(GG, NN) \
-  if (G == GG && D == 16 * NN) return pv_rows<GG, NN>(vb, p, p_stride, base, lo, hi, t0, acc);
-  HALSERVE_PV(1, 4) HALSERVE_PV(2, 4) HALSERVE_PV(3, 4) HALSERVE_PV(4, 4) HALSERVE_PV(5, 4) HALSERVE_PV(6, 4)
-  HALSERVE_PV(1, 8) HALSERVE_PV(2, 8)
-#undef HALSERVE_PV
-  pv_generic(vb, p, p_stride, base, lo, hi, t0, G, D, acc);
+// Everything one (request, kv head) task needs.
+struct DecodeTask {
+  const float* qh;        // [G, D] the query heads of this kv head
+  const float* kp;        // key cache base
+  const float* vp;        // value cache base
+  const int32_t* row;     // block-table row
+  int64_t head_off;       // h * B * D
+  int64_t block_stride;   // Hk * B * D
+  int64_t NB, B, D, G;
+  int64_t start, len;     // visible keys: [start, len)
+  float scale, cap;
+  float* out;             // [G, D]
+};
+
+inline const float* block_ptr(const DecodeTask& k, const float* base, int64_t lb) {
+  const int64_t blk = k.row[lb];
+  TORCH_CHECK(blk >= 0 && blk < k.NB, "block id out of range");
+  return base + blk * k.block_stride + k.head_off;
+}
+
+inline void prefetch_head(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
+// Fast path: B a multiple of 16, D a multiple of 16, G <= 8. Scores of whole blocks are
+// written in place (span is a whole number of blocks), the edges masked to -inf, then a
+// vectorised softmax (exp16) and the unnormalised p * V, divided by the sum at the end.
+template <int G>
+void decode_task_fast(const DecodeTask& k, std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t B = k.B, D = k.D;
+  const int64_t first_blk = k.start / B, last_blk = (k.len - 1) / B;
+  const int64_t base = first_blk * B, span = (last_blk + 1) * B - base;
+  scores.resize(G * span);
+  float* sc = scores.data();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t lb = first_blk; lb <= last_blk; ++lb) {
+    const float* kb = block_ptr(k, k.kp, lb);
+    // Blocks are scattered, which hardware prefetchers cannot follow: fetch the next
+    // block's keys (or this task's first values) while scoring this one.
+    prefetch_head(lb < last_blk ? block_ptr(k, k.kp, lb + 1) : block_ptr(k, k.vp, first_blk), B * D);
+    const int64_t t0 = lb * B;
+    for (int64_t j = 0; j < B; j += 16) score16<G>(k.qh, kb + j, D, B, k.scale, sc + (t0 - base) + j, span);
+  }
+  for (int g = 0; g < G; ++g) {
+    float* s = sc + g * span;
+    for (int64_t t = base; t < k.start; ++t) s[t - base] = ninf;
+    for (int64_t t = k.len; t < base + span; ++t) s[t - base] = ninf;
+    if (k.cap > 0.f)
+      for (int64_t t = k.start; t < k.len; ++t) s[t - base] = std::tanh(s[t - base] / k.cap) * k.cap;
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* s = sc + g * span;
+    v16 m = splat16(ninf);
+    for (int64_t i = 0; i < span; i += 16) {
+      const v16 x = load16(s + i);
+      m = x > m ? x : m;
+    }
+    const v16 mx = splat16(hmax16(m));
+    v16 sum = v16{};
+    for (int64_t i = 0; i < span; i += 16) {
+      const v16 e = exp16(load16(s + i) - mx);
+      store16(s + i, e);
+      sum += e;
+    }
+    inv[g] = 1.f / hsum16(sum);
+  }
+  acc.assign(G * D, 0.f);
+  for (int64_t lb = first_blk; lb <= last_blk; ++lb) {
+    const float* vb = block_ptr(k, k.vp, lb);
+    if (lb < last_blk) prefetch_head(block_ptr(k, k.vp, lb + 1), B * D);
+    const int64_t t0 = lb * B;
+    pv16<G>(vb, sc, span, base, std::max(k.start, t0), std::min(k.len, t0 + B), t0, D, acc.data());
+  }
+  for (int g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) k.out[g * D + d] = acc[g * D + d] * inv[g];
+}
+
+// Any block size, head size and group size.
+void decode_task_generic(const DecodeTask& k, std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t B = k.B, D = k.D, G = k.G;
+  const int64_t first_blk = k.start / B, last_blk = (k.len - 1) / B;
+  const int64_t base = first_blk * B, span = (last_blk + 1) * B - base;
+  scores.assign(G * span, -std::numeric_limits<float>::infinity());
+  std::vector<float> sblk(G * B);
+  for (int64_t lb = first_blk; lb <= last_blk; ++lb) {
+    score_block(k.qh, block_ptr(k, k.kp, lb), D, B, G, sblk.data());
+    const int64_t t0 = lb * B;
+    const int64_t lo = std::max(k.start, t0), hi = std::min(k.len, t0 + B);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t t = lo; t < hi; ++t) {
+        float x = sblk[g * B + (t - t0)] * k.scale;
+        if (k.cap > 0.f) x = std::tanh(x / k.cap) * k.cap;
+        scores[g * span + (t - base)] = x;
+      }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * span;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < span; ++i) mx = std::max(mx, s[i]);
+    float sum = 0.f;
+    for (int64_t i = 0; i < span; ++i) {
+      const float e = std::exp(s[i] - mx);
+      s[i] = e;
+      sum += e;
+    }
+    const float inv = 1.f / sum;
+    for (int64_t i = 0; i < span; ++i) s[i] *= inv;
+  }
+  acc.assign(G * D, 0.f);
+  for (int64_t lb = first_blk; lb <= last_blk; ++lb) {
+    const int64_t t0 = lb * B;
+    pv_generic(block_ptr(k, k.vp, lb), scores.data(), span, base, std::max(k.start, t0), std::min(k.len, t0 + B), t0,
+               G, D, acc.data());
+  }
+  std::copy(acc.begin(), acc.end(), k.out);
+}
+
+using TaskFn = void (*)(const DecodeTask&, std::vector<float>&, std::vector<float>&);
+
+TaskFn pick_task_fn(int64_t B, int64_t D, int64_t G) {
+  if (B % 16 == 0 && D % 16 == 0) {
+    switch (G) {
+      case 1: return decode_task_fast<1>;
+      case 2: return decode_task_fast<2>;
+      case 3: return decode_task_fast<3>;
+      case 4: return decode_task_fast<4>;
+      case 5: return decode_task_fast<5>;
+      case 6: return decode_task_fast<6>;
+      case 7: return decode_task_fast<7>;
+      case 8: return decode_task_fast<8>;
+      default: break;
+    }
+  }
+  return decode_task_generic;
 }
 
 void check(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& bt, const torch::Tensor& sl) {
@@ -149,64 +301,78 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
   const int64_t head_stride = B * D;       // floats of one (block, head)
   const int64_t block_stride = Hk * B * D;  // floats of one block
 
+  const TaskFn task_fn = pick_task_fn(B, D, G);
   at::parallel_for(0, N * Hk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;   // [G, span_padded]
-    std::vector<float> acc(G * D);
-    std::vector<float> sblk(G * B);
+    std::vector<float> scores, acc;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / Hk, h = task % Hk;
       const int64_t len = slp[n];
       TORCH_CHECK(len >= 1 && len <= max_blocks * B, "seq_len out of range for the block table");
-      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      const int64_t first_blk = start / B, last_blk = (len - 1) / B;
-      const int64_t base = first_blk * B;  // position of scores[.][0]
-      const int64_t span = (last_blk + 1) * B - base;
-      scores.assign(G * span, -std::numeric_limits<float>::infinity());
-      const float* qh = qp + (n * Hq + h * G) * D;
-      const int32_t* row = btp + n * max_blocks;
-
-      // scores: per block, s[g][0:B] = sum_d q[g][d] * K[d][0:B]
-      for (int64_t lb = first_blk; lb <= last_blk; ++lb) {
-        const int64_t blk = row[lb];
-        TORCH_CHECK(blk >= 0 && blk < NB, "block id out of range");
-        const float* kb = kp + blk * block_stride + h * head_stride;  // [D, B]
-        score_any(qh, kb, D, B, G, sblk.data());
-        const int64_t t0 = lb * B;
-        const int64_t lo = std::max(start, t0), hi = std::min(len, t0 + B);
-        for (int64_t g = 0; g < G; ++g) {
-          for (int64_t t = lo; t < hi; ++t) {
-            float x = sblk[g * B + (t - t0)] * fscale;
-            if (cap > 0.f) x = std::tanh(x / cap) * cap;
-            scores[g * span + (t - base)] = x;
-          }
+      DecodeTask k;
+      k.qh = qp + (n * Hq + h * G) * D;
+      k.kp = kp;
+      k.vp = vp;
+      k.row = btp + n * max_blocks;
+      k.head_off = h * head_stride;
+      k.block_stride = block_stride;
+      k.NB = NB;
+      k.B = B;
+      k.D = D;
+      k.G = G;
+      k.start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      k.len = len;
+      k.scale = fscale;
+      k.cap = cap;
+      k.out = op + (n * Hq + h * G) * D;
+      if (task + 1 < end) {  // the next task's first key block, fetched while this one runs
+        const int64_t n1 = (task + 1) / Hk, h1 = (task + 1) % Hk, len1 = slp[n1];
+        if (len1 >= 1 && len1 <= max_blocks * B) {
+          const int64_t start1 = sliding_window > 0 ? std::max<int64_t>(0, len1 - sliding_window) : 0;
+          const int64_t blk1 = btp[n1 * max_blocks + start1 / B];
+          if (blk1 >= 0 && blk1 < NB) prefetch_head(kp + blk1 * block_stride + h1 * head_stride, B * D);
         }
       }
-      // softmax per query head (masked positions are -inf -> 0)
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * span;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < span; ++i) mx = std::max(mx, s[i]);
-        float sum = 0.f;
-        for (int64_t i = 0; i < span; ++i) {
-          const float e = std::exp(s[i] - mx);
-          s[i] = e;
-          sum += e;
-        }
-        const float inv = 1.f / sum;
-        for (int64_t i = 0; i < span; ++i) s[i] *= inv;
-      }
-      // out[g][0:D] = sum_t p[g][t] * V[t][0:D]
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t lb = first_blk; lb <= last_blk; ++lb) {
-        const float* vb = vp + static_cast<int64_t>(row[lb]) * block_stride + h * head_stride;  // [B, D]
-        const int64_t t0 = lb * B;
-        const int64_t lo = std::max(start, t0), hi = std::min(len, t0 + B);
-        pv_any(vb, scores.data(), span, base, lo, hi, t0, G, D, acc.data());
-      }
-      std::copy(acc.begin(), acc.end(), op + (n * Hq + h * G) * D);
+      task_fn(k, scores, acc);
     }
   });
   return out;
+}
+
+// Writes the step's new keys and values into the cache: token t goes to slot
+// slot_mapping[t] = block * B + offset; its key column-wise into the block's [D, B] key
+// tile, its value as row `offset` of the [B, D] value tile. Negative slots (padding) are
+// skipped.
+void write_kv(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping, int64_t block_size) {
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.scalar_type() == torch::kFloat &&
+                  kv_cache.is_contiguous(), "kv_cache must be contiguous float32 [2, num_blocks, Hk, B*D]");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == torch::kFloat &&
+                  v.scalar_type() == torch::kFloat, "k and v must be float32 [T, Hk, D] of one shape");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0), "one slot per token");
+  const int64_t T = k.size(0), Hk = k.size(1), D = k.size(2), B = block_size, NB = kv_cache.size(1);
+  TORCH_CHECK(kv_cache.size(2) == Hk && kv_cache.size(3) == B * D, "kv_cache does not match k/v heads, head size and block size");
+  auto kc = k.contiguous(), vc = v.contiguous();
+  auto slots = slot_mapping.to(torch::kLong).contiguous();
+  const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] < NB * B, "slot ", sp[t], " is outside the cache (", NB, " blocks of ", B, ")");
+  float* keys = kv_cache.data_ptr<float>();
+  float* values = keys + NB * Hk * B * D;
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = sp[t];
+      if (slot < 0) continue;
+      const int64_t blk = slot / B, off = slot % B;
+      for (int64_t h = 0; h < Hk; ++h) {
+        const float* ks = kp + (t * Hk + h) * D;
+        const float* vs = vp + (t * Hk + h) * D;
+        float* kt = keys + (blk * Hk + h) * B * D + off;      // [D, B] tile, column off
+        float* vt = values + (blk * Hk + h) * B * D + off * D;  // [B, D] tile, row off
+        for (int64_t d = 0; d < D; ++d) kt[d * B] = ks[d];
+        std::copy(vs, vs + D, vt);
+      }
+    }
+  });
 }
 
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -216,6 +382,7 @@ std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm (float32)");
   m.def("rotary", &rotary, "rotary embedding of q and k (float32, neox or gpt-j pairs)");
+  m.def("write_kv", &write_kv, "write new K/V into a [2, blocks, Hk, B*D] float32 cache (keys stored [D, B] per block)");
   m.def("paged_decode", &paged_decode,
         "paged attention decode over a [2, blocks, Hk, B*D] float32 cache (keys stored [D, B] per block)");
 }
