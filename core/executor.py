@@ -43,7 +43,7 @@ class Executor:
 
     # -- lifecycle -------------------------------------------------------------------
     def initialize(self) -> int:
-        """Start the workers, load the model, size and allocate the KV cache.
+        """Start the workers, load the model, size and allocate the KV cache, warm up.
 
         Returns the number of KV blocks every rank allocated (the scheduler's pool size).
         Ranks may have different free memory; the smallest block count wins.
@@ -55,6 +55,7 @@ class Executor:
         else:
             num_blocks = min(self.collective_rpc("determine_num_kv_blocks"))
         self.collective_rpc("initialize_kv_cache", num_blocks)
+        self.collective_rpc("warm_up")
         return num_blocks
 
     def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":

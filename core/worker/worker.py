@@ -67,6 +67,9 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
 
+    def warm_up(self) -> None:
+        self.model_runner.warm_up()
+
     def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
         return self.model_runner.execute_model(scheduler_output)
 

@@ -20,6 +20,10 @@ from halserve.worker.xla_buckets import metadata_to_device, pad_step
 class XlaModelRunner(ModelRunner):
     grad_mode = staticmethod(torch.no_grad)
 
+    def warm_up(self) -> None:
+        """Nothing: XLA compiles one graph per padded shape, on first use of each bucket;
+        an eager dummy run here would only add compilations outside the bucketing bound."""
+
     def _forward(self, step: StepInputs) -> torch.Tensor:
         import torch_xla
 
