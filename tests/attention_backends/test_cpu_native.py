@@ -82,3 +82,69 @@ def test_declines_what_it_does_not_run():
     assert CpuNativeAttentionBackend.supports(dtype="bfloat16", head_size=64, block_size=16)
     assert CpuNativeAttentionBackend.supports(dtype="float32", head_size=64, block_size=16, kv_cache_dtype="fp8")
     assert CpuNativeAttentionBackend.supports(dtype="float32", head_size=64, block_size=16) is None
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size,window,soft_cap",
+    [(12, 4, 64, 16, None, None), (16, 2, 128, 64, None, None), (8, 8, 96, 32, 40, None),
+     (6, 3, 64, 16, None, 20.0), (20, 2, 32, 16, None, None), (4, 1, 48, 8, None, None)],
+)
+def test_decode_only_step_matches_torch_backend(num_heads, num_kv_heads, head_size, block_size, window, soft_cap):
+    """A step of decodes only, in batch order (the fast path that returns the kernel's
+    output directly), over long and short contexts: vectorised softmax (group sizes 1..8,
+    blocks of 16/32/64) and the generic kernel (group 10, block 8, head size 48)."""
+    gen = torch.Generator().manual_seed(num_heads * 7 + block_size)
+    history = [1, 300, 17, 64, 129, 2, 16, 95]
+    seq_lens = [h + 1 for h in history]
+    num_blocks = len(history) * -(-max(seq_lens) // block_size) + 3
+    step2 = _step([1] * len(history), seq_lens, block_size, num_blocks, gen)
+    step1 = AttentionMetadata(
+        num_actual_tokens=sum(history), num_reqs=len(history), max_query_len=max(history),
+        max_seq_len=max(history), query_start_loc=torch.tensor([0] + history).cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor(history, dtype=torch.int32), block_table=step2.block_table,
+        slot_mapping=torch.tensor([int(step2.block_table[r, p // block_size]) * block_size + p % block_size
+                                   for r, h in enumerate(history) for p in range(h)], dtype=torch.int64),
+        query_start_loc_cpu=torch.tensor([0] + history).cumsum(0).to(torch.int32),
+        seq_lens_cpu=torch.tensor(history, dtype=torch.int32),
+    )
+    kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
+    args = (num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, 11)
+    want = _run(TorchAttentionBackend, [step1, step2], *args)
+    got = _run(CpuNativeAttentionBackend, [step1, step2], *args)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_write_kv_places_keys_transposed_and_rejects_bad_slots():
+    kernel = cpu_kernels.load()
+    num_blocks, heads, block_size, head_size = 4, 2, 8, 16
+    cache = torch.zeros(CpuNativeAttentionBackend.kv_cache_shape(num_blocks, block_size, heads, head_size))
+    k = torch.randn(3, heads, head_size)
+    v = torch.randn(3, heads, head_size)
+    slots = torch.tensor([9, 31, -1])  # block 1 offset 1, block 3 offset 7, padding
+    kernel.write_kv(cache, k, v, slots, block_size)
+    keys = cache[0].view(num_blocks, heads, head_size, block_size)
+    values = cache[1].view(num_blocks, heads, block_size, head_size)
+    torch.testing.assert_close(keys[1, :, :, 1], k[0], rtol=0, atol=0)
+    torch.testing.assert_close(values[3, :, 7, :], v[1], rtol=0, atol=0)
+    assert int((cache != 0).sum()) == 2 * 2 * heads * head_size  # the padding token wrote nothing
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel.write_kv(cache, k[:1], v[:1], torch.tensor([num_blocks * block_size]), block_size)
+
+
+def test_exp_underflow_gives_negligible_weight():
+    """One key scores 100 below the rest: its weight underflows (the vectorised exp's
+    2^n exponent trick must give ~0 there, not a wrapped-around huge number)."""
+    kernel = cpu_kernels.load()
+    block_size, head_size = 16, 16
+    cache = torch.zeros(CpuNativeAttentionBackend.kv_cache_shape(3, block_size, 1, head_size))
+    k = torch.zeros(20, 1, head_size)
+    k[0, 0, 0] = 100.0  # token 0 scores 100 * q[0]; the rest score 0
+    v = torch.arange(20, dtype=torch.float32).view(20, 1, 1).expand(20, 1, head_size).contiguous()
+    slots = torch.tensor([1 * block_size + t for t in range(16)] + [2 * block_size + t for t in range(4)])
+    kernel.write_kv(cache, k, v, slots, block_size)
+    q = torch.zeros(1, 1, head_size)
+    q[0, 0, 0] = -1.0  # token 0 scores -100: weight e^-100 -> 0 in float32
+    out = kernel.paged_decode(q, cache, torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32),
+                              block_size, 1.0, 0, 0.0)
+    assert torch.allclose(out, torch.full_like(out, sum(range(1, 20)) / 19), atol=1e-5)

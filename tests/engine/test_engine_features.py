@@ -173,3 +173,21 @@ def test_chat_applies_template(llm):
         expected = expected["input_ids"]
     assert out.prompt_token_ids == list(expected)
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_warm_up_runs_a_full_step_without_touching_the_cache(llm):
+    """The start-up warm-up forwards max_num_batched_tokens dummy tokens (so the GEMM
+    library and the allocator are ready for the largest step) and writes no KV."""
+    runner = llm.llm_engine.core.executor.worker.model_runner
+    seen = []
+    handle = runner.model.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
+    try:
+        before = [cache.clone() for cache in runner.kv_caches]
+        runner.warm_up()
+    finally:
+        handle.remove()
+    assert seen == [llm.llm_engine.config.max_num_batched_tokens]
+    assert all(torch.equal(b, a) for b, a in zip(before, runner.kv_caches))
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

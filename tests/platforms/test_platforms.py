@@ -177,6 +177,36 @@ def test_cpu_platform_uses_all_cores(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.set_num_threads(before)
 
 
+_REALLOC_FAULTS = """
+import resource, sys, torch
+from halserve.platforms.cpu import CpuPlatform
+CpuPlatform()  # applies (or, with HALSERVE_CPU_MALLOC_TUNING=0, skips) the malloc setting
+x = torch.ones(16 << 20)  # 64 MiB
+del x
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+y = torch.ones(16 << 20)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/lib/x86_64-linux-gnu/libc.so.6") and not os.path.exists("/usr/lib/libc.so.6"),
+                    reason="the malloc setting applies to glibc only")
+def test_cpu_platform_keeps_freed_memory_for_reuse() -> None:
+    """With the cpu platform's malloc setting a freed 64 MiB buffer is reused without
+    page faults; glibc's default unmaps it and faults in all 16384 pages again."""
+    import subprocess
+    import sys
+
+    def faults(tuning: str) -> int:
+        env = {**os.environ, "HALSERVE_CPU_MALLOC_TUNING": tuning, "HALSERVE_CPU_THREADS": "1"}
+        out = subprocess.run([sys.executable, "-c", _REALLOC_FAULTS], env=env, capture_output=True, text=True,
+                             check=True)
+        return int(out.stdout.strip().splitlines()[-1])
+
+    assert faults("1") < 1000
+    assert faults("0") > 10000
+
+
 def test_platform_describe_is_json_ready() -> None:
     import json
 
