@@ -37,5 +37,5 @@ def find_packages() -> list[str]:
 setup(
     packages=find_packages(),
     package_dir={name: folder for folder, name in ROOTS.items()},
-    package_data={"halserve": ["demo/model/*", "demo/*.jinja"], "halserve.platforms.cpu_kernels": ["*.cpp"]},
+    package_data={"halserve": ["demo/model/*", "demo/*.jinja"], "halserve.platforms.cpu_kernels": ["*.cpp", "*.h"]},
 )

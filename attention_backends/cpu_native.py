@@ -42,6 +42,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         from halserve.platforms import cpu_kernels
 
         self._kernel = cpu_kernels.load()
+        self._prefill_ok: dict[int, bool] = {}
         if self._kernel is None:
             raise RuntimeError(
                 f"the cpu_native attention backend could not build its kernel: {cpu_kernels.load_error()}; "
@@ -68,12 +69,16 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             return self._kernel.paged_decode(q, kv_cache, metadata.block_table, metadata.seq_lens, *decode_args)
 
         # Every real token is written below (decode or prefill); only padding needs zeros.
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         out[n:] = 0
         if metadata.decode_req_indices:
             token_idx, block_table, seq_lens = self._decode_rows(metadata)
             o = self._kernel.paged_decode(q.index_select(0, token_idx), kv_cache, block_table, seq_lens, *decode_args)
             out.index_copy_(0, token_idx, o)
+        if metadata.prefills and self._native_prefill(block_size):
+            spans = self._prefill_spans(metadata)
+            self._kernel.paged_prefill(out, q.contiguous(), kv_cache, metadata.block_table, *spans, *decode_args)
+            return out
         for span in metadata.prefills:
             block_ids, mask = self._prefill_inputs(metadata, span, block_size, q.device)
             if span.context_len == 0:
@@ -90,6 +95,23 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             o = self._attend(q_pre, kk, vv, mask, is_causal=mask is None)
             out[span.token_start : span.token_end] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _native_prefill(self, block_size: int) -> bool:
+        ok = self._prefill_ok.get(block_size)
+        if ok is None:
+            ok = self._prefill_ok[block_size] = bool(self._kernel.paged_prefill_supported(
+                self.num_heads, self.num_kv_heads, self.head_size, block_size))
+        return ok
+
+    @staticmethod
+    def _prefill_spans(meta: TorchAttentionMetadata) -> tuple[torch.Tensor, ...]:
+        """(token_start, query_len, seq_len, block-table row) of every prefill, int64; once per step."""
+        hit = meta.cache.get("cpu_native_spans")
+        if hit is None:
+            rows = [(s.token_start, s.query_len, s.seq_len, s.req_index) for s in meta.prefills]
+            hit = tuple(torch.tensor(col, dtype=torch.long) for col in zip(*rows))
+            meta.cache["cpu_native_spans"] = hit
+        return hit
 
     @staticmethod
     def _all_decodes_in_order(meta: TorchAttentionMetadata) -> bool:

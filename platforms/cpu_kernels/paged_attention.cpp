@@ -20,58 +20,11 @@
 #include <limits>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
 
-// 16 floats: one AVX-512 register (two AVX2 registers; GCC lowers it for any target).
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
-
-inline v16 load16(const float* p) {
-  v16 v;
-  __builtin_memcpy(&v, p, sizeof(v16));
-  return v;
-}
-inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof(v16)); }
-inline v16 splat16(float x) { return v16{} + x; }
-
-// exp(x) on 16 lanes: Cephes expf's range reduction (x = n ln2 + r, |r| <= ln2 / 2) and
-// degree-6 polynomial, about 1 ulp. Lanes below -87.3 (-inf included: masked positions)
-// give exactly 0 (the true value would be subnormal).
-inline v16 exp16(v16 x) {
-  const v16 lo = splat16(-87.33654f), hi = splat16(88.0f);
-  const vi16 underflow = x < lo;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  // n = round(x / ln2) by the 1.5 * 2^23 trick (exact for |n| < 2^22)
-  const v16 magic = splat16(12582912.0f);
-  const v16 n = (x * 1.44269504088896341f + magic) - magic;
-  v16 r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  const v16 z = r * r;
-  v16 y = splat16(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
-  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;  // 2^n
-  v16 scale;
-  __builtin_memcpy(&scale, &bits, sizeof(v16));
-  const v16 out = y * scale;
-  return underflow ? v16{} : out;
-}
-
-inline float hsum16(v16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
-inline float hmax16(v16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
-  return m;
-}
+using namespace halserve_cpu;
 
 // s[g][0:16] = scale * sum_d q[g][d] * kb[d * ldk + 0:16]: the 16 keys starting at kb of
 // a block stored [D, ldk] (tokens innermost), G accumulators in registers.
@@ -379,10 +332,18 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
 std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_sin,
                                   int64_t head_size, bool is_neox);
 
+bool paged_prefill_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size);
+void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
+                   torch::Tensor token_start, torch::Tensor query_len, torch::Tensor seq_len, torch::Tensor row,
+                   int64_t block_size, double scale, int64_t sliding_window, double soft_cap);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm (float32)");
   m.def("rotary", &rotary, "rotary embedding of q and k (float32, neox or gpt-j pairs)");
   m.def("write_kv", &write_kv, "write new K/V into a [2, blocks, Hk, B*D] float32 cache (keys stored [D, B] per block)");
+  m.def("paged_prefill_supported", &paged_prefill_supported, "whether paged_prefill runs this head/block configuration");
+  m.def("paged_prefill", &paged_prefill,
+        "flash-style prefill attention over the paged [2, blocks, Hk, B*D] float32 cache, all spans in one call");
   m.def("paged_decode", &paged_decode,
         "paged attention decode over a [2, blocks, Hk, B*D] float32 cache (keys stored [D, B] per block)");
 }

@@ -148,3 +148,51 @@ def test_exp_underflow_gives_negligible_weight():
     out = kernel.paged_decode(q, cache, torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32),
                               block_size, 1.0, 0, 0.0)
     assert torch.allclose(out, torch.full_like(out, sum(range(1, 20)) / 19), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size,window,soft_cap",
+    [(3, 3, 64, 16, None, None), (4, 2, 64, 16, None, None), (12, 4, 64, 16, 24, None), (10, 2, 128, 64, None, None),
+     (14, 2, 32, 32, None, 10.0), (16, 2, 64, 16, 7, None)],
+)
+def test_long_prefills_and_chunks_match_torch_backend(num_heads, num_kv_heads, head_size, block_size, window, soft_cap):
+    """The native prefill kernel (all spans in one call, tiles of 3-16 query positions):
+    fresh prompts of many lengths, then chunks after cached context next to decodes."""
+    gen = torch.Generator().manual_seed(num_heads + head_size + block_size)
+    history = [37, 100, 5, 16, 2, 61]
+    query_lens = [20, 33, 2, 1, 17, 1]
+    seq_lens = [h + q for h, q in zip(history, query_lens)]
+    num_blocks = len(history) * -(-max(seq_lens) // block_size) + 2
+    step2 = _step(query_lens, seq_lens, block_size, num_blocks, gen)
+    step1 = AttentionMetadata(
+        num_actual_tokens=sum(history), num_reqs=len(history), max_query_len=max(history),
+        max_seq_len=max(history), query_start_loc=torch.tensor([0] + history).cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor(history, dtype=torch.int32), block_table=step2.block_table,
+        slot_mapping=torch.tensor([int(step2.block_table[r, p // block_size]) * block_size + p % block_size
+                                   for r, h in enumerate(history) for p in range(h)], dtype=torch.int64),
+        query_start_loc_cpu=torch.tensor([0] + history).cumsum(0).to(torch.int32),
+        seq_lens_cpu=torch.tensor(history, dtype=torch.int32),
+    )
+    kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
+    args = (num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, 5)
+    want = _run(TorchAttentionBackend, [step1, step2], *args)
+    got = _run(CpuNativeAttentionBackend, [step1, step2], *args)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_prefill_kernel_rejects_bad_spans():
+    kernel = cpu_kernels.load()
+    cache = torch.zeros(CpuNativeAttentionBackend.kv_cache_shape(4, 16, 2, 64))
+    q = torch.randn(8, 4, 64)
+    table = torch.tensor([[1, 2]], dtype=torch.int32)
+    args = (16, 0.125, 0, 0.0)
+    one = lambda x: torch.tensor([x])  # noqa: E731
+    with pytest.raises(RuntimeError, match="outside the batch"):
+        kernel.paged_prefill(torch.empty_like(q), q, cache, table, one(4), one(5), one(9), one(0), *args)
+    with pytest.raises(RuntimeError, match="seq_len out of range"):
+        kernel.paged_prefill(torch.empty_like(q), q, cache, table, one(0), one(8), one(33), one(0), *args)
+    with pytest.raises(RuntimeError, match="row out of range"):
+        kernel.paged_prefill(torch.empty_like(q), q, cache, table, one(0), one(8), one(8), one(1), *args)
+    assert not kernel.paged_prefill_supported(4, 2, 64, 8)  # block size 8: the SDPA path
+    assert not kernel.paged_prefill_supported(20, 2, 64, 16)  # group of 10

@@ -1,0 +1,81 @@
+// 16-float vectors for the CPU kernels (GCC vector extensions: one AVX-512 register, two
+// AVX2 registers; GCC lowers them for whatever -march the build targets).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace halserve_cpu {
+
+// 16 floats: one AVX-512 register (two AVX2 registers; GCC lowers it for any target).
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof(v16));
+  return v;
+}
+inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof(v16)); }
+inline v16 splat16(float x) { return v16{} + x; }
+
+// exp(x) on 16 lanes: Cephes expf's range reduction (x = n ln2 + r, |r| <= ln2 / 2) and
+// degree-6 polynomial, about 1 ulp. Lanes below -87.3 (-inf included: masked positions)
+// give exactly 0 (the true value would be subnormal).
+inline v16 exp16(v16 x) {
+  const v16 lo = splat16(-87.33654f), hi = splat16(88.0f);
+  const vi16 underflow = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  // n = round(x / ln2) by the 1.5 * 2^23 trick (exact for |n| < 2^22)
+  const v16 magic = splat16(12582912.0f);
+  const v16 n = (x * 1.44269504088896341f + magic) - magic;
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const v16 z = r * r;
+  v16 y = splat16(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;  // 2^n
+  v16 scale;
+  __builtin_memcpy(&scale, &bits, sizeof(v16));
+  const v16 out = y * scale;
+  return underflow ? v16{} : out;
+}
+
+#if defined(__AVX512F__)
+inline float hsum16(v16 v) {
+  __m512 x;
+  __builtin_memcpy(&x, &v, sizeof(v16));
+  return _mm512_reduce_add_ps(x);
+}
+inline float hmax16(v16 v) {
+  __m512 x;
+  __builtin_memcpy(&x, &v, sizeof(v16));
+  return _mm512_reduce_max_ps(x);
+}
+#else
+inline float hsum16(v16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+inline float hmax16(v16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+#endif
+
+// 0, 1, ..., 15: lane offsets of 16 consecutive positions.
+inline vi16 iota16() { return vi16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+
+}  // namespace halserve_cpu
