@@ -1,17 +1,21 @@
-"""The CPU platform's default backend: a native C++ paged decode kernel over a cache
-layout made for it, with prefills through torch's SDPA.
+"""The CPU platform's default backend: native C++ paged attention over a cache layout
+made for it (``platforms/cpu_kernels``; float32).
 
 Cache layout (per layer): ``[2, num_blocks, num_kv_heads, block_size * head_size]``::
 
     keys   [blk, h] viewed as [head_size, block_size]   (transposed: tokens innermost)
     values [blk, h] viewed as [block_size, head_size]   (a row per token)
 
-With keys transposed, the decode kernel scores the block_size tokens of a block with
-head_size vector FMAs and no horizontal sums (the gather-then-SDPA path of the torch
-backend copies every request's blocks each layer instead). Prefills gather their blocks
-and run SDPA, like the torch backend whose masks and metadata this backend reuses.
-float32 only; other dtypes and fp8 caches use the torch backend (the platform's next
-preference). The kernel is compiled on first use (``halserve.platforms.cpu_kernels``).
+With keys transposed, 16 keys are scored with one vector load per head dimension and no
+horizontal sums. Per layer: ``write_kv`` stores the step's K/V; decodes go through
+``paged_decode`` (one task per request and kv head, vectorised softmax; a decode-only
+step returns its output directly); prefills and chunks after cached context go through
+``paged_prefill`` (flash-style tiles of query positions x the heads sharing a kv head,
+online softmax, all spans in one call). Configurations the prefill kernel does not take
+(block size or head size not a multiple of 16, more than 8 query heads per kv head) use
+SDPA per prompt, like the torch backend whose masks and metadata this backend reuses.
+Other dtypes and fp8 caches use the torch backend (the platform's next preference). The
+kernels are compiled on first use.
 """
 from __future__ import annotations
 
