@@ -100,7 +100,7 @@ def halserve_attention_backends() -> list[type]:
 
 @hookimpl
 def halserve_kernels() -> list[type]:
-    from halserve.platforms.cpu_kernels.fused import CpuFusedRmsNorm, CpuFusedRotaryEmbedding
+    from halserve.platforms.cpu_kernels.fused import CpuFusedRmsNorm, CpuFusedRotaryEmbedding, CpuFusedSiluAndMul
     from halserve.platforms.cpu_kernels.onednn_gemm import OneDnnGemm
 
-    return [OneDnnGemm, CpuFusedRmsNorm, CpuFusedRotaryEmbedding]
+    return [OneDnnGemm, CpuFusedRmsNorm, CpuFusedRotaryEmbedding, CpuFusedSiluAndMul]

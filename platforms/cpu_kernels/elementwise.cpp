@@ -7,10 +7,15 @@
 //       rotates the first R dims of every head by the angle of its position; cos_sin holds
 //       R/2 cosines then R/2 sines per position. neox pairs (i, i + R/2); gpt-j pairs
 //       (2i, 2i + 1). q and k may be row-strided views (slices of the fused qkv output).
+//   silu_and_mul(x [T, 2I]) -> [T, I] = silu(x[:, :I]) * x[:, I:], silu(g) = g / (1 + e^-g)
+//       with the 16-lane exp of vec16.h (about 1 ulp; the torch reference takes two ops
+//       and a temporary).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+
+#include "vec16.h"
 
 // Round after every multiply and add, exactly like the separate torch ops these kernels
 // replace (no fused multiply-add contraction), so results are bit-identical to them.
@@ -93,4 +98,29 @@ std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torc
   rotate_rows(pos.data_ptr<int64_t>(), k.data_ptr<float>(), k.stride(0), k_out.data_ptr<float>(), T, k.size(1) / D, D,
               cs.data_ptr<float>(), R, is_neox);
   return {q_out, k_out};
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.scalar_type() == torch::kFloat,
+              "silu_and_mul takes float32 [T, 2 * I]");
+  auto xc = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t T = xc.size(0), I = xc.size(1) / 2, ld = xc.stride(0);
+  auto out = torch::empty({T, I}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  using namespace halserve_cpu;
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * ld;
+      const float* u = g + I;
+      float* o = op + t * I;
+      int64_t i = 0;
+      for (; i + 16 <= I; i += 16) {
+        const v16 gv = load16(g + i);
+        store16(o + i, gv / (1.0f + exp16(-gv)) * load16(u + i));
+      }
+      for (; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
 }

@@ -1,6 +1,6 @@
 """Fused elementwise kernels of the cpu platform (C++ in ``elementwise.cpp``, float32):
-one pass over memory for the residual-add + RMSNorm and for the rotary embedding, where
-the torch references take several ops and temporaries. Other cases (no residual, other
+one pass over memory for the residual-add + RMSNorm, the rotary embedding and SiLU-and-mul,
+where the torch references take several ops and temporaries. Other cases (no residual, other
 dtypes) go through torch's own fused ``rms_norm`` or the reference."""
 from __future__ import annotations
 
@@ -60,3 +60,12 @@ class CpuFusedRotaryEmbedding(_NativeKernel):
         if q.dtype != torch.float32 or q.stride(-1) != 1 or k.stride(-1) != 1 or q.dim() != 2:
             return self.fallback(positions, q, k, cos_sin_cache, head_size, is_neox)
         return tuple(self.native.rotary(positions, q, k, cos_sin_cache.float(), head_size, is_neox))
+
+
+class CpuFusedSiluAndMul(_NativeKernel):
+    op = "silu_and_mul"
+    name = "cpu_fused"
+    description = "silu(gate) * up in one C++ pass with a 16-lane exp (float32)"
+
+    def __call__(self, x):
+        return self.native.silu_and_mul(x)

@@ -337,9 +337,12 @@ void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, t
                    torch::Tensor token_start, torch::Tensor query_len, torch::Tensor seq_len, torch::Tensor row,
                    int64_t block_size, double scale, int64_t sliding_window, double soft_cap);
 
+torch::Tensor silu_and_mul(torch::Tensor x);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm (float32)");
   m.def("rotary", &rotary, "rotary embedding of q and k (float32, neox or gpt-j pairs)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (float32)");
   m.def("write_kv", &write_kv, "write new K/V into a [2, blocks, Hk, B*D] float32 cache (keys stored [D, B] per block)");
   m.def("paged_prefill_supported", &paged_prefill_supported, "whether paged_prefill runs this head/block configuration");
   m.def("paged_prefill", &paged_prefill,
