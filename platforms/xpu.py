@@ -96,3 +96,11 @@ def halserve_attention_backends() -> list[type]:
     from halserve.attention_backends.ipex import IpexAttentionBackend
 
     return [IpexAttentionBackend]
+
+
+@hookimpl
+def halserve_kernels() -> list[type]:
+    # Classes only: IPEX is imported when a layer's weight is prepared.
+    from halserve.platforms.xpu_kernels import IpexAwqGemm, IpexGptqGemm
+
+    return [IpexAwqGemm, IpexGptqGemm]

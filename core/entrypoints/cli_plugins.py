@@ -8,6 +8,7 @@ JSON keys: ``api_version``, ``plugins``, ``platforms``, ``attention_backends``,
 ``kernels``, ``quant_methods``, ``kv_connectors``, ``executors``, ``models``,
 ``selected_platform`` (+ ``selected_platform_error``), ``resolved_for``,
 ``resolved_kernels`` ({op: kernel name | null}), ``resolution_errors`` ({op: reason}),
+``kernels_skipped`` ({op: ["name: reason", ...]}: kernels passed over before the chosen one),
 ``resolved_attention_backend`` (+ ``attention_backend_error``, ``attention_backend_skipped``,
 ``attention_problem``: the representative layer it was resolved for).
 
@@ -106,9 +107,10 @@ def collect(manager: Any, platform: str | None = None) -> dict[str, Any]:
     if target is None and platform and manager.platforms.get(platform) is not None:
         target = platform
     report["resolved_for"] = target
-    kernels, errors = _resolve_kernels(manager, target)
+    kernels, errors, kernels_skipped = _resolve_kernels(manager, target)
     report["resolved_kernels"] = kernels
     report["resolution_errors"] = errors
+    report["kernels_skipped"] = kernels_skipped
     backend, skipped, problem = _resolve_attention(manager, target)
     report["resolved_attention_backend"] = backend
     report["attention_backend_error"] = None if backend else "; ".join(skipped)
@@ -178,13 +180,18 @@ def _problem(op: str, platform_cls: Any) -> dict[str, Any]:
     return {k: default if v == "act" else fp8 if v == "fp8" else v for k, v in problem.items()}
 
 
-def _resolve_kernels(manager: Any, platform: str | None) -> tuple[dict[str, str | None], dict[str, str]]:
+def _resolve_kernels(
+    manager: Any, platform: str | None
+) -> tuple[dict[str, str | None], dict[str, str], dict[str, list[str]]]:
+    """({op: kernel | None}, {op: why none}, {op: ["name: reason", ...] of the kernels passed over
+    before the chosen one})."""
     from halserve.kernels import OPS, kernel_candidates
 
     kernels: dict[str, str | None] = {op: None for op in OPS}
     errors: dict[str, str] = {}
+    skipped: dict[str, list[str]] = {}
     if platform is None:
-        return kernels, {op: "no platform selected" for op in OPS}
+        return kernels, {op: "no platform selected" for op in OPS}, skipped
     platform_cls = manager.platforms[platform].obj
     for op in OPS:
         problem = _problem(op, platform_cls)
@@ -196,6 +203,8 @@ def _resolve_kernels(manager: Any, platform: str | None) -> tuple[dict[str, str 
                 reason = f"supports() raised {type(exc).__name__}: {exc}"
             if reason is None:
                 kernels[op] = cls.name
+                if reasons:
+                    skipped[op] = reasons
                 break
             reasons.append(f"{cls.name}: {reason}")
         else:
@@ -205,7 +214,7 @@ def _resolve_kernels(manager: Any, platform: str | None) -> tuple[dict[str, str 
                 if reasons
                 else f"no kernel for {op} is registered for platform {platform}"
             )
-    return kernels, errors
+    return kernels, errors, skipped
 
 
 def _resolve_attention(manager: Any, platform: str | None) -> tuple[str | None, list[str], dict[str, Any]]:
@@ -311,6 +320,8 @@ def render(report: dict[str, Any]) -> str:
         resolved = report["resolved_kernels"].get(op)
         shown = resolved or f"none ({report['resolution_errors'].get(op, 'unresolved')})"
         out.append(f"  {op} -> {shown}")
+        for reason in report.get("kernels_skipped", {}).get(op, []):
+            out.append(f"    passed over {reason}")
         for k in by_op.get(op, []):
             out.append(
                 f"      {k['name']}  platforms={_list(k.get('platforms'))}  priority={k.get('priority')}  "

@@ -67,7 +67,9 @@ class Kernel:
         """(optional) default: the weight itself. Called once per layer after loading (never
         per call) for weight-taking ops; what it returns (e.g. a weight repacked into the
         library's blocked layout) is what the layer then passes as the weight on every call.
-        A kernel that repacks must still accept an unprepared weight."""
+        A kernel that repacks must still accept an unprepared weight. For ops whose weight
+        is several arguments (the 4-bit GEMMs), ``weight`` is the tuple of those arguments
+        in call order (everything after ``x``), and the result takes the first one's place."""
         return weight
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
