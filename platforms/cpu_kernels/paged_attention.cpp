@@ -11,7 +11,16 @@
 //     seq_len - 1 - window < t < seq_len are visible (window 0 = no window).
 // Work is split over (request, kv head) pairs with at::parallel_for (torch's thread
 // pool); each task reads its head's blocks once and serves the G = Hq / Hk query heads
-// that share it.
+// that share it. Blocks of 16k tokens with head sizes of 16k take the fast path: scores
+// written in place, a vectorised softmax (exp16), the next block software-prefetched
+// (scattered blocks defeat the hardware prefetchers). Measured on W1's shapes (64
+// requests x 192 tokens x 12/4 heads x 64, 300 MB of cache per step): 21 -> 11 ms per
+// step against the scalar-softmax version. One task per request (all its heads, each
+// block read as one contiguous run) measured slower and was dropped.
+//
+// Also here: write_kv (the step's K/V into the cache layout). paged_prefill.cpp has the
+// prefill kernel, elementwise.cpp the fused norm/rotary/SiLU kernels, vec16.h the
+// vector helpers.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
