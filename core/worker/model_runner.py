@@ -194,7 +194,7 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.model.attention_layers:
             shape = self.attn_backend_cls.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, self.info.head_size)
-            cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            cache = self.platform.allocate_kv_cache(shape, self.kv_cache_dtype)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
         logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, self.block_size, self.kv_cache_dtype)

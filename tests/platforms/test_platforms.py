@@ -207,6 +207,32 @@ def test_cpu_platform_keeps_freed_memory_for_reuse() -> None:
     assert faults("0") > 10000
 
 
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+@pytest.mark.skipif(not os.path.exists(_THP_MODE) or "[never]" in open(_THP_MODE).read(),
+                    reason="transparent huge pages are unavailable or disabled on this machine")
+def test_cpu_kv_cache_is_zeroed_and_on_huge_pages() -> None:
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from halserve.platforms.cpu import CpuPlatform
+def huge_kb():
+    return int(next(l for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages")).split()[1])
+before = huge_kb()
+cache = CpuPlatform().allocate_kv_cache((2, 64, 4, 1024), torch.float32)  # 2 MiB
+assert cache.dtype == torch.float32 and cache.shape == (2, 64, 4, 1024) and not cache.any()
+big = CpuPlatform().allocate_kv_cache((2, 1024, 4, 1024), torch.float32)  # 32 MiB
+assert not big.any()
+print(huge_kb() - before)
+"""
+    env = {**os.environ, "HALSERVE_CPU_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert int(out.stdout.strip().splitlines()[-1]) >= 16 * 1024  # most of the 32 MiB cache
+
+
 def test_platform_describe_is_json_ready() -> None:
     import json
 
