@@ -178,14 +178,17 @@ def test_cpu_platform_uses_all_cores(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 _REALLOC_FAULTS = """
-import resource, sys, torch
+import resource, torch
 from halserve.platforms.cpu import CpuPlatform
 CpuPlatform()  # applies (or, with HALSERVE_CPU_MALLOC_TUNING=0, skips) the malloc setting
-x = torch.ones(16 << 20)  # 64 MiB
-del x
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-y = torch.ones(16 << 20)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+faults = []
+for _ in range(6):  # a step's pattern: a large activation, small objects, free
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    y = torch.ones(16 << 20)  # 64 MiB
+    small = [object() for _ in range(1000)]
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    del y
+print(sum(faults[3:]))  # steady state (the first rounds grow the heap)
 """
 
 
@@ -193,7 +196,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
                     reason="the malloc setting applies to glibc only")
 def test_cpu_platform_keeps_freed_memory_for_reuse() -> None:
     """With the cpu platform's malloc setting a freed 64 MiB buffer is reused without
-    page faults; glibc's default unmaps it and faults in all 16384 pages again."""
+    page faults once the heap has grown; glibc's default unmaps it and faults in all
+    16384 pages again every time."""
     import subprocess
     import sys
 
@@ -204,7 +208,7 @@ def test_cpu_platform_keeps_freed_memory_for_reuse() -> None:
         return int(out.stdout.strip().splitlines()[-1])
 
     assert faults("1") < 1000
-    assert faults("0") > 10000
+    assert faults("0") > 3 * 10000
 
 
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
