@@ -2,9 +2,10 @@
 
     python benchmarks/compare_throughput.py [--workloads W1 W2] [--vllm-python PATH] [--skip-hf]
 
-Each engine runs in its own fresh process, one after another, on the same checkpoint and
-the same random prompts, ``--repeats`` times (halserve and vLLM; the median run is
-reported, all runs are printed). vLLM runs from its own venv (it pins its own torch build); see
+Each engine runs in its own fresh process, on the same checkpoint and the same random
+prompts, ``--repeats`` times for halserve and vLLM, alternating (halserve, vLLM, halserve,
+vLLM, ...: the machine's speed drifts, and alternating spreads the drift over both); the
+median run of each is reported and all runs are printed. transformers runs once. vLLM runs from its own venv (it pins its own torch build); see
 BENCHMARKS.md for how that venv is made. Prints output tok/s and the ratios.
 """
 from __future__ import annotations
@@ -21,15 +22,27 @@ sys.path.insert(0, HERE)
 from workloads import WORKLOADS, ensure_checkpoint  # noqa: E402
 
 
-def _median_run(cmd: list[str], repeats: int, env: dict | None = None) -> dict | None:
-    """Run ``cmd`` ``repeats`` times (fresh processes); the run with the median output tok/s."""
-    runs = [r for r in (_run(cmd, env) for _ in range(repeats)) if r]
+def _median(runs: list[dict]) -> dict | None:
+    """The run with the median output tok/s, with every run's figure attached."""
     if not runs:
         return None
-    runs.sort(key=lambda r: r["output_tokens_per_s"])
+    runs = sorted(runs, key=lambda r: r["output_tokens_per_s"])
     best = dict(runs[len(runs) // 2])
     best["all_output_tokens_per_s"] = [round(r["output_tokens_per_s"], 1) for r in runs]
     return best
+
+
+def _interleaved(engines: dict[str, tuple[list[str], dict | None]], repeats: int) -> dict[str, dict | None]:
+    """Run each engine's command ``repeats`` times in fresh processes, alternating engines
+    (A B A B ...) so that slow drift in the machine's speed hits them alike; the median
+    run of each."""
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, (cmd, env) in engines.items():
+            result = _run(cmd, env)
+            if result:
+                runs[name].append(result)
+    return {name: _median(r) for name, r in runs.items()}
 
 
 def _run(cmd: list[str], env: dict | None = None) -> dict | None:
@@ -62,16 +75,16 @@ def main() -> None:
         path = ensure_checkpoint(name, args.models_dir)
         n, i, o = str(w["num_prompts"]), str(w["input_len"]), str(w["output_len"])
         res = {"workload": name}
-        res["halserve"] = _median_run([sys.executable, "-m", "halserve.entrypoints.cli", "bench", "throughput", "--model", path,
-                                "--platform", "cpu", "--dtype", "float32", "--num-prompts", n, "--input-len", i,
-                                "--output-len", o, "--output-json", "{json}"], args.repeats)
+        engines = {"halserve": ([sys.executable, "-m", "halserve.entrypoints.cli", "bench", "throughput", "--model", path,
+                                 "--platform", "cpu", "--dtype", "float32", "--num-prompts", n, "--input-len", i,
+                                 "--output-len", o, "--output-json", "{json}"], None)}
         if not args.skip_vllm:
-            res["vllm"] = _median_run([args.vllm_python, os.path.join(HERE, "vllm_throughput.py"), path, n, i, o, "--json",
-                                       "{json}"], args.repeats,
-                                      env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"})
+            engines["vllm"] = ([args.vllm_python, os.path.join(HERE, "vllm_throughput.py"), path, n, i, o, "--json",
+                                "{json}"], {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"})
+        res.update(_interleaved(engines, args.repeats))
         if not args.skip_hf:
-            res["transformers"] = _median_run([sys.executable, os.path.join(HERE, "hf_throughput.py"), path, n, i, o, "--json",
-                                               "{json}"], 1)
+            res["transformers"] = _median([r for r in [_run([sys.executable, os.path.join(HERE, "hf_throughput.py"), path,
+                                                             n, i, o, "--json", "{json}"])] if r])
         rows.append(res)
     print("\n| workload | halserve out tok/s | vLLM-CPU out tok/s | transformers out tok/s | halserve/vLLM | halserve/transformers |")
     print("|---|---|---|---|---|---|")
