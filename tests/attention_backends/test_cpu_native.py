@@ -32,6 +32,20 @@ def _step(query_lens, seq_lens, block_size, num_blocks, gen):
     )
 
 
+def _history_step(history, block_table, block_size):
+    """Step 1 of the two-step tests: each request computes its whole history in one
+    prefill, on the block tables of step 2."""
+    starts = torch.tensor([0] + history).cumsum(0).to(torch.int32)
+    lens = torch.tensor(history, dtype=torch.int32)
+    slots = [int(block_table[r, p // block_size]) * block_size + p % block_size
+             for r, h in enumerate(history) for p in range(h)]
+    return AttentionMetadata(
+        num_actual_tokens=sum(history), num_reqs=len(history), max_query_len=max(history),
+        max_seq_len=max(history), query_start_loc=starts, seq_lens=lens, block_table=block_table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc_cpu=starts, seq_lens_cpu=lens,
+    )
+
+
 def _run(backend_cls, steps, num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, gen_seed):
     gen = torch.Generator().manual_seed(gen_seed)
     backend = backend_cls(num_heads, head_size, head_size**-0.5, num_kv_heads, **kwargs)
@@ -60,16 +74,7 @@ def test_matches_torch_backend(num_heads, num_kv_heads, head_size, block_size, w
     seq_lens = [h + q for h, q in zip(history, query_lens)]
     num_blocks = len(query_lens) * -(-max(seq_lens) // block_size) + 5
     step2 = _step(query_lens, seq_lens, block_size, num_blocks, gen)
-    # step 1: the same block tables, each request computing its history in one prefill
-    step1 = AttentionMetadata(
-        num_actual_tokens=sum(history), num_reqs=len(history), max_query_len=max(history),
-        max_seq_len=max(history), query_start_loc=torch.tensor([0] + history).cumsum(0).to(torch.int32),
-        seq_lens=torch.tensor(history, dtype=torch.int32), block_table=step2.block_table,
-        slot_mapping=torch.tensor([int(step2.block_table[r, p // block_size]) * block_size + p % block_size
-                                   for r, h in enumerate(history) for p in range(h)], dtype=torch.int64),
-        query_start_loc_cpu=torch.tensor([0] + history).cumsum(0).to(torch.int32),
-        seq_lens_cpu=torch.tensor(history, dtype=torch.int32),
-    )
+    step1 = _history_step(history, step2.block_table, block_size)
     kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
     args = (num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, 7)
     want = _run(TorchAttentionBackend, [step1, step2], *args)
@@ -98,15 +103,7 @@ def test_decode_only_step_matches_torch_backend(num_heads, num_kv_heads, head_si
     seq_lens = [h + 1 for h in history]
     num_blocks = len(history) * -(-max(seq_lens) // block_size) + 3
     step2 = _step([1] * len(history), seq_lens, block_size, num_blocks, gen)
-    step1 = AttentionMetadata(
-        num_actual_tokens=sum(history), num_reqs=len(history), max_query_len=max(history),
-        max_seq_len=max(history), query_start_loc=torch.tensor([0] + history).cumsum(0).to(torch.int32),
-        seq_lens=torch.tensor(history, dtype=torch.int32), block_table=step2.block_table,
-        slot_mapping=torch.tensor([int(step2.block_table[r, p // block_size]) * block_size + p % block_size
-                                   for r, h in enumerate(history) for p in range(h)], dtype=torch.int64),
-        query_start_loc_cpu=torch.tensor([0] + history).cumsum(0).to(torch.int32),
-        seq_lens_cpu=torch.tensor(history, dtype=torch.int32),
-    )
+    step1 = _history_step(history, step2.block_table, block_size)
     kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
     args = (num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, 11)
     want = _run(TorchAttentionBackend, [step1, step2], *args)
@@ -164,15 +161,7 @@ def test_long_prefills_and_chunks_match_torch_backend(num_heads, num_kv_heads, h
     seq_lens = [h + q for h, q in zip(history, query_lens)]
     num_blocks = len(history) * -(-max(seq_lens) // block_size) + 2
     step2 = _step(query_lens, seq_lens, block_size, num_blocks, gen)
-    step1 = AttentionMetadata(
-        num_actual_tokens=sum(history), num_reqs=len(history), max_query_len=max(history),
-        max_seq_len=max(history), query_start_loc=torch.tensor([0] + history).cumsum(0).to(torch.int32),
-        seq_lens=torch.tensor(history, dtype=torch.int32), block_table=step2.block_table,
-        slot_mapping=torch.tensor([int(step2.block_table[r, p // block_size]) * block_size + p % block_size
-                                   for r, h in enumerate(history) for p in range(h)], dtype=torch.int64),
-        query_start_loc_cpu=torch.tensor([0] + history).cumsum(0).to(torch.int32),
-        seq_lens_cpu=torch.tensor(history, dtype=torch.int32),
-    )
+    step1 = _history_step(history, step2.block_table, block_size)
     kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
     args = (num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, 5)
     want = _run(TorchAttentionBackend, [step1, step2], *args)
