@@ -60,6 +60,23 @@ def _run(backend_cls, steps, num_heads, num_kv_heads, head_size, block_size, num
     return outs
 
 
+def _assert_two_steps_match(history, query_lens, num_heads, num_kv_heads, head_size, block_size, window, soft_cap,
+                            *, gen_seed, run_seed, spare_blocks):
+    """Step 1 prefills every request's history; step 2 schedules ``query_lens`` after it.
+    Each backend fills its own cache layout; cpu_native must match the torch backend."""
+    gen = torch.Generator().manual_seed(gen_seed)
+    seq_lens = [h + q for h, q in zip(history, query_lens)]
+    num_blocks = len(history) * -(-max(seq_lens) // block_size) + spare_blocks
+    step2 = _step(query_lens, seq_lens, block_size, num_blocks, gen)
+    step1 = _history_step(history, step2.block_table, block_size)
+    kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
+    args = (num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, run_seed)
+    want = _run(TorchAttentionBackend, [step1, step2], *args)
+    got = _run(CpuNativeAttentionBackend, [step1, step2], *args)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_size,block_size,window,soft_cap",
     [(4, 4, 64, 16, None, None), (8, 2, 64, 16, None, None), (6, 1, 32, 4, None, None),
@@ -68,19 +85,10 @@ def _run(backend_cls, steps, num_heads, num_kv_heads, head_size, block_size, num
 def test_matches_torch_backend(num_heads, num_kv_heads, head_size, block_size, window, soft_cap):
     """Step 1 prefills every request's history; step 2 mixes decodes, a fresh prefill and
     a chunked prefill over the cached prefix. Each backend fills its own cache layout."""
-    gen = torch.Generator().manual_seed(num_heads * 31 + head_size)
     history = [1, 1, 36, 15, 35, 69]          # cached before step 2
     query_lens = [1, 9, 1, 1, 5, 1]           # step 2
-    seq_lens = [h + q for h, q in zip(history, query_lens)]
-    num_blocks = len(query_lens) * -(-max(seq_lens) // block_size) + 5
-    step2 = _step(query_lens, seq_lens, block_size, num_blocks, gen)
-    step1 = _history_step(history, step2.block_table, block_size)
-    kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
-    args = (num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, 7)
-    want = _run(TorchAttentionBackend, [step1, step2], *args)
-    got = _run(CpuNativeAttentionBackend, [step1, step2], *args)
-    for w, g in zip(want, got):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    _assert_two_steps_match(history, query_lens, num_heads, num_kv_heads, head_size, block_size, window, soft_cap,
+                            gen_seed=num_heads * 31 + head_size, run_seed=7, spare_blocks=5)
 
 
 def test_declines_what_it_does_not_run():
@@ -98,18 +106,9 @@ def test_decode_only_step_matches_torch_backend(num_heads, num_kv_heads, head_si
     """A step of decodes only, in batch order (the fast path that returns the kernel's
     output directly), over long and short contexts: vectorised softmax (group sizes 1..8,
     blocks of 16/32/64) and the generic kernel (group 10, block 8, head size 48)."""
-    gen = torch.Generator().manual_seed(num_heads * 7 + block_size)
     history = [1, 300, 17, 64, 129, 2, 16, 95]
-    seq_lens = [h + 1 for h in history]
-    num_blocks = len(history) * -(-max(seq_lens) // block_size) + 3
-    step2 = _step([1] * len(history), seq_lens, block_size, num_blocks, gen)
-    step1 = _history_step(history, step2.block_table, block_size)
-    kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
-    args = (num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, 11)
-    want = _run(TorchAttentionBackend, [step1, step2], *args)
-    got = _run(CpuNativeAttentionBackend, [step1, step2], *args)
-    for w, g in zip(want, got):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    _assert_two_steps_match(history, [1] * len(history), num_heads, num_kv_heads, head_size, block_size, window, soft_cap,
+                            gen_seed=num_heads * 7 + block_size, run_seed=11, spare_blocks=3)
 
 
 def test_write_kv_places_keys_transposed_and_rejects_bad_slots():
@@ -155,19 +154,10 @@ def test_exp_underflow_gives_negligible_weight():
 def test_long_prefills_and_chunks_match_torch_backend(num_heads, num_kv_heads, head_size, block_size, window, soft_cap):
     """The native prefill kernel (all spans in one call, tiles of 3-16 query positions):
     fresh prompts of many lengths, then chunks after cached context next to decodes."""
-    gen = torch.Generator().manual_seed(num_heads + head_size + block_size)
     history = [37, 100, 5, 16, 2, 61]
     query_lens = [20, 33, 2, 1, 17, 1]
-    seq_lens = [h + q for h, q in zip(history, query_lens)]
-    num_blocks = len(history) * -(-max(seq_lens) // block_size) + 2
-    step2 = _step(query_lens, seq_lens, block_size, num_blocks, gen)
-    step1 = _history_step(history, step2.block_table, block_size)
-    kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
-    args = (num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, 5)
-    want = _run(TorchAttentionBackend, [step1, step2], *args)
-    got = _run(CpuNativeAttentionBackend, [step1, step2], *args)
-    for w, g in zip(want, got):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    _assert_two_steps_match(history, query_lens, num_heads, num_kv_heads, head_size, block_size, window, soft_cap,
+                            gen_seed=num_heads + head_size + block_size, run_seed=5, spare_blocks=2)
 
 
 def test_prefill_kernel_rejects_bad_spans():
