@@ -29,7 +29,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
     platforms = ("cpu",)
     dtypes = ("float32",)
     kv_cache_dtypes = ("auto",)
-    description = "native C++ paged decode (transposed-key cache layout) + SDPA prefill; float32; built on first use"
+    description = "native C++ paged decode and prefill (transposed-key cache layout); float32; built on first use"
 
     @classmethod
     def _supports(cls, **config) -> str | None:
@@ -65,7 +65,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         if q.dtype != torch.float32:
             raise ValueError(f"cpu_native runs float32 only, got {q.dtype}; use the torch attention backend")
         n = metadata.num_actual_tokens
-        keys, values, block_size = self._views(kv_cache)
+        block_size = kv_cache.shape[3] // self.head_size
         self._kernel.write_kv(kv_cache, k[:n], v[:n], metadata.slot_mapping[:n], block_size)
         decode_args = (block_size, self.scale, self.sliding_window or 0, self.logits_soft_cap or 0.0)
         if not metadata.prefills and q.shape[0] == n and self._all_decodes_in_order(metadata) and q.is_contiguous():
@@ -83,6 +83,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             spans = self._prefill_spans(metadata)
             self._kernel.paged_prefill(out, q.contiguous(), kv_cache, metadata.block_table, *spans, *decode_args)
             return out
+        keys, values, _ = self._views(kv_cache)
         for span in metadata.prefills:
             block_ids, mask = self._prefill_inputs(metadata, span, block_size, q.device)
             if span.context_len == 0:
@@ -142,5 +143,5 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             block_table = meta.block_table.index_select(0, rows).contiguous()
             seq_lens = meta.seq_lens.index_select(0, rows).contiguous()
             hit = (token_idx, block_table, seq_lens)
-            meta.cache[("cpu_native_rows")] = hit
+            meta.cache["cpu_native_rows"] = hit
         return hit
