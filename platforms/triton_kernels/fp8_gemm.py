@@ -37,8 +37,10 @@ class TritonFp8ScaledGemm(TritonKernel):
     def _supports_problem(cls, **problem: Any) -> str | None:
         return _check_fp8(cls, problem)
 
-    def __init__(self) -> None:
-        self.upcast = not _has_fp8_dot()
+    def __init__(self, upcast: bool | None = None) -> None:
+        """``upcast``: feed fp16 operands to the dot (GPUs without fp8 tensor cores); default:
+        decided by the current device."""
+        self.upcast = not _has_fp8_dot() if upcast is None else upcast
 
     def __call__(self, a, b, scale_a, scale_b, out_dtype, bias=None):
         from halserve.platforms.triton_kernels.jit.scaled_gemm import scaled_gemm
@@ -46,16 +48,23 @@ class TritonFp8ScaledGemm(TritonKernel):
         return scaled_gemm(a, b, scale_a, scale_b, out_dtype, bias, upcast=self.upcast)
 
 
+def fp8_dot_supported(arch: int | str) -> bool:
+    """fp8 x fp8 tl.dot: compute capability (e.g. 90) >= 89 on NVIDIA, gfx94x/gfx95x on AMD."""
+    if isinstance(arch, str):
+        return arch.startswith(("gfx94", "gfx95"))
+    return arch >= 89
+
+
 def _has_fp8_dot() -> bool:
-    """fp8 x fp8 tl.dot: sm89+ on NVIDIA, gfx94x/gfx95x on AMD; the interpreter computes it too."""
+    """fp8_dot_supported for the current GPU; the interpreter (CPU tests) computes fp8 dots too."""
     import torch
 
     if not torch.cuda.is_available():
-        return True  # interpreter (CPU tests)
+        return True
     if torch.version.hip:
-        arch = torch.cuda.get_device_properties(0).gcnArchName
-        return arch.startswith(("gfx94", "gfx95"))
-    return torch.cuda.get_device_capability() >= (8, 9)
+        return fp8_dot_supported(torch.cuda.get_device_properties(0).gcnArchName)
+    major, minor = torch.cuda.get_device_capability()
+    return fp8_dot_supported(major * 10 + minor)
 
 
 class CudaScaledMmFp8Gemm(TritonKernel):

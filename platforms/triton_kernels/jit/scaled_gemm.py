@@ -12,6 +12,8 @@ import triton.language as tl
 
 from halserve.platforms.triton_kernels.common import gemm_tiles
 
+_FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)  # AMD flavours: exponent bias one higher
+
 
 @triton.jit
 def _swizzle(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -27,6 +29,27 @@ def _swizzle(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
 
 
 @triton.jit
+def _fp8_bits_to_f16(bits, IS_E5: tl.constexpr, EXP_BIAS: tl.constexpr):
+    # uint8 fp8 codes -> the same values in fp16, without fp8 types (pre-sm89 / pre-MI300
+    # compilers reject them), by moving sign, exponent and mantissa into fp16's fields:
+    #   e4m3: s eeee mmm -> s 0eeee mmm0000000, then x 2^(15 - bias) (a power of two: exact;
+    #         fp8 subnormals land on fp16 subnormals, which the scaling makes normal)
+    #   e5m2: s eeeee mm is the top byte of an fp16 (bias 15); e5m2fnuz (bias 16) halves that,
+    #         except exponent 31 (finite in fnuz, inf/NaN in fp16), which steps down one instead
+    # The NaN codes of the e4m3 flavours decode as finite values; quantized tensors never hold them.
+    b = bits.to(tl.uint16)
+    if IS_E5:
+        h = b << 8
+        if EXP_BIAS == 16:
+            top = (b & 0x7C) == 0x7C
+            f = tl.where(top, h - 0x400, h).to(tl.float16, bitcast=True).to(tl.float32)
+            return tl.where(top, f, f * 0.5).to(tl.float16)
+        return h.to(tl.float16, bitcast=True)
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return (h.to(tl.float16, bitcast=True).to(tl.float32) * (2.0 ** (15 - EXP_BIAS))).to(tl.float16)
+
+
+@triton.jit
 def scaled_gemm_kernel(
     a_ptr, b_ptr, out_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
     M, N, K,
@@ -35,7 +58,9 @@ def scaled_gemm_kernel(
     PER_CHANNEL: tl.constexpr,  # scale_b has N entries (else 1)
     HAS_BIAS: tl.constexpr,
     IS_INT8: tl.constexpr,
-    UPCAST: tl.constexpr,  # fp8 operands are cast to fp16 first (GPUs without fp8 tensor cores)
+    UPCAST: tl.constexpr,  # a and b are fp8 codes as uint8, decoded to fp16 (GPUs without fp8 tensor cores)
+    FP8_IS_E5: tl.constexpr,  # UPCAST only: e5m2 codes (else e4m3)
+    FP8_EXP_BIAS: tl.constexpr,  # UPCAST only: 7 e4m3fn, 8 e4m3fnuz, 15 e5m2, 16 e5m2fnuz
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _swizzle(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -54,8 +79,8 @@ def scaled_gemm_kernel(
         b = tl.load(b_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
         if IS_INT8:
             acc += tl.dot(a, b)  # int8 x int8 -> int32, exact
-        elif UPCAST:
-            acc += tl.dot(a.to(tl.float16), b.to(tl.float16))  # fp8 values are exact in fp16
+        elif UPCAST:  # fp8 values are exact in fp16
+            acc += tl.dot(_fp8_bits_to_f16(a, FP8_IS_E5, FP8_EXP_BIAS), _fp8_bits_to_f16(b, FP8_IS_E5, FP8_EXP_BIAS))
         else:
             acc += tl.dot(a, b)
         a_ptrs += BLOCK_K * stride_ak
@@ -81,6 +106,8 @@ def scaled_gemm(a, b, scale_a, scale_b, out_dtype, bias=None, *, upcast: bool = 
     n = b.shape[0]
     if b.shape[1] != k:
         raise ValueError(f"a is [{m}, {k}] but b is {list(b.shape)}; b must be [N, K]")
+    if a.dtype != b.dtype:
+        raise ValueError(f"a is {a.dtype} but b is {b.dtype}; quantize both to the same dtype")
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
@@ -89,6 +116,12 @@ def scaled_gemm(a, b, scale_a, scale_b, out_dtype, bias=None, *, upcast: bool = 
     scale_b = scale_b.reshape(-1).to(torch.float32).contiguous()
     tiles = gemm_tiles(m, n, k)
     grid = (triton.cdiv(m, tiles["BLOCK_M"]) * triton.cdiv(n, tiles["BLOCK_N"]),)
+    is_int8 = a.dtype == torch.int8
+    upcast = upcast and not is_int8
+    fp8_is_e5 = a.dtype in (torch.float8_e5m2, torch.float8_e5m2fnuz)
+    fp8_bias = (16 if fp8_is_e5 else 8) if a.dtype in _FNUZ else (15 if fp8_is_e5 else 7)
+    if upcast:  # the kernel decodes the codes itself
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
     scaled_gemm_kernel[grid](
         a, b, out, scale_a, scale_b, bias if bias is not None else out,
         m, n, k,
@@ -96,8 +129,10 @@ def scaled_gemm(a, b, scale_a, scale_b, out_dtype, bias=None, *, upcast: bool = 
         PER_TOKEN=scale_a.numel() > 1,
         PER_CHANNEL=scale_b.numel() > 1,
         HAS_BIAS=bias is not None,
-        IS_INT8=a.dtype == torch.int8,
+        IS_INT8=is_int8,
         UPCAST=upcast,
+        FP8_IS_E5=fp8_is_e5,
+        FP8_EXP_BIAS=fp8_bias,
         **tiles,
     )
     return out

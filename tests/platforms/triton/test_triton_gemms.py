@@ -30,17 +30,42 @@ def _fp8_operands(device, fp8=torch.float8_e4m3fn, per_token=True, seed=0):
         (torch.float8_e4m3fn, True, torch.float32, False),
         (torch.float8_e5m2, False, torch.float16, False),
         (torch.float8_e4m3fn, True, torch.float16, True),  # the fp16-upcast path of pre-sm89 GPUs
+        (torch.float8_e4m3fnuz, False, torch.float32, True),  # pre-MI300 AMD GPUs, ROCm's flavour
     ],
 )
 def test_fp8_scaled_gemm(fp8, per_token, out_dtype, upcast, device):
     a, b, sa, sb, bias = _fp8_operands(device, fp8, per_token)
-    kernel = TritonFp8ScaledGemm()
-    kernel.upcast = upcast
+    kernel = TritonFp8ScaledGemm(upcast=upcast)
     got = kernel(a, b, sa, sb, out_dtype, bias)
     want = TorchFp8ScaledGemm()(a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), out_dtype, bias.cpu())
     assert got.dtype == out_dtype
     tol = 1e-4 if out_dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz]
+)
+def test_fp8_upcast_decodes_every_code_exactly(fp8, device):
+    # GPUs without fp8 dots get the codes as uint8 and decode them by moving bit fields:
+    # a @ I.T with a = all 256 codes returns each decoded value, to compare with torch's cast
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = torch.isfinite(codes.view(fp8).float())  # NaN/inf codes are outside the decoder's contract
+    codes[~finite] = 0  # (inf * 0 would turn every sum into NaN)
+    values = codes.view(fp8).float()
+    a = codes.view(fp8).reshape(1, 256)
+    eye = torch.eye(256).to(fp8)
+    one = torch.ones(1)
+    kernel = TritonFp8ScaledGemm(upcast=True)
+    got = kernel(a.to(device), eye.to(device), one.to(device), one.to(device), torch.float32).cpu().reshape(256)
+    torch.testing.assert_close(got, values, atol=0, rtol=0)
+
+
+def test_scaled_gemm_rejects_mixed_fp8_operands(device):
+    a = torch.zeros(2, 16).to(torch.float8_e4m3fn)
+    b = torch.zeros(4, 16).to(torch.float8_e5m2)
+    with pytest.raises(ValueError, match="same dtype"):
+        TritonFp8ScaledGemm()(a.to(device), b.to(device), torch.ones(1), torch.ones(1), torch.float32)
 
 
 @pytest.mark.parametrize("per_token,bias", [(True, True), (False, False)])
@@ -64,7 +89,9 @@ def _wo4_problem(k, n, group_size, seed=0):
     return packing.quantize_4bit(w, group_size)
 
 
-@pytest.mark.parametrize("dtype,group_size,m", [(torch.float32, 128, 3), (torch.float16, -1, 17)])
+@pytest.mark.parametrize(
+    "dtype,group_size,m", [(torch.float32, 128, 3), (torch.float16, -1, 17), (torch.float32, 32, 5), (torch.float32, 64, 2)]
+)
 def test_awq_gemm(dtype, group_size, m, device):
     k, n = 256, 40
     q, zeros, scales = _wo4_problem(k, n, group_size)
@@ -77,7 +104,9 @@ def test_awq_gemm(dtype, group_size, m, device):
 
 
 @pytest.mark.parametrize(
-    "dtype,group_size,act_order", [(torch.float32, 128, False), (torch.float16, 128, True), (torch.float32, -1, False)]
+    "dtype,group_size,act_order",
+    [(torch.float32, 128, False), (torch.float16, 128, True), (torch.float32, -1, False), (torch.float32, 32, False),
+     (torch.float32, 32, True)],
 )
 def test_gptq_gemm(dtype, group_size, act_order, device):
     k, n, m = 256, 24, 4

@@ -1,0 +1,94 @@
+"""Every Triton kernel, on its GPU code path, compiles for H100, L40S, A100 and MI300 and fits them.
+
+No GPU needed: ``compile_check`` runs the real launchers under a compile-only Triton driver
+for each target, and Triton's full pipeline (ptxas for NVIDIA, the AMDGPU backend for ROCm)
+builds every launch. A subprocess per target, because this directory's kernels are
+imported under ``TRITON_INTERPRET=1``, which cannot compile. Numerics on a GPU stay with
+the ``gpu`` tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from halserve.platforms.triton_kernels.compile_check import TARGETS
+
+# A few bytes of spill (one register on one path) is noise; a real spill is hundreds.
+MAX_SPILL_BYTES = 16
+DOT_KERNELS = ("unified_attention_kernel", "scaled_gemm_kernel", "wo4_gemm_kernel")
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "halserve.platforms.triton_kernels.compile_check", "--target", name, "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        for name in TARGETS
+    }
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=900)
+        assert stdout.strip(), f"compile_check --target {name} printed nothing (rc {proc.returncode}):\n{stderr}"
+        out[name] = json.loads(stdout)
+    return out
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_every_case_compiles_and_fits(reports, target):
+    report = reports[target]
+    assert report["errors"] == {}, f"cases that do not compile or do not fit {target}: {report['errors']}"
+    builds = report["builds"]
+    assert {b["case"] for b in builds} == set(report["cases"]), "a case launched no newly compiled kernel"
+    limit = report["target"]["max_shared_bytes"]
+    for b in builds:
+        where = f"{b['case']} {b['kernel']} on {target}"
+        assert b["shared_bytes"] <= limit, where
+        assert b["spill_bytes"] <= MAX_SPILL_BYTES, f"{where} spills {b['spill_bytes']} bytes ({b['registers']} regs)"
+        assert b["grid"] is not None and min(b["grid"]) >= 1, f"{where} was compiled but never launched"
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_dots_run_on_matrix_units_in_the_expected_types(reports, target):
+    t = TARGETS[target]
+    for b in reports[target]["builds"]:
+        if b["kernel"] not in DOT_KERNELS:
+            continue
+        case, ops = b["case"], set(b["matrix_operands"])
+        if "float32" in case:
+            # ieee fp32: FMA units on NVIDIA (no tf32 rounding), fp32 MFMA on AMD
+            assert ops == (set() if t.backend == "cuda" else {"f32"}), (case, ops)
+            continue
+        assert b["matrix_instructions"] > 0, f"{case} on {target} has no tensor-core/MFMA instruction"
+        if case.startswith("gemm/int8"):
+            assert ops == {"i8"}, (case, ops)
+        elif case.startswith("gemm/fp8"):
+            # fp8 MMAs where the GPU has them; sm90's mma.sync path (M <= 32, below wgmma's 64
+            # rows) and pre-fp8 GPUs run the exact fp16 values instead
+            small_m_hopper = t.arch == 90 and case.endswith(("-m1", "-m32"))
+            want = {"fp8"} if t.has_fp8_dot and not small_m_hopper else {"f16"}
+            assert ops == want, (case, ops)
+        elif "float16" in case or "fp16" in case:
+            assert ops == {"f16"}, (case, ops)
+        else:  # bf16 models, fp8 KV cache included (the cache is dequantized to the query dtype)
+            assert ops == {"bf16"}, (case, ops)
+
+
+def test_split_decode_launches_one_program_per_split(reports):
+    builds = [b for b in reports["sm_90"]["builds"] if b["case"] == "attention/decode-bf16-h128-gqa4-split8"]
+    attention = next(b for b in builds if b["kernel"] == "unified_attention_kernel")
+    assert attention["grid"][2] == 8
+    assert any(b["kernel"] == "reduce_splits_kernel" for b in builds)
+
+
+def test_unknown_target_is_a_clear_error():
+    from halserve.platforms.triton_kernels.compile_check import check
+
+    with pytest.raises(ValueError, match="unknown target 'sm_75'.*sm_90"):
+        check("sm_75")
