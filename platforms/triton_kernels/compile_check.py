@@ -57,6 +57,7 @@ TARGETS: dict[str, GpuTarget] = {
         GpuTarget("sm_89", "L40S / RTX 4090", "cuda", 89, 32, 101376, "float8_e4m3fn"),
         GpuTarget("sm_80", "A100", "cuda", 80, 32, 166912, None),
         GpuTarget("gfx942", "MI300X", "hip", "gfx942", 64, 65536, "float8_e4m3fnuz"),
+        GpuTarget("gfx950", "MI355X", "hip", "gfx950", 64, 163840, "float8_e4m3fn"),
     )
 }
 
@@ -81,6 +82,7 @@ class KernelBuild:
 
 
 _OPERAND_NAMES = {"bf16": "bf16", "f16": "f16", "e4m3": "fp8", "e5m2": "fp8", "fp8": "fp8", "bf8": "fp8",
+                  "f8f6f4": "fp8",  # gfx950's MFMA for 8/6/4-bit floats; only fp8 operands are fed here
                   "s8": "i8", "i8": "i8", "tf32": "tf32", "xf32": "tf32", "f32": "f32"}
 
 

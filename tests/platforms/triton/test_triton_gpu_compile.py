@@ -1,4 +1,4 @@
-"""Every Triton kernel, on its GPU code path, compiles for H100, L40S, A100 and MI300 and fits them.
+"""Every Triton kernel, on its GPU code path, compiles for H100, L40S, A100, MI300 and MI355 and fits them.
 
 No GPU needed: ``compile_check`` runs the real launchers under a compile-only Triton driver
 for each target, and Triton's full pipeline (ptxas for NVIDIA, the AMDGPU backend for ROCm)
