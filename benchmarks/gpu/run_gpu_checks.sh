@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Run ON THE GPU MACHINE, in the repository root, in one call (device tool: carry [".whl"]):
+#
+#     bash benchmarks/gpu/run_gpu_checks.sh
+#
+# 1. installs the carried wheels (benchmarks/gpu/fetch_wheels.sh) and halserve from this tree
+# 2. the whole Triton test directory compiled on the GPU (no TRITON_INTERPRET): the same
+#    kernel tests as the interpreter suite plus the `gpu` ones (bf16, fp8 casts,
+#    torch._scaled_mm, engine greedy vs transformers)
+# 3. the kernel benchmarks: decode bandwidth at batch 64 x context 4096 x head 128 bf16
+#    (acceptance: >= 70% of peak HBM bandwidth), prefill, and the GEMMs
+# Logs go to $OUT (or ./gpu_out) so they come back. Exits non-zero if the tests failed.
+set -uo pipefail
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# halserve itself, from this tree (setuptools and wheel are in the image; nothing is fetched)
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 || {
+    echo "pip install -e . failed, see install.log"; tail -20 "$OUT/install.log"; exit 1; }
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || rocm-smi 2>/dev/null
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+} | tee "$OUT/device.txt"
+
+timeout 480 python3 -m pytest -q -p no:cacheprovider tests/platforms/triton tests/attention_backends 2>&1 | tee "$OUT/pytest_gpu.log"
+tests_rc=${PIPESTATUS[0]}
+
+peak=3350  # H100 SXM HBM3, GB/s
+case "$(cat "$OUT/device.txt")" in *H200*) peak=4800 ;; *MI300X*) peak=5300 ;; esac
+cd benchmarks/kernels
+timeout 240 python3 bench_paged_attention.py --peak-gbps "$peak" 2>&1 | tee "$OUT/bench_paged_attention.log"
+timeout 240 python3 bench_gemm.py 2>&1 | tee "$OUT/bench_gemm.log"
+echo "tests exit code: $tests_rc"
+exit "$tests_rc"
