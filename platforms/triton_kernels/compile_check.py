@@ -103,7 +103,7 @@ def _matrix_operands(instructions: list[str], backend: str) -> list[str]:
 
 
 def _resource_usage(target: GpuTarget, asm: dict[str, Any], name: str) -> tuple[int, int, list[str]]:
-    """(registers per thread, spill bytes, matrix instructions) of a compiled kernel."""
+    """(registers per thread, spill bytes, matrix instruction names) of a compiled kernel."""
     if target.backend == "cuda":
         import triton
 
@@ -165,8 +165,16 @@ class _CompileOnlyDriver:
                 "warpSize": self.target.warp_size}
 
     def load_binary(self, name, kernel, shared, device):
-        # (module, function, n_regs, n_spills, n_max_threads), as the real drivers return
-        return None, name, 0, 0, 1024
+        # (module, function, n_regs, n_spills, n_max_threads), as the real drivers return, so
+        # Triton's own "threads" check sees the register file's limit on the block size
+        build = next(b for b in reversed(self.builds) if b.kernel == name)
+        if self.target.backend == "cuda":  # 64K registers per SM, allocated per warp in units of 256
+            per_warp = -(-build.registers * 32 // 256) * 256
+            max_threads = min(1024, 65536 // per_warp * 32)
+        else:  # CDNA: 512 VGPRs per lane on each of 4 SIMDs, allocated in units of 8
+            per_wave = -(-build.registers // 8) * 8
+            max_threads = min(1024, 4 * (512 // per_wave) * 64)
+        return None, name, build.registers, build.spill_bytes, max_threads
 
     def launcher_cls(self, src, metadata) -> Callable[..., None]:
         kernel_name = metadata.name

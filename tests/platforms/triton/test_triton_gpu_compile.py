@@ -22,9 +22,13 @@ MAX_SPILL_BYTES = 16
 DOT_KERNELS = ("unified_attention_kernel", "scaled_gemm_kernel", "wo4_gemm_kernel")
 
 
+def _compile_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
 @pytest.fixture(scope="module")
 def reports() -> dict[str, dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = _compile_env()
     procs = {
         name: subprocess.Popen(
             [sys.executable, "-m", "halserve.platforms.triton_kernels.compile_check", "--target", name, "--json"],
@@ -85,6 +89,45 @@ def test_split_decode_launches_one_program_per_split(reports):
     attention = next(b for b in builds if b["kernel"] == "unified_attention_kernel")
     assert attention["grid"][2] == 8
     assert any(b["kernel"] == "reduce_splits_kernel" for b in builds)
+
+
+# A GEMM whose tiles cannot fit: the check must report what the GPU would refuse at launch.
+_OVERSIZED = """
+import torch, triton, triton.language as tl
+from triton.runtime.errors import OutOfResources
+from halserve.platforms.triton_kernels.compile_check import compile_only, TARGETS
+
+@triton.jit
+def matmul(a_ptr, b_ptr, c_ptr, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rm, rn, rk = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(0, K, BK):
+        acc += tl.dot(tl.load(a_ptr + rm[:, None] * K + (k + rk)[None, :]),
+                      tl.load(b_ptr + (k + rk)[:, None] * BN + rn[None, :]))
+    tl.store(c_ptr + rm[:, None] * BN + rn[None, :], acc)
+
+a, b = torch.empty(256, 1024, dtype=torch.float16), torch.empty(1024, 256, dtype=torch.float16)
+c = torch.empty(256, 256)
+with compile_only(TARGETS["gfx942"]):
+    try:  # 4 stages of 256x64 + 64x256 fp16 tiles: 192 KB of LDS, MI300 has 64 KB
+        matmul[(1,)](a, b, c, 1024, BM=256, BN=256, BK=64, num_stages=4)
+    except OutOfResources as e:
+        print("refused:", e)
+with compile_only(TARGETS["sm_80"]) as driver:  # a 128x128 fp32 accumulator in one warp: 512 values per thread
+    matmul[(1,)](a, b, c, 1024, BM=128, BN=128, BK=32, num_warps=1, num_stages=2)
+    print("spill_bytes:", driver.builds[-1].spill_bytes)
+"""
+
+
+def test_the_check_reports_what_a_gpu_would_refuse_or_spill(tmp_path):
+    script = tmp_path / "oversized.py"  # @triton.jit needs its source in a file
+    script.write_text(_OVERSIZED)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_compile_env(),
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "refused: out of resource: shared memory, Required: 196608, Hardware limit: 65536" in proc.stdout
+    spill = int(proc.stdout.split("spill_bytes:")[1])
+    assert spill > 1000, proc.stdout
 
 
 def test_unknown_target_is_a_clear_error():
