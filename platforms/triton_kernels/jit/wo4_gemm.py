@@ -108,6 +108,8 @@ def wo4_gemm(x, qweight, qzeros, scales, g_idx, group_size: int, *, is_awq: bool
     group = k if group_size == -1 else group_size
     if k % group:
         raise ValueError(f"group_size {group_size} does not divide K={k}")
+    if n % 8 or (not is_awq and k % 8):
+        raise ValueError(f"4-bit packing needs N{'' if is_awq else ' and K'} to be multiples of 8, got N={n}, K={k}")
     expect = (k, n // 8) if is_awq else (k // 8, n)
     if tuple(qweight.shape) != expect:
         raise ValueError(f"qweight is {list(qweight.shape)}, expected {list(expect)} for x [{m}, {k}] and N={n}")

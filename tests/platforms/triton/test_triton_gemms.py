@@ -123,6 +123,13 @@ def test_gptq_gemm(dtype, group_size, act_order, device):
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
 
 
+def test_wo4_rejects_k_not_a_multiple_of_8_for_gptq(device):
+    x = torch.zeros(2, 84)
+    with pytest.raises(ValueError, match="multiples of 8, got N=16, K=84"):
+        TritonGptqGemm()(x.to(device), torch.zeros(10, 16, dtype=torch.int32).to(device),
+                         torch.zeros(1, 2, dtype=torch.int32).to(device), torch.ones(1, 16).to(device), None, -1)
+
+
 def test_supports_reasons():
     assert TritonAwqGemm.supports(dtype="float16", n=4096, k=4096, group_size=128) is None
     assert "group size 96" in TritonAwqGemm.supports(dtype="float16", n=4096, k=4096, group_size=96)
