@@ -161,8 +161,7 @@ class _CompileOnlyDriver:
 
     # utils interface
     def get_device_properties(self, device: int) -> dict[str, int]:
-        return {"max_shared_mem": self.target.max_shared_bytes, "multiprocessor_count": 132,
-                "warpSize": self.target.warp_size}
+        return {"max_shared_mem": self.target.max_shared_bytes}  # all Triton reads before a launch
 
     def load_binary(self, name, kernel, shared, device):
         # (module, function, n_regs, n_spills, n_max_threads), as the real drivers return, so

@@ -80,10 +80,8 @@ def wo4_gemm_kernel(
         if ONE_GROUP_PER_BLOCK:  # zeros [N] and scales [N] of group k0 // G
             g0 = k0 // group_size
             zp = tl.load(qzeros_ptr + g0 * stride_qz + offs_pn, mask=pn_ok, other=0)
-            z = tl.reshape((zp[:, None] >> n_shifts[None, :]) & 0xF, (BLOCK_N,))
-            s = tl.load(scales_ptr + g0 * stride_s + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            z = z[None, :]
-            s = s[None, :]
+            z = _unpack_cols(zp[None, :], n_shifts, 1, BLOCK_N)  # [1, BLOCK_N]
+            s = tl.load(scales_ptr + g0 * stride_s + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         else:  # a group per row of the tile (act-order g_idx, or groups smaller than BLOCK_K)
             if HAS_G_IDX:
                 g = tl.load(g_idx_ptr + offs_k, mask=k_ok, other=0)
