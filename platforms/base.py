@@ -110,6 +110,12 @@ class Platform:
     def supports_fp8(self) -> bool:
         return self.fp8_dtype is not None
 
+    def fp8_e4m3_dtype(self) -> str | None:
+        """The e4m3 fp8 flavour of *this* device (optional) default: ``fp8_dtype``. A
+        platform whose parts differ (MI300's e4m3fnuz, MI350's OCP e4m3fn) overrides it;
+        an fp8 KV cache ("fp8", "fp8_e4m3") is allocated in it."""
+        return self.fp8_dtype
+
     def seed_everything(self, seed: int) -> None:
         import torch
 

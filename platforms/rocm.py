@@ -45,8 +45,8 @@ class RocmPlatform(TorchCudaApiPlatform):
 
         return torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
 
-    @property
-    def fp8_flavour(self) -> str:
+    def fp8_e4m3_dtype(self) -> str:
+        # the class attribute names MI300's flavour; MI350 (gfx950) and later are OCP
         return "float8_e4m3fnuz" if self.gfx_arch() in FNUZ_ARCHS else "float8_e4m3fn"
 
 

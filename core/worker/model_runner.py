@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 # kv_cache_dtype -> torch dtype name ("fp8" is the platform's e4m3 flavour)
-_FP8_KV = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+_FP8_KV = {"fp8_e5m2": "float8_e5m2"}
 
 
 @dataclass(slots=True)
@@ -157,8 +157,8 @@ class ModelRunner:
         kv = self.config.kv_cache_dtype
         if kv == "auto":
             return self.info.dtype
-        if kv == "fp8":
-            return getattr(torch, self.platform.fp8_dtype or "float8_e4m3fn")
+        if kv in ("fp8", "fp8_e4m3"):  # the device's e4m3 flavour (e4m3fnuz on MI300)
+            return getattr(torch, self.platform.fp8_e4m3_dtype() or "float8_e4m3fn")
         return getattr(torch, _FP8_KV[kv])
 
     def bytes_per_block(self) -> int:
