@@ -10,6 +10,7 @@ is the cuda code path. On a GPU, ``test_triton_engine_gpu.py`` runs the real thi
 """
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -30,7 +31,8 @@ CASES = {
     "llama": (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), {}),
     "mistral": (dict(sliding_window=48), {}),
-    "qwen2": (dict(tie_word_embeddings=True), dict(block_size=32)),
+    # the platform picks the backend: flash_attn (fp16/bf16 only) is skipped, with the reason logged
+    "qwen2": (dict(tie_word_embeddings=True), dict(block_size=32, attention_backend=None)),
     "qwen3": ({}, dict(block_size=64)),
 }
 
@@ -69,12 +71,13 @@ def _run(path, prompts, platform="cuda", **kwargs):
 
 
 @pytest.mark.parametrize("arch", list(CASES))
-def test_cuda_stack_interpreted_matches_transformers(arch, interpreted_cuda, tmp_path):
+def test_cuda_stack_interpreted_matches_transformers(arch, interpreted_cuda, tmp_path, caplog):
     from engine_helpers import hf_greedy, prompt_lengths
     from model_factory import make_checkpoint
 
     ckpt_overrides, engine_overrides = CASES[arch]
-    block = engine_overrides.get("block_size", BLOCK)
+    engine_overrides = {"block_size": BLOCK, **engine_overrides}
+    block = engine_overrides["block_size"]
     # head_dim 64: the smallest head size triton_paged takes
     path = make_checkpoint(str(tmp_path), arch, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64,
                            **ckpt_overrides)
@@ -82,10 +85,13 @@ def test_cuda_stack_interpreted_matches_transformers(arch, interpreted_cuda, tmp
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in prompt_lengths(BLOCK, BUDGET)]
     expected = hf_greedy(path, prompts, NEW_TOKENS)
 
-    llm, first, second = _run(path, prompts, block_size=block)
+    with caplog.at_level(logging.INFO, logger="halserve"):
+        llm, first, second = _run(path, prompts, **engine_overrides)
 
     runner = llm.llm_engine.core.executor.worker.model_runner
     assert runner.attn_backend_cls.name == "triton_paged"
+    if engine_overrides.get("attention_backend", "forced") is None:
+        assert "attention backend triton_paged selected; skipped flash_attn: dtype float32 not supported" in caplog.text
     layer = runner.model.model.layers[0]
     kernels = {type(layer.input_layernorm.kernel).name, type(layer.mlp.act_fn.kernel).name,
                type(layer.self_attn.rotary_emb.kernel).name}
