@@ -42,6 +42,9 @@ class GpuTarget:
     warp_size: int
     max_shared_bytes: int  # dynamic shared memory / LDS one block may use
     fp8_dtype: str | None  # the KV-cache / GEMM fp8 flavour the platform uses; None: no fp8 dots
+    shared_per_sm: int  # shared memory of one SM / LDS of one CU (occupancy)
+    max_threads_per_sm: int = 2048  # NVIDIA only (AMD: the compiler reports waves per SIMD)
+    max_blocks_per_sm: int = 32  # NVIDIA only
 
     @property
     def has_fp8_dot(self) -> bool:
@@ -53,11 +56,11 @@ class GpuTarget:
 TARGETS: dict[str, GpuTarget] = {
     t.name: t
     for t in (
-        GpuTarget("sm_90", "H100", "cuda", 90, 32, 232448, "float8_e4m3fn"),
-        GpuTarget("sm_89", "L40S / RTX 4090", "cuda", 89, 32, 101376, "float8_e4m3fn"),
-        GpuTarget("sm_80", "A100", "cuda", 80, 32, 166912, None),
-        GpuTarget("gfx942", "MI300X", "hip", "gfx942", 64, 65536, "float8_e4m3fnuz"),
-        GpuTarget("gfx950", "MI355X", "hip", "gfx950", 64, 163840, "float8_e4m3fn"),
+        GpuTarget("sm_90", "H100", "cuda", 90, 32, 232448, "float8_e4m3fn", 233472),
+        GpuTarget("sm_89", "L40S / RTX 4090", "cuda", 89, 32, 101376, "float8_e4m3fn", 102400, 1536, 24),
+        GpuTarget("sm_80", "A100", "cuda", 80, 32, 166912, None, 167936),
+        GpuTarget("gfx942", "MI300X", "hip", "gfx942", 64, 65536, "float8_e4m3fnuz", 65536),
+        GpuTarget("gfx950", "MI355X", "hip", "gfx950", 64, 163840, "float8_e4m3fn", 163840),
     )
 }
 
@@ -75,6 +78,7 @@ class KernelBuild:
     spill_bytes: int  # CUDA local memory / AMD scratch; > 0 means registers spilled
     matrix_instructions: int  # tensor-core (mma / wgmma) or MFMA instructions in the binary
     matrix_operands: list[str]  # their operand types: "bf16", "f16", "fp8", "i8", "tf32", "f32"
+    programs_per_sm: int  # resident programs (blocks) per SM / CU by registers, shared memory, threads
     grid: tuple[int, int, int] | None
 
 
@@ -102,8 +106,25 @@ def _matrix_operands(instructions: list[str], backend: str) -> list[str]:
     return sorted(found)
 
 
-def _resource_usage(target: GpuTarget, asm: dict[str, Any], name: str) -> tuple[int, int, list[str]]:
-    """(registers per thread, spill bytes, matrix instruction names) of a compiled kernel."""
+def _programs_per_sm(target: GpuTarget, *, registers: int, num_warps: int, shared: int,
+                     waves_per_simd: int | None) -> int:
+    """How many programs of a kernel one SM (CU) holds at once: the occupancy calculator's
+    arithmetic for NVIDIA (registers allocated per warp in units of 256, 1 KB of shared
+    memory reserved per block); on AMD the compiler's own waves-per-SIMD figure (registers)
+    over the CU's 4 SIMDs, and the CU's LDS."""
+    if target.backend == "cuda":
+        per_warp = -(-registers * 32 // 256) * 256
+        by_regs = 65536 // per_warp // num_warps
+        by_shared = target.shared_per_sm // (shared + 1024)
+        by_threads = target.max_threads_per_sm // (32 * num_warps)
+        return min(by_regs, by_shared, by_threads, target.max_blocks_per_sm)
+    by_regs = 4 * (waves_per_simd or 0) // num_warps
+    return min(by_regs, target.shared_per_sm // shared) if shared else by_regs
+
+
+def _resource_usage(target: GpuTarget, asm: dict[str, Any], name: str) -> tuple[int, int, list[str], int | None]:
+    """(registers per thread, spill bytes, matrix instruction names, AMD waves per SIMD) of a
+    compiled kernel."""
     if target.backend == "cuda":
         import triton
 
@@ -117,12 +138,13 @@ def _resource_usage(target: GpuTarget, asm: dict[str, Any], name: str) -> tuple[
         assert usage, f"no resource usage for {name} in:\n{text}"
         regs, stack, local = (int(g) for g in usage.groups())
         mma = re.findall(r"\b((?:mma\.sync|wgmma\.mma_async)\.[\w.]+)", asm["ptx"])
-        return regs, stack + local, mma
+        return regs, stack + local, mma, None
     gcn = asm["amdgcn"]
     vgprs = int(re.search(r"\.vgpr_count:\s+(\d+)", gcn).group(1))
     scratch = int(re.search(r"; ScratchSize: (\d+)", gcn).group(1))  # VGPR spills go to scratch memory
     mfma = re.findall(r"^\s*(v_mfma\w+)", gcn, flags=re.M)
-    return vgprs, scratch, mfma  # (SGPR spills go to VGPR lanes, not memory: not counted)
+    waves = int(re.search(r"; Occupancy: (\d+)", gcn).group(1))  # per SIMD, from registers
+    return vgprs, scratch, mfma, waves  # (SGPR spills go to VGPR lanes, not memory: not counted)
 
 
 class _CompileOnlyDriver:
@@ -200,11 +222,14 @@ def compile_only(target: GpuTarget) -> Iterator[_CompileOnlyDriver]:
 
     def record(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         kernel = fn.jit_function.device_caches[compile["device"]][0][key]
-        regs, spills, mma = _resource_usage(target, kernel.asm, kernel.name)
+        regs, spills, mma, waves = _resource_usage(target, kernel.asm, kernel.name)
+        meta = kernel.metadata
         builds.append(KernelBuild(
-            case=fake.case, kernel=kernel.name, num_warps=kernel.metadata.num_warps,
-            num_stages=kernel.metadata.num_stages, shared_bytes=kernel.metadata.shared, registers=regs,
-            spill_bytes=spills, matrix_instructions=len(mma), matrix_operands=_matrix_operands(mma, target.backend),
+            case=fake.case, kernel=kernel.name, num_warps=meta.num_warps, num_stages=meta.num_stages,
+            shared_bytes=meta.shared, registers=regs, spill_bytes=spills, matrix_instructions=len(mma),
+            matrix_operands=_matrix_operands(mma, target.backend),
+            programs_per_sm=_programs_per_sm(target, registers=regs, num_warps=meta.num_warps, shared=meta.shared,
+                                             waves_per_simd=waves),
             grid=None,
         ))
         return None
@@ -379,10 +404,10 @@ def main(argv: list[str] | None = None) -> int:
         t = TARGETS[args.target]
         print(f"{t.name} ({t.gpu}), shared memory limit {t.max_shared_bytes} B")
         print(f"{'case':50} {'kernel':26} {'warps':>5} {'stages':>6} {'shared':>7} {'regs':>4} {'spill':>5} "
-              f"{'mma':>4} operands")
+              f"{'per SM':>6} {'mma':>4} operands")
         for b in builds:
             print(f"{b.case:50} {b.kernel:26} {b.num_warps:5} {b.num_stages:6} {b.shared_bytes:7} {b.registers:4} "
-                  f"{b.spill_bytes:5} {b.matrix_instructions:4} {','.join(b.matrix_operands)}")
+                  f"{b.spill_bytes:5} {b.programs_per_sm:6} {b.matrix_instructions:4} {','.join(b.matrix_operands)}")
         for name, err in errors.items():
             print(f"FAILED {name}: {err}")
     return 1 if errors else 0

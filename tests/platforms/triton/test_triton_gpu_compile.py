@@ -56,6 +56,7 @@ def test_every_case_compiles_and_fits(reports, target):
         assert b["shared_bytes"] <= limit, where
         assert b["spill_bytes"] <= MAX_SPILL_BYTES, f"{where} spills {b['spill_bytes']} bytes ({b['registers']} regs)"
         assert b["grid"] is not None and min(b["grid"]) >= 1, f"{where} was compiled but never launched"
+        assert b["programs_per_sm"] >= 1, f"{where}: not one program fits an SM/CU ({b})"
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
@@ -135,3 +136,23 @@ def test_unknown_target_is_a_clear_error():
 
     with pytest.raises(ValueError, match="unknown target 'sm_75'.*sm_90"):
         check("sm_75")
+
+
+def test_programs_per_sm_arithmetic():
+    """The occupancy figures follow the CUDA occupancy calculator's rules and AMD's CU layout."""
+    from halserve.platforms.triton_kernels.compile_check import _programs_per_sm
+
+    sm90, sm89, mi300 = TARGETS["sm_90"], TARGETS["sm_89"], TARGETS["gfx942"]
+    # 256 threads: 32 registers fill the 2048 threads of an SM, 64 registers halve that
+    assert _programs_per_sm(sm90, registers=32, num_warps=8, shared=0, waves_per_simd=None) == 8
+    assert _programs_per_sm(sm90, registers=64, num_warps=8, shared=0, waves_per_simd=None) == 4
+    # registers are allocated per warp in units of 256: 120 and 121..128 differ
+    assert _programs_per_sm(sm90, registers=120, num_warps=4, shared=0, waves_per_simd=None) == 4
+    assert _programs_per_sm(sm90, registers=168, num_warps=4, shared=0, waves_per_simd=None) == 3
+    # shared memory: 1 KB reserved per block; sm_89 has 100 KB per SM and 1536 threads
+    assert _programs_per_sm(sm90, registers=32, num_warps=4, shared=56 * 1024, waves_per_simd=None) == 4
+    assert _programs_per_sm(sm89, registers=32, num_warps=4, shared=48 * 1024, waves_per_simd=None) == 2
+    assert _programs_per_sm(sm89, registers=16, num_warps=4, shared=0, waves_per_simd=None) == 12
+    # MI300: the compiler's waves per SIMD x 4 SIMDs, then the CU's 64 KB of LDS
+    assert _programs_per_sm(mi300, registers=165, num_warps=4, shared=0, waves_per_simd=3) == 3
+    assert _programs_per_sm(mi300, registers=64, num_warps=4, shared=40 * 1024, waves_per_simd=8) == 1
