@@ -11,7 +11,8 @@
 #    kernel tests as the interpreter suite plus the `gpu` ones (bf16, fp8 casts,
 #    torch._scaled_mm, engine greedy vs transformers)
 # 3. the kernel benchmarks: decode bandwidth at batch 64 x context 4096 x head 128 bf16
-#    (acceptance: >= 70% of peak HBM bandwidth), prefill, and the GEMMs
+#    (acceptance: >= 70% of peak HBM bandwidth), prefill, and the GEMMs; in "bench" mode
+#    also the decode split-K factors 1, 2, 4, 8
 # Logs go to $OUT (or ./gpu_out) so they come back. Exits non-zero if the tests failed.
 set -uo pipefail
 what="${1:-all}"
@@ -45,5 +46,11 @@ cd benchmarks/kernels
 limit=$([ "$what" = bench ] && echo 270 || echo 90)
 timeout "$limit" python3 bench_paged_attention.py --peak-gbps "$peak" 2>&1 | tee "$OUT/bench_paged_attention.log"
 timeout "$limit" python3 bench_gemm.py 2>&1 | tee "$OUT/bench_gemm.log"
+if [ "$what" = bench ]; then  # decode split-K factor sweep, for tuning num_kv_splits
+    for splits in 1 2 4 8; do
+        HALSERVE_TRITON_ATTN_SPLITS=$splits timeout 40 python3 bench_paged_attention.py --decode-only \
+            --peak-gbps "$peak" 2>&1 | tee -a "$OUT/bench_decode_splits.log"
+    done
+fi
 echo "tests exit code: $tests_rc"
 exit "$tests_rc"

@@ -69,6 +69,8 @@ def main() -> None:
     p.add_argument("--peak-gbps", type=float, default=3350.0, help="HBM peak, GB/s (H100 SXM ~3350, H200 ~4800)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tiny", action="store_true", help="tiny sizes, fp16: a smoke run that works on CPU")
+    p.add_argument("--decode-only", action="store_true",
+                   help="skip prefill (split-K sweeps: HALSERVE_TRITON_ATTN_SPLITS=N forces the split factor)")
     args = p.parse_args()
     device = setup_device()
     if args.tiny:
@@ -99,6 +101,8 @@ def main() -> None:
         f"{gbps:.1f} GB/s = {100 * gbps / args.peak_gbps:.1f}% of {args.peak_gbps:.0f} GB/s"
     )
 
+    if args.decode_only:
+        return
     # prefill: fresh prompts, causal
     q, k, v, kv_cache, md = make_step([(0, args.prefill_len)] * args.prefill_batch, **common)
     ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
