@@ -1,12 +1,12 @@
-"""Engine-level, without a GPU: the cuda platform's whole stack (the triton_paged backend and
-the Triton RMSNorm / rotary / SiLU-and-mul kernels the cuda plugin registers, resolved by
-the model's layers as on a GPU) runs inside the engine through the Triton interpreter, and
+"""Engine-level, without a GPU: the cuda (and rocm) platform's whole stack (the triton_paged
+backend and the Triton RMSNorm / rotary / SiLU-and-mul kernels the plugin registers, resolved
+by the model's layers as on a GPU) runs inside the engine through the Triton interpreter, and
 greedy output is token-identical to transformers.
 
-The cuda platform is patched to put its tensors on the CPU (``device_type = "cpu"``) and to
-probe available; everything above the device (kernel resolution, backend selection, cache
+The platform is patched to put its tensors on the CPU (``device_type = "cpu"``) and to probe
+available; everything above the device (kernel resolution, backend selection, cache dtype and
 layout, metadata, the scheduler's mixed prefill/decode steps with chunking and prefix hits)
-is the cuda code path. On a GPU, ``test_triton_engine_gpu.py`` runs the real thing.
+is the GPU code path. On a GPU, ``test_triton_engine_gpu.py`` runs the real thing.
 """
 from __future__ import annotations
 
