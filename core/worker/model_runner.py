@@ -36,9 +36,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-# kv_cache_dtype -> torch dtype name ("fp8" is the platform's e4m3 flavour)
-_FP8_KV = {"fp8_e5m2": "float8_e5m2"}
-
 
 @dataclass(slots=True)
 class StepInputs:
@@ -159,7 +156,7 @@ class ModelRunner:
             return self.info.dtype
         if kv in ("fp8", "fp8_e4m3"):  # the device's e4m3 flavour (e4m3fnuz on MI300)
             return getattr(torch, self.platform.fp8_e4m3_dtype() or "float8_e4m3fn")
-        return getattr(torch, _FP8_KV[kv])
+        return torch.float8_e5m2  # "fp8_e5m2", the last of KV_CACHE_DTYPES
 
     def bytes_per_block(self) -> int:
         shape = self.attn_backend_cls.kv_cache_shape(1, self.block_size, self._local_kv_heads(), self.info.head_size)

@@ -106,6 +106,11 @@ def _matrix_operands(instructions: list[str], backend: str) -> list[str]:
     return sorted(found)
 
 
+def _cuda_warps_by_registers(registers: int) -> int:
+    """Warps one SM's 64K registers hold: registers are allocated per warp in units of 256."""
+    return 65536 // (-(-registers * 32 // 256) * 256)
+
+
 def _programs_per_sm(target: GpuTarget, *, registers: int, num_warps: int, shared: int,
                      waves_per_simd: int | None) -> int:
     """How many programs of a kernel one SM (CU) holds at once: the occupancy calculator's
@@ -113,8 +118,7 @@ def _programs_per_sm(target: GpuTarget, *, registers: int, num_warps: int, share
     memory reserved per block); on AMD the compiler's own waves-per-SIMD figure (registers)
     over the CU's 4 SIMDs, and the CU's LDS."""
     if target.backend == "cuda":
-        per_warp = -(-registers * 32 // 256) * 256
-        by_regs = 65536 // per_warp // num_warps
+        by_regs = _cuda_warps_by_registers(registers) // num_warps
         by_shared = target.shared_per_sm // (shared + 1024)
         by_threads = target.max_threads_per_sm // (32 * num_warps)
         return min(by_regs, by_shared, by_threads, target.max_blocks_per_sm)
@@ -189,9 +193,8 @@ class _CompileOnlyDriver:
         # (module, function, n_regs, n_spills, n_max_threads), as the real drivers return, so
         # Triton's own "threads" check sees the register file's limit on the block size
         build = next(b for b in reversed(self.builds) if b.kernel == name)
-        if self.target.backend == "cuda":  # 64K registers per SM, allocated per warp in units of 256
-            per_warp = -(-build.registers * 32 // 256) * 256
-            max_threads = min(1024, 65536 // per_warp * 32)
+        if self.target.backend == "cuda":
+            max_threads = min(1024, _cuda_warps_by_registers(build.registers) * 32)
         else:  # CDNA: 512 VGPRs per lane on each of 4 SIMDs, allocated in units of 8
             per_wave = -(-build.registers // 8) * 8
             max_threads = min(1024, 4 * (512 // per_wave) * 64)
