@@ -4,7 +4,9 @@ The kernels live in ``triton_paged_kernels.py`` and are imported at first use, s
 this backend (``halserve plugins``) never imports triton. A step is two launches: the
 cache write of all new K/V, then attention over the cache for every query token (chunked
 prefills after a prefix hit and decodes alike). Decode-only steps with long contexts on a
-GPU add a split-K launch and a reduce (see ``num_kv_splits``).
+GPU add a split-K launch and a reduce (see ``num_kv_splits``) and a deeper software pipeline
+(``triton_paged_kernels.pipeline_stages``). ``HALSERVE_TRITON_ATTN_SPLITS`` and
+``HALSERVE_TRITON_ATTN_STAGES`` force either (tests, benchmark sweeps).
 """
 from __future__ import annotations
 
@@ -24,6 +26,16 @@ _FP8_CACHE_DTYPES = {
     "fp8_e4m3": ("float8_e4m3fn", "float8_e4m3fnuz"),
     "fp8_e5m2": ("float8_e5m2",),
 }
+
+
+def _forced(name: str) -> int | None:
+    """A tuning override from the environment (tests, benchmark sweeps); None when unset."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}; unset it for the automatic choice")
+    return int(value)
 
 
 class TritonPagedAttentionBackend(AttentionBackend):
@@ -78,9 +90,9 @@ class TritonPagedAttentionBackend(AttentionBackend):
         heads) programs, too few to keep every SM streaming. ``HALSERVE_TRITON_ATTN_SPLITS``
         forces a value (tests, benchmarks).
         """
-        forced = os.environ.get("HALSERVE_TRITON_ATTN_SPLITS")
-        if forced:
-            return int(forced)
+        forced = _forced("HALSERVE_TRITON_ATTN_SPLITS")
+        if forced is not None:
+            return forced
         if metadata.max_query_len != 1 or metadata.max_seq_len < self.min_split_context or device.type != "cuda":
             return 1
         if self._num_sms is None:
@@ -111,6 +123,8 @@ class TritonPagedAttentionBackend(AttentionBackend):
                     f"kv_cache_dtype {self.kv_cache_dtype!r} needs a cache tensor of dtype {' or '.join(allowed)}, "
                     f"got {kv_cache.dtype}"
                 )
+        num_splits = self.num_kv_splits(metadata, q.device)
+        num_stages = _forced("HALSERVE_TRITON_ATTN_STAGES")  # None: the launcher's choice (pipeline_stages)
         # 1. every new K/V of the step first, so queries see their own chunk
         self._kernels.write_kv_cache(
             k[:num_tokens], v[:num_tokens], key_cache, value_cache, metadata.slot_mapping[:num_tokens], k_scale, v_scale
@@ -132,7 +146,8 @@ class TritonPagedAttentionBackend(AttentionBackend):
             logits_soft_cap=self.logits_soft_cap,
             k_scale=k_scale,
             v_scale=v_scale,
-            num_splits=self.num_kv_splits(metadata, q.device),
+            num_splits=num_splits,
+            num_stages=num_stages,
         )
         return out
 

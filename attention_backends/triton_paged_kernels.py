@@ -325,6 +325,34 @@ def tile_sizes(num_queries_per_kv: int, max_query_len: int, head_size: int, dtyp
     return block_m, block_q, tile_n
 
 
+DECODE_PIPELINE_STAGES = 5
+"""``num_stages`` of decode launches on NVIDIA Hopper and later (sm_90+).
+
+Triton's pipeliner starts each load that feeds a dot ``(num_stages - 1) // (levels + 1)``
+iterations ahead, where ``levels`` counts the loads in front of it: the K/V tiles sit behind
+the block-table load, so Triton's default of 3 stages keeps them one iteration ahead in a
+single buffer, and the loop waits for all its copies (``cp.async.wait_group 0``) before each
+tile: a program never computes while its next tile streams in. 5 stages double-buffer K and V
+(``wait_group`` > 0: the next tile is in flight during the dots), at 72 KB of shared memory
+per program for head size 128: still 3 programs per H100 SM (the single-buffered loop fits
+3-4 by its registers), so each SM keeps about twice the bytes in flight. On A100 it would
+halve the programs per SM (4 -> 2) and on sm_86/89 (99 KB) leave one, so those keep Triton's
+default until a measurement says otherwise; so does AMD (its stream pipeliner counts stages
+differently). The compile check reports every build's ``async_copy_depth``;
+``benchmarks/kernels/bench_paged_attention.py --sweep`` measures depth 3 against 5.
+"""
+
+
+def pipeline_stages(max_query_len: int) -> int | None:
+    """``num_stages`` for an attention launch on the active Triton target; None: Triton's default."""
+    if max_query_len != 1 or _interpreting():
+        return None
+    target = triton.runtime.driver.active.get_current_target()
+    if target.backend == "cuda" and target.arch >= 90:
+        return DECODE_PIPELINE_STAGES
+    return None
+
+
 def paged_attention(
     out: torch.Tensor,  # [T, num_heads, head_size], written
     q: torch.Tensor,  # [T, num_heads, head_size]
@@ -342,13 +370,19 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     num_splits: int = 1,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
+    """Attention of every query token of the step over the paged cache, into ``out``.
+
+    ``num_stages`` None: ``pipeline_stages`` picks (a forced value serves benchmarks).
+    """
     num_tokens, num_heads, head_size = q.shape
     num_kv_heads = key_cache.shape[2]
     if num_tokens == 0 or num_reqs == 0:
         return out
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
-    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two (the reduce loads them as one tile), got {num_splits}")
     num_qpk = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head_size)
     block_m, block_q, tile_n = tile_sizes(num_qpk, max_query_len, head_size, q.dtype)
@@ -359,6 +393,8 @@ def paged_attention(
     else:
         part_out = part_ml = out  # unused (NUM_SPLITS == 1 never touches them)
     grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
+    stages = num_stages if num_stages is not None else pipeline_stages(max_query_len)
+    launch_options = {} if stages is None else {"num_stages": stages}
     unified_attention_kernel[grid](
         out, q, key_cache, value_cache, block_table, seq_lens, query_start_loc, part_out, part_ml,
         float(scale) * (float(k_scale) if is_fp8 else 1.0),
@@ -384,6 +420,7 @@ def paged_attention(
         DOT_DTYPE=_dot_dtype(q.dtype),
         NUM_SPLITS=num_splits,
         num_warps=8 if block_m >= 64 else 4,  # 64-row tiles spill registers at 4 warps (sm80/89, gfx942)
+        **launch_options,
     )
     if num_splits > 1:
         reduce_splits_kernel[(num_tokens, num_heads)](

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 from timing import setup_device, time_ms
 
@@ -69,8 +70,10 @@ def main() -> None:
     p.add_argument("--peak-gbps", type=float, default=3350.0, help="HBM peak, GB/s (H100 SXM ~3350, H200 ~4800)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tiny", action="store_true", help="tiny sizes, fp16: a smoke run that works on CPU")
-    p.add_argument("--decode-only", action="store_true",
-                   help="skip prefill (split-K sweeps: HALSERVE_TRITON_ATTN_SPLITS=N forces the split factor)")
+    p.add_argument("--decode-only", action="store_true", help="skip prefill")
+    p.add_argument("--sweep", action="store_true",
+                   help="decode again for every forced pipeline depth (3, 5) x split-K factor (1, 2, 4, 8), "
+                        "through HALSERVE_TRITON_ATTN_STAGES / HALSERVE_TRITON_ATTN_SPLITS")
     args = p.parse_args()
     device = setup_device()
     if args.tiny:
@@ -81,6 +84,7 @@ def main() -> None:
     import torch
 
     from halserve.attention_backends.triton_paged import TritonPagedAttentionBackend
+    from halserve.attention_backends import triton_paged_kernels as kernels
 
     dtype = getattr(torch, DTYPES[args.dtype])
     backend = TritonPagedAttentionBackend(args.num_heads, args.head_size, args.head_size**-0.5, args.num_kv_heads,
@@ -91,15 +95,26 @@ def main() -> None:
 
     # decode: each request reads its whole context once per kv head
     q, k, v, kv_cache, md = make_step([(args.context - 1, 1)] * args.batch, **common)
-    ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
     kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_size * kv_cache.element_size()
-    gbps = kv_bytes / (ms * 1e-3) / 1e9
-    splits = backend.num_kv_splits(md, q.device)
-    print(
-        f"decode  batch={args.batch} context={args.context} heads={args.num_heads}/{args.num_kv_heads} "
-        f"d={args.head_size} {args.dtype} kv={args.kv_cache_dtype} splits={splits}: {ms:.3f} ms, "
-        f"{gbps:.1f} GB/s = {100 * gbps / args.peak_gbps:.1f}% of {args.peak_gbps:.0f} GB/s"
-    )
+
+    def decode(label: str) -> None:
+        ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
+        gbps = kv_bytes / (ms * 1e-3) / 1e9
+        splits = backend.num_kv_splits(md, q.device)
+        stages = os.environ.get("HALSERVE_TRITON_ATTN_STAGES") or kernels.pipeline_stages(1) or "triton default"
+        print(
+            f"decode  batch={args.batch} context={args.context} heads={args.num_heads}/{args.num_kv_heads} "
+            f"d={args.head_size} {args.dtype} kv={args.kv_cache_dtype} splits={splits} stages={stages}{label}: "
+            f"{ms:.3f} ms, {gbps:.1f} GB/s = {100 * gbps / args.peak_gbps:.1f}% of {args.peak_gbps:.0f} GB/s"
+        )
+
+    decode(" (defaults)")
+    if args.sweep:
+        for stages in ("3", "5"):
+            for splits in ("1", "2", "4", "8"):
+                os.environ["HALSERVE_TRITON_ATTN_STAGES"], os.environ["HALSERVE_TRITON_ATTN_SPLITS"] = stages, splits
+                decode("")
+        del os.environ["HALSERVE_TRITON_ATTN_STAGES"], os.environ["HALSERVE_TRITON_ATTN_SPLITS"]
 
     if args.decode_only:
         return

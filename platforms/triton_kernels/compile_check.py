@@ -79,6 +79,7 @@ class KernelBuild:
     matrix_instructions: int  # tensor-core (mma / wgmma) or MFMA instructions in the binary
     matrix_operands: list[str]  # their operand types: "bf16", "f16", "fp8", "i8", "tf32", "f32"
     programs_per_sm: int  # resident programs (blocks) per SM / CU by registers, shared memory, threads
+    async_copy_depth: int | None  # CUDA: most cp.async groups left in flight at a wait (0: single-buffered); AMD: None
     grid: tuple[int, int, int] | None
 
 
@@ -124,6 +125,15 @@ def _programs_per_sm(target: GpuTarget, *, registers: int, num_warps: int, share
         return min(by_regs, by_shared, by_threads, target.max_blocks_per_sm)
     by_regs = 4 * (waves_per_simd or 0) // num_warps
     return min(by_regs, target.shared_per_sm // shared) if shared else by_regs
+
+
+def _async_copy_depth(target: GpuTarget, asm: dict[str, Any]) -> int | None:
+    """How far a pipelined loop's copies run ahead: the largest N of ``cp.async.wait_group N``
+    (wait until at most N groups are pending). 0 means every wait drains all copies, so the
+    loop is single-buffered (no copy overlaps the compute that follows its wait)."""
+    if target.backend != "cuda":
+        return None
+    return max((int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", asm["ptx"])), default=0)
 
 
 def _resource_usage(target: GpuTarget, asm: dict[str, Any], name: str) -> tuple[int, int, list[str], int | None]:
@@ -233,6 +243,7 @@ def compile_only(target: GpuTarget) -> Iterator[_CompileOnlyDriver]:
             matrix_operands=_matrix_operands(mma, target.backend),
             programs_per_sm=_programs_per_sm(target, registers=regs, num_warps=meta.num_warps, shared=meta.shared,
                                              waves_per_simd=waves),
+            async_copy_depth=_async_copy_depth(target, kernel.asm),
             grid=None,
         ))
         return None
@@ -407,10 +418,12 @@ def main(argv: list[str] | None = None) -> int:
         t = TARGETS[args.target]
         print(f"{t.name} ({t.gpu}), shared memory limit {t.max_shared_bytes} B")
         print(f"{'case':50} {'kernel':26} {'warps':>5} {'stages':>6} {'shared':>7} {'regs':>4} {'spill':>5} "
-              f"{'per SM':>6} {'mma':>4} operands")
+              f"{'per SM':>6} {'async':>5} {'mma':>4} operands")
         for b in builds:
+            depth = "-" if b.async_copy_depth is None else b.async_copy_depth
             print(f"{b.case:50} {b.kernel:26} {b.num_warps:5} {b.num_stages:6} {b.shared_bytes:7} {b.registers:4} "
-                  f"{b.spill_bytes:5} {b.programs_per_sm:6} {b.matrix_instructions:4} {','.join(b.matrix_operands)}")
+                  f"{b.spill_bytes:5} {b.programs_per_sm:6} {depth:>5} {b.matrix_instructions:4} "
+                  f"{','.join(b.matrix_operands)}")
         for name, err in errors.items():
             print(f"FAILED {name}: {err}")
     return 1 if errors else 0

@@ -78,6 +78,20 @@ def test_decode_only_split_kv(device, monkeypatch):
     torch.testing.assert_close(out.cpu().double(), expected, atol=4e-3, rtol=4e-3)
 
 
+@pytest.mark.parametrize("name,value", [("HALSERVE_TRITON_ATTN_STAGES", "deep"), ("HALSERVE_TRITON_ATTN_SPLITS", "0")])
+def test_forced_tuning_values_are_checked(name, value, device, monkeypatch):
+    """A bad override is a clear error naming the variable, not a crash inside Triton."""
+    monkeypatch.setenv(name, value)
+    batch = make_batch([(7, 1)], num_heads=2, num_kv_heads=1, head_size=64, block_size=16,
+                       dtype=torch.float32, device=device)
+    backend = TritonPagedAttentionBackend(2, 64, 0.125, 1)
+    with pytest.raises(ValueError, match=f"{name} must be a positive integer, got '{value}'"):
+        backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata)
+    monkeypatch.delenv(name)
+    out, expected = _run(batch, backend)  # the same backend serves the next step
+    torch.testing.assert_close(out.cpu().double(), expected, atol=2e-4, rtol=2e-4)
+
+
 def test_padded_tokens_are_zero(device):
     batch = make_batch([(5, 3)], num_heads=2, num_kv_heads=2, head_size=64, block_size=16,
                        dtype=torch.float32, device=device)
