@@ -12,7 +12,7 @@
 #    torch._scaled_mm, engine greedy vs transformers)
 # 3. the kernel benchmarks: decode bandwidth at batch 64 x context 4096 x head 128 bf16
 #    (acceptance: >= 70% of peak HBM bandwidth), prefill, and the GEMMs; in "bench" mode
-#    also decode at pipeline depths 3 and 5 x split-K factors 1, 2, 4, 8
+#    also decode at pipeline depths 3 and 5 x split-K factors 1, 2, 4, 8, prefill at 3 and 5
 # Logs go to $OUT (or ./gpu_out) so they come back. Exits non-zero if the tests failed.
 set -uo pipefail
 what="${1:-all}"
@@ -43,12 +43,10 @@ fi
 peak=3350  # H100 SXM HBM3, GB/s
 case "$(cat "$OUT/device.txt")" in *H200*) peak=4800 ;; *MI300X*) peak=5300 ;; esac
 cd benchmarks/kernels
-limit=$([ "$what" = bench ] && echo 180 || echo 90)
-timeout "$limit" python3 bench_paged_attention.py --peak-gbps "$peak" 2>&1 | tee "$OUT/bench_paged_attention.log"
+limit=$([ "$what" = bench ] && echo 270 || echo 90)
+# "bench" also sweeps pipeline depth x split-K factor (decode) and depth (prefill), for tuning the defaults
+sweep=$([ "$what" = bench ] && echo --sweep)
+timeout "$limit" python3 bench_paged_attention.py $sweep --peak-gbps "$peak" 2>&1 | tee "$OUT/bench_paged_attention.log"
 timeout "$limit" python3 bench_gemm.py 2>&1 | tee "$OUT/bench_gemm.log"
-if [ "$what" = bench ]; then  # decode: pipeline depth x split-K factor, for tuning the defaults
-    timeout 200 python3 bench_paged_attention.py --decode-only --sweep --peak-gbps "$peak" 2>&1 \
-        | tee "$OUT/bench_decode_sweep.log"
-fi
 echo "tests exit code: $tests_rc"
 exit "$tests_rc"

@@ -72,8 +72,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="tiny sizes, fp16: a smoke run that works on CPU")
     p.add_argument("--decode-only", action="store_true", help="skip prefill")
     p.add_argument("--sweep", action="store_true",
-                   help="decode again for every forced pipeline depth (3, 5) x split-K factor (1, 2, 4, 8), "
-                        "through HALSERVE_TRITON_ATTN_STAGES / HALSERVE_TRITON_ATTN_SPLITS")
+                   help="also time decode at every forced pipeline depth (3, 5) x split-K factor (1, 2, 4, 8) "
+                        "and prefill at depths 3 and 5 (HALSERVE_TRITON_ATTN_STAGES / _SPLITS)")
     args = p.parse_args()
     device = setup_device()
     if args.tiny:
@@ -120,13 +120,23 @@ def main() -> None:
         return
     # prefill: fresh prompts, causal
     q, k, v, kv_cache, md = make_step([(0, args.prefill_len)] * args.prefill_batch, **common)
-    ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
     flops = args.prefill_batch * 2 * args.prefill_len**2 * args.head_size * args.num_heads
-    print(
-        f"prefill batch={args.prefill_batch} len={args.prefill_len} heads={args.num_heads}/{args.num_kv_heads} "
-        f"d={args.head_size} {args.dtype}: {ms:.3f} ms, {flops / (ms * 1e-3) / 1e12:.2f} TFLOP/s"
-    )
 
+    def prefill(label: str) -> None:
+        ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
+        stages = os.environ.get("HALSERVE_TRITON_ATTN_STAGES") or "triton default"
+        print(
+            f"prefill batch={args.prefill_batch} len={args.prefill_len} heads={args.num_heads}/{args.num_kv_heads} "
+            f"d={args.head_size} {args.dtype} stages={stages}{label}: {ms:.3f} ms, "
+            f"{flops / (ms * 1e-3) / 1e12:.2f} TFLOP/s"
+        )
+
+    prefill(" (defaults)")
+    if args.sweep:
+        for stages in ("3", "5"):
+            os.environ["HALSERVE_TRITON_ATTN_STAGES"] = stages
+            prefill("")
+        del os.environ["HALSERVE_TRITON_ATTN_STAGES"]
 
 if __name__ == "__main__":
     main()

@@ -8,9 +8,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-@pytest.mark.parametrize("script,expect", [("bench_paged_attention.py", "GB/s"), ("bench_gemm.py", "TFLOP/s")])
-def test_benchmark_tiny_runs(script, expect):
+@pytest.mark.parametrize("script,flags,expect", [
+    ("bench_paged_attention.py", [], "GB/s"),
+    ("bench_paged_attention.py", ["--sweep"], "splits=8 stages=5"),  # the tuning sweep run_gpu_checks.sh uses
+    ("bench_gemm.py", [], "TFLOP/s"),
+])
+def test_benchmark_tiny_runs(script, flags, expect):
     path = os.path.join(ROOT, "benchmarks", "kernels", script)
-    result = subprocess.run([sys.executable, path, "--tiny"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, path, "--tiny", *flags], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert expect in result.stdout
