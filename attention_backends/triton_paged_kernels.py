@@ -308,21 +308,33 @@ def _dot_dtype(dtype: torch.dtype):
     return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
 
 
-def tile_sizes(num_queries_per_kv: int, max_query_len: int, head_size: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_Q, TILE_N) for a step.
+def tile_sizes(
+    num_queries_per_kv: int, max_query_len: int, head_size: int, dtype: torch.dtype
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_Q, TILE_N, num_warps) for a step.
 
     Decode-only steps use 16 rows (one token x the GQA group, tl.dot's minimum); steps with
-    prefills use 64 rows (32 for fp32) so each K/V tile is reused by more queries. fp32 takes
-    32-key tiles: its operands are twice as wide and its dots run on FMA units, and 64-key
-    tiles overflow the shared memory of sm89 (99 KB) and MI300 (64 KB) and spill registers
-    (``python -m halserve.platforms.triton_kernels.compile_check`` shows both).
+    prefills use 64 rows (32 for fp32) so each K/V tile is reused by more queries. 64-row
+    tiles take 8 warps (at 4 they spill registers on sm80/89 and gfx942).
+
+    fp32 dots run on FMA units (ieee precision) with their operands in registers, at twice the
+    width: 32-key tiles, and 16-key tiles for decode and for heads over 128; 32 rows take 8
+    warps (a GQA-32 decode spilled 0.2 KB at 4). Wider fp32 tiles overflowed the shared memory of sm89 (99 KB: 100 KB for a
+    32 x 32 x 256 prefill tile) and MI300 (64 KB) or spilled registers (0.4 KB for a
+    split decode at head 128, 6-7 KB at head 256 on sm_90).
+    ``python -m halserve.platforms.triton_kernels.compile_check`` shows each build.
     """
     fp32 = dtype == torch.float32
-    rows = 16 if max_query_len == 1 else 32 if fp32 else 64
+    decode = max_query_len == 1
+    rows = 16 if decode else 32 if fp32 else 64
     block_m = max(rows, triton.next_power_of_2(num_queries_per_kv))
     block_q = block_m // num_queries_per_kv
-    tile_n = 32 if head_size > 128 or fp32 else 64
-    return block_m, block_q, tile_n
+    if fp32:
+        tile_n = 16 if decode or head_size > 128 else 32
+    else:
+        tile_n = 32 if head_size > 128 else 64
+    num_warps = 8 if block_m >= 64 or (fp32 and block_m >= 32) else 4
+    return block_m, block_q, tile_n, num_warps
 
 
 DECODE_PIPELINE_STAGES = 5
@@ -385,7 +397,7 @@ def paged_attention(
         raise ValueError(f"num_splits must be a power of two (the reduce loads them as one tile), got {num_splits}")
     num_qpk = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head_size)
-    block_m, block_q, tile_n = tile_sizes(num_qpk, max_query_len, head_size, q.dtype)
+    block_m, block_q, tile_n, num_warps = tile_sizes(num_qpk, max_query_len, head_size, q.dtype)
     is_fp8 = key_cache.dtype in FP8_DTYPES
     if num_splits > 1:
         part_out = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=q.device)
@@ -419,7 +431,7 @@ def paged_attention(
         USE_SOFT_CAP=bool(logits_soft_cap),
         DOT_DTYPE=_dot_dtype(q.dtype),
         NUM_SPLITS=num_splits,
-        num_warps=8 if block_m >= 64 else 4,  # 64-row tiles spill registers at 4 warps (sm80/89, gfx942)
+        num_warps=num_warps,
         **launch_options,
     )
     if num_splits > 1:

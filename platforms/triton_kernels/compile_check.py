@@ -376,6 +376,10 @@ def cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
                  qpk=4, block_size=16, decode=decode, fp8_cache=True)
     attn("decode-bf16-h128-gqa4-split8", dtype="bfloat16", head_size=128, qpk=4, block_size=16, decode=True,
          num_splits=8)
+    # the widest fp32 tiles (FMA dots hold their operands in registers)
+    attn("decode-float32-h256-gqa8-split2", dtype="float32", head_size=256, qpk=8, block_size=16, decode=True,
+         num_splits=2)
+    attn("prefill-float32-h256-gqa8", dtype="float32", head_size=256, qpk=8, block_size=16, decode=False)
     for kind in ("fp8", "int8", "awq", "gptq", "gptq_act_order"):
         for m in (1, 32, 64, 512):  # every M bucket of gemm_tiles
             out[f"gemm/{kind}-m{m}"] = lambda kind=kind, m=m: _gemm_case(target, kind=kind, m=m)
@@ -385,14 +389,34 @@ def cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
     return out
 
 
-def check(target_name: str, only: str | None = None) -> tuple[list[KernelBuild], dict[str, str]]:
-    """Compile every case for the target: (builds, {case: error}) -- an empty dict means all compiled."""
+def attention_sweep(target: GpuTarget) -> dict[str, Callable[[], None]]:
+    """Every attention configuration the backend declares, crossed: head sizes x dtypes x GQA
+    ratios (1, 4, 8, 32) x decode (single pass, split) / prefill x model-dtype / fp8 cache.
+    About 300 builds, minutes per target: a developer's check (``--sweep``), not the suite's."""
+    import itertools
+
+    out: dict[str, Callable[[], None]] = {}
+    fp8_choices = (False, True) if target.fp8_dtype else (False,)
+    for head_size, dtype, qpk, step in itertools.product(
+        (64, 80, 96, 128, 256), ("float16", "bfloat16", "float32"), (1, 4, 8, 32), ("decode", "split4", "prefill")
+    ):
+        for fp8 in fp8_choices if dtype != "float32" else (False,):
+            kw = dict(dtype=dtype, head_size=head_size, qpk=qpk, block_size=16, decode=step != "prefill",
+                      fp8_cache=fp8, num_splits=4 if step == "split4" else 1)
+            name = f"sweep/{step}-{dtype}-h{head_size}-gqa{qpk}{'-fp8cache' if fp8 else ''}"
+            out[name] = lambda kw=kw: _attention_case(target, **kw)
+    return out
+
+
+def check(target_name: str, only: str | None = None, sweep: bool = False) -> tuple[list[KernelBuild], dict[str, str]]:
+    """Compile every case for the target: (builds, {case: error}) -- an empty dict means all compiled.
+    ``sweep``: the crossed attention configurations (``attention_sweep``) instead of the cases."""
     if target_name not in TARGETS:
         raise ValueError(f"unknown target {target_name!r}; choose one of {', '.join(TARGETS)}")
     target = TARGETS[target_name]
     errors: dict[str, str] = {}
     with compile_only(target) as driver:
-        for name, run in cases(target).items():
+        for name, run in (attention_sweep(target) if sweep else cases(target)).items():
             if only and only not in name:
                 continue
             driver.case = name
@@ -407,12 +431,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", choices=list(TARGETS), default="sm_90")
     parser.add_argument("--only", help="only cases whose name contains this")
+    parser.add_argument("--sweep", action="store_true",
+                        help="every declared attention configuration, crossed (~300 builds, minutes)")
     parser.add_argument("--json", action="store_true", help="print builds and errors as JSON")
     args = parser.parse_args(argv)
-    builds, errors = check(args.target, args.only)
+    builds, errors = check(args.target, args.only, args.sweep)
     if args.json:
         print(json.dumps({"target": dataclasses.asdict(TARGETS[args.target]),
-                          "cases": [c for c in cases(TARGETS[args.target]) if not args.only or args.only in c],
+                          "cases": [c for c in (attention_sweep if args.sweep else cases)(TARGETS[args.target])
+                                    if not args.only or args.only in c],
                           "builds": [dataclasses.asdict(b) for b in builds], "errors": errors}))
     else:
         t = TARGETS[args.target]
