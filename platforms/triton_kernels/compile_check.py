@@ -294,8 +294,9 @@ def _attention_case(target: GpuTarget, *, dtype: str, head_size: int, qpk: int, 
     )
 
 
-def _gemm_case(target: GpuTarget, *, kind: str, m: int, dtype: str = "bfloat16") -> None:
-    """A Llama-3-8B-sized projection (N=K=4096) through the registered GEMM kernel classes."""
+def _gemm_case(target: GpuTarget, *, kind: str, m: int, dtype: str = "bfloat16", group: int = 128) -> None:
+    """A Llama-3-8B-sized projection (N=K=4096) through the registered GEMM kernel classes
+    (``group``: the 4-bit GEMMs' group size, -1 per channel)."""
     import torch
 
     n = k = 4096
@@ -312,15 +313,15 @@ def _gemm_case(target: GpuTarget, *, kind: str, m: int, dtype: str = "bfloat16")
     from halserve.platforms.triton_kernels.wo4_gemm import TritonAwqGemm, TritonGptqGemm
 
     x = torch.empty(m, k, dtype=out_dt)
-    group = 128
-    scales = torch.empty(k // group, n, dtype=out_dt)
+    groups = 1 if group == -1 else k // group
+    scales = torch.empty(groups, n, dtype=out_dt)
+    qzeros = torch.empty(groups, n // 8, dtype=torch.int32)
     if kind == "awq":
-        TritonAwqGemm()(x, torch.empty(k, n // 8, dtype=torch.int32), torch.empty(k // group, n // 8, dtype=torch.int32),
-                        scales, group)
+        TritonAwqGemm()(x, torch.empty(k, n // 8, dtype=torch.int32), qzeros, scales, group)
     else:
-        g_idx = torch.arange(k, dtype=torch.int32) // group
-        TritonGptqGemm()(x, torch.empty(k // 8, n, dtype=torch.int32), torch.empty(k // group, n // 8, dtype=torch.int32),
-                         scales, g_idx if kind == "gptq_act_order" else None, group)
+        g_idx = torch.arange(k, dtype=torch.int32) // (k if group == -1 else group)
+        TritonGptqGemm()(x, torch.empty(k // 8, n, dtype=torch.int32), qzeros, scales,
+                         g_idx if kind == "gptq_act_order" else None, group)
 
 
 def _elementwise_case(target: GpuTarget, *, kind: str, dtype: str = "bfloat16") -> None:
@@ -384,18 +385,27 @@ def cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
         for m in (1, 32, 64, 512):  # every M bucket of gemm_tiles
             out[f"gemm/{kind}-m{m}"] = lambda kind=kind, m=m: _gemm_case(target, kind=kind, m=m)
     out["gemm/awq-m64-fp16"] = lambda: _gemm_case(target, kind="awq", m=64, dtype="float16")
+    for kind in ("awq", "gptq_act_order"):  # fp32 activations: FMA dots, their own tiles
+        out[f"gemm/{kind}-m512-float32"] = lambda kind=kind: _gemm_case(target, kind=kind, m=512, dtype="float32")
     for kind in ("rms_norm", "rotary_neox", "rotary_gptj", "silu_and_mul", "quant"):
         out[f"elementwise/{kind}"] = lambda kind=kind: _elementwise_case(target, kind=kind)
     return out
 
 
-def attention_sweep(target: GpuTarget) -> dict[str, Callable[[], None]]:
-    """Every attention configuration the backend declares, crossed: head sizes x dtypes x GQA
+def sweep_cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
+    """Every configuration the kernels declare, crossed. Attention: head sizes x dtypes x GQA
     ratios (1, 4, 8, 32) x decode (single pass, split) / prefill x model-dtype / fp8 cache.
-    About 300 builds, minutes per target: a developer's check (``--sweep``), not the suite's."""
+    GEMMs: every M bucket x output dtype, and the 4-bit GEMMs' group sizes (32, 128, per
+    channel). About 430 builds, minutes per target: a developer's check (``--sweep``), not
+    the suite's."""
     import itertools
 
     out: dict[str, Callable[[], None]] = {}
+    for kind, m, dtype in itertools.product(("fp8", "int8", "awq", "gptq", "gptq_act_order"), (1, 32, 64, 512),
+                                            ("float16", "bfloat16", "float32")):
+        for group in (32, 128, -1) if kind in ("awq", "gptq", "gptq_act_order") else (128,):
+            name = f"sweep/gemm-{kind}-m{m}-{dtype}" + (f"-g{group}" if kind not in ("fp8", "int8") else "")
+            out[name] = lambda kw=dict(kind=kind, m=m, dtype=dtype, group=group): _gemm_case(target, **kw)
     fp8_choices = (False, True) if target.fp8_dtype else (False,)
     for head_size, dtype, qpk, step in itertools.product(
         (64, 80, 96, 128, 256), ("float16", "bfloat16", "float32"), (1, 4, 8, 32), ("decode", "split4", "prefill")
@@ -403,20 +413,20 @@ def attention_sweep(target: GpuTarget) -> dict[str, Callable[[], None]]:
         for fp8 in fp8_choices if dtype != "float32" else (False,):
             kw = dict(dtype=dtype, head_size=head_size, qpk=qpk, block_size=16, decode=step != "prefill",
                       fp8_cache=fp8, num_splits=4 if step == "split4" else 1)
-            name = f"sweep/{step}-{dtype}-h{head_size}-gqa{qpk}{'-fp8cache' if fp8 else ''}"
+            name = f"sweep/attention-{step}-{dtype}-h{head_size}-gqa{qpk}{'-fp8cache' if fp8 else ''}"
             out[name] = lambda kw=kw: _attention_case(target, **kw)
     return out
 
 
 def check(target_name: str, only: str | None = None, sweep: bool = False) -> tuple[list[KernelBuild], dict[str, str]]:
     """Compile every case for the target: (builds, {case: error}) -- an empty dict means all compiled.
-    ``sweep``: the crossed attention configurations (``attention_sweep``) instead of the cases."""
+    ``sweep``: every configuration crossed (``sweep_cases``) instead of the cases."""
     if target_name not in TARGETS:
         raise ValueError(f"unknown target {target_name!r}; choose one of {', '.join(TARGETS)}")
     target = TARGETS[target_name]
     errors: dict[str, str] = {}
     with compile_only(target) as driver:
-        for name, run in (attention_sweep(target) if sweep else cases(target)).items():
+        for name, run in (sweep_cases(target) if sweep else cases(target)).items():
             if only and only not in name:
                 continue
             driver.case = name
@@ -432,13 +442,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", choices=list(TARGETS), default="sm_90")
     parser.add_argument("--only", help="only cases whose name contains this")
     parser.add_argument("--sweep", action="store_true",
-                        help="every declared attention configuration, crossed (~300 builds, minutes)")
+                        help="every declared configuration, crossed (~430 builds, minutes)")
     parser.add_argument("--json", action="store_true", help="print builds and errors as JSON")
     args = parser.parse_args(argv)
     builds, errors = check(args.target, args.only, args.sweep)
     if args.json:
         print(json.dumps({"target": dataclasses.asdict(TARGETS[args.target]),
-                          "cases": [c for c in (attention_sweep if args.sweep else cases)(TARGETS[args.target])
+                          "cases": [c for c in (sweep_cases if args.sweep else cases)(TARGETS[args.target])
                                     if not args.only or args.only in c],
                           "builds": [dataclasses.asdict(b) for b in builds], "errors": errors}))
     else:

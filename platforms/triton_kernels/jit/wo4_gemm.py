@@ -121,6 +121,11 @@ def wo4_gemm(x, qweight, qzeros, scales, g_idx, group_size: int, *, is_awq: bool
     else:
         dot_dtype = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
     tiles = gemm_tiles(m, n, k)
+    if x.dtype == torch.float32 and not interpreting():
+        # fp32 dots run on FMA units with both operands in registers: the tensor-core tiles
+        # spilled 0.4-4 KB of registers and overflowed the shared memory of sm_89 and MI300
+        # (compile_check --sweep); fp32 is a correctness path for these 16-bit-model kernels
+        tiles.update(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
     tiles["BLOCK_K"] = min(tiles["BLOCK_K"], triton.next_power_of_2(group))  # groups of 32 keep one row per step
     grid = (triton.cdiv(m, tiles["BLOCK_M"]) * triton.cdiv(n, tiles["BLOCK_N"]),)
     wo4_gemm_kernel[grid](
