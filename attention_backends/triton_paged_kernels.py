@@ -319,10 +319,10 @@ def tile_sizes(
 
     fp32 dots run on FMA units (ieee precision) with their operands in registers, at twice the
     width: 32-key tiles, and 16-key tiles for decode and for heads over 128; 32 rows take 8
-    warps (a GQA-32 decode spilled 0.2 KB at 4). Wider fp32 tiles overflowed the shared memory of sm89 (99 KB: 100 KB for a
-    32 x 32 x 256 prefill tile) and MI300 (64 KB) or spilled registers (0.4 KB for a
-    split decode at head 128, 6-7 KB at head 256 on sm_90).
-    ``python -m halserve.platforms.triton_kernels.compile_check`` shows each build.
+    warps (a GQA-32 decode spilled 0.2 KB at 4). Wider fp32 tiles overflowed the shared
+    memory of sm89 (99 KB: 100 KB for a 32 x 32 x 256 prefill tile) and MI300 (64 KB) or
+    spilled registers (0.4 KB for a split decode at head 128, 6-7 KB at head 256 on sm_90).
+    ``python -m halserve.platforms.triton_kernels.compile_check [--sweep]`` shows each build.
     """
     fp32 = dtype == torch.float32
     decode = max_query_len == 1
@@ -338,7 +338,7 @@ def tile_sizes(
 
 
 DECODE_PIPELINE_STAGES = 5
-"""``num_stages`` of decode launches on NVIDIA Hopper and later (sm_90+).
+"""``num_stages`` of decode launches on NVIDIA sm_90 and later (compile-checked for sm_90).
 
 Triton's pipeliner starts each load that feeds a dot ``(num_stages - 1) // (levels + 1)``
 iterations ahead, where ``levels`` counts the loads in front of it: the K/V tiles sit behind

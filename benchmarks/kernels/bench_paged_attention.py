@@ -138,5 +138,6 @@ def main() -> None:
             prefill("")
         del os.environ["HALSERVE_TRITON_ATTN_STAGES"]
 
+
 if __name__ == "__main__":
     main()

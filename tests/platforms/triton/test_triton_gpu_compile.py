@@ -122,6 +122,7 @@ def test_widest_fp32_attention_tiles_fit_the_smallest_parts(target):
          "--only", "float32-h256", "--json"],
         capture_output=True, text=True, env=_compile_env(), timeout=900,
     )
+    assert proc.stdout.strip(), f"compile_check --sweep printed nothing (rc {proc.returncode}):\n{proc.stderr}"
     report = json.loads(proc.stdout)
     assert report["errors"] == {}, report["errors"]
     assert len(report["cases"]) == 12 and {b["case"] for b in report["builds"]} == set(report["cases"])
