@@ -173,7 +173,10 @@ def test_bf16_mixed_batch_gpu(device):
 
 
 @pytest.mark.gpu
-def test_long_decode_split_heuristic_gpu(device):
+@pytest.mark.parametrize("stages", [None, "3", "5"])  # the platform's choice, and both depths forced
+def test_long_decode_split_heuristic_gpu(stages, device, monkeypatch):
+    if stages:
+        monkeypatch.setenv("HALSERVE_TRITON_ATTN_STAGES", stages)
     batch = make_batch([(2047, 1)] * 4, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
                        dtype=torch.float16, device=device)
     backend = TritonPagedAttentionBackend(8, 128, 128**-0.5, 2)
