@@ -93,51 +93,38 @@ def main() -> None:
                   block_size=args.block_size, dtype=dtype, device=device, kv_cache_dtype=args.kv_cache_dtype)
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (Triton interpreter)'}")
 
+    shape = f"heads={args.num_heads}/{args.num_kv_heads} d={args.head_size} {args.dtype}"
+
+    def run(step, what: str, figure, sweep: list[dict[str, str]]) -> None:
+        """Time one backend forward of ``step``: with the defaults, then (``--sweep``) with each
+        set of forced HALSERVE_TRITON_ATTN_* values; one line per run."""
+        q, k, v, kv_cache, md = step
+        for forced in [{}] + (sweep if args.sweep else []):
+            os.environ.update({f"HALSERVE_TRITON_ATTN_{name}": value for name, value in forced.items()})
+            ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
+            stages = forced.get("STAGES") or kernels.pipeline_stages(md.max_query_len) or "triton default"
+            splits = f" splits={backend.num_kv_splits(md, q.device)}" if md.max_query_len == 1 else ""
+            print(f"{what} {shape}{splits} stages={stages}{'' if forced else ' (defaults)'}: {ms:.3f} ms, {figure(ms)}")
+            for name in forced:
+                del os.environ[f"HALSERVE_TRITON_ATTN_{name}"]
+
     # decode: each request reads its whole context once per kv head
-    q, k, v, kv_cache, md = make_step([(args.context - 1, 1)] * args.batch, **common)
-    kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_size * kv_cache.element_size()
+    step = make_step([(args.context - 1, 1)] * args.batch, **common)
+    kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_size * step[3].element_size()
 
-    def decode(label: str) -> None:
-        ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
+    def bandwidth(ms: float) -> str:
         gbps = kv_bytes / (ms * 1e-3) / 1e9
-        splits = backend.num_kv_splits(md, q.device)
-        stages = os.environ.get("HALSERVE_TRITON_ATTN_STAGES") or kernels.pipeline_stages(1) or "triton default"
-        print(
-            f"decode  batch={args.batch} context={args.context} heads={args.num_heads}/{args.num_kv_heads} "
-            f"d={args.head_size} {args.dtype} kv={args.kv_cache_dtype} splits={splits} stages={stages}{label}: "
-            f"{ms:.3f} ms, {gbps:.1f} GB/s = {100 * gbps / args.peak_gbps:.1f}% of {args.peak_gbps:.0f} GB/s"
-        )
+        return f"{gbps:.1f} GB/s = {100 * gbps / args.peak_gbps:.1f}% of {args.peak_gbps:.0f} GB/s"
 
-    decode(" (defaults)")
-    if args.sweep:
-        for stages in ("3", "5"):
-            for splits in ("1", "2", "4", "8"):
-                os.environ["HALSERVE_TRITON_ATTN_STAGES"], os.environ["HALSERVE_TRITON_ATTN_SPLITS"] = stages, splits
-                decode("")
-        del os.environ["HALSERVE_TRITON_ATTN_STAGES"], os.environ["HALSERVE_TRITON_ATTN_SPLITS"]
-
+    run(step, f"decode  batch={args.batch} context={args.context} kv={args.kv_cache_dtype}", bandwidth,
+        [{"STAGES": stages, "SPLITS": splits} for stages in ("3", "5") for splits in ("1", "2", "4", "8")])
     if args.decode_only:
         return
     # prefill: fresh prompts, causal
-    q, k, v, kv_cache, md = make_step([(0, args.prefill_len)] * args.prefill_batch, **common)
+    step = make_step([(0, args.prefill_len)] * args.prefill_batch, **common)
     flops = args.prefill_batch * 2 * args.prefill_len**2 * args.head_size * args.num_heads
-
-    def prefill(label: str) -> None:
-        ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
-        stages = os.environ.get("HALSERVE_TRITON_ATTN_STAGES") or "triton default"
-        print(
-            f"prefill batch={args.prefill_batch} len={args.prefill_len} heads={args.num_heads}/{args.num_kv_heads} "
-            f"d={args.head_size} {args.dtype} stages={stages}{label}: {ms:.3f} ms, "
-            f"{flops / (ms * 1e-3) / 1e12:.2f} TFLOP/s"
-        )
-
-    prefill(" (defaults)")
-    if args.sweep:
-        for stages in ("3", "5"):
-            os.environ["HALSERVE_TRITON_ATTN_STAGES"] = stages
-            prefill("")
-        del os.environ["HALSERVE_TRITON_ATTN_STAGES"]
-
+    run(step, f"prefill batch={args.prefill_batch} len={args.prefill_len}",
+        lambda ms: f"{flops / (ms * 1e-3) / 1e12:.2f} TFLOP/s", [{"STAGES": "3"}, {"STAGES": "5"}])
 
 if __name__ == "__main__":
     main()
