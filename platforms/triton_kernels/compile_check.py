@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -398,8 +399,6 @@ def sweep_cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
     GEMMs: every M bucket x output dtype, and the 4-bit GEMMs' group sizes (32, 128, per
     channel). About 430 builds, minutes per target: a developer's check (``--sweep``), not
     the suite's."""
-    import itertools
-
     out: dict[str, Callable[[], None]] = {}
     for kind, m, dtype in itertools.product(("fp8", "int8", "awq", "gptq", "gptq_act_order"), (1, 32, 64, 512),
                                             ("float16", "bfloat16", "float32")):
