@@ -325,24 +325,26 @@ def _gemm_case(target: GpuTarget, *, kind: str, m: int, dtype: str = "bfloat16",
                          g_idx if kind == "gptq_act_order" else None, group)
 
 
-def _elementwise_case(target: GpuTarget, *, kind: str, dtype: str = "bfloat16") -> None:
+def _elementwise_case(target: GpuTarget, *, kind: str, dtype: str = "bfloat16", hidden: int = 4096,
+                      head: int = 128) -> None:
+    """The elementwise kernels at Llama-3-8B sizes (``hidden``: model width; the MLP's
+    intermediate size is 3.5x; ``head``: rotary head size)."""
     import torch
 
     from halserve.platforms.triton_kernels.jit import activation, quant, rms_norm, rotary
 
     dt = getattr(torch, dtype)
-    tokens, hidden = 64, 4096
+    tokens = 64
     if kind == "rms_norm":
         x = torch.empty(tokens, hidden, dtype=dt)
         rms_norm.rms_norm(x, torch.empty(hidden, dtype=dt), 1e-6)
         rms_norm.rms_norm(x, torch.empty(hidden, dtype=dt), 1e-6, residual=torch.empty_like(x))
     elif kind in ("rotary_neox", "rotary_gptj"):
-        head = 128
         rotary.rotary_embedding(torch.zeros(tokens, dtype=torch.int64), torch.empty(tokens, 32 * head, dtype=dt),
                                 torch.empty(tokens, 8 * head, dtype=dt), torch.empty(4096, head, dtype=torch.float32),
                                 head, kind == "rotary_neox")
     elif kind == "silu_and_mul":
-        activation.silu_and_mul(torch.empty(tokens, 2 * 14336, dtype=dt))
+        activation.silu_and_mul(torch.empty(tokens, 2 * (hidden * 7 // 2), dtype=dt))
     elif kind == "quant":
         x = torch.empty(tokens, hidden, dtype=dt)
         for qdt in filter(None, (target.fp8_dtype, "int8")):
@@ -397,8 +399,9 @@ def sweep_cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
     """Every configuration the kernels declare, crossed. Attention: head sizes x dtypes x GQA
     ratios (1, 4, 8, 32) x decode (single pass, split) / prefill x model-dtype / fp8 cache.
     GEMMs: every M bucket x output dtype, and the 4-bit GEMMs' group sizes (32, 128, per
-    channel). About 430 builds, minutes per target: a developer's check (``--sweep``), not
-    the suite's."""
+    channel). RMSNorm, SiLU-and-mul and quantization at model widths 2048-16384, rotary at
+    head sizes 64-256, in every dtype. About 500 cases, minutes per target: a developer's
+    check (``--sweep``), not the suite's."""
     out: dict[str, Callable[[], None]] = {}
     for kind, m, dtype in itertools.product(("fp8", "int8", "awq", "gptq", "gptq_act_order"), (1, 32, 64, 512),
                                             ("float16", "bfloat16", "float32")):
@@ -414,6 +417,14 @@ def sweep_cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
                       fp8_cache=fp8, num_splits=4 if step == "split4" else 1)
             name = f"sweep/attention-{step}-{dtype}-h{head_size}-gqa{qpk}{'-fp8cache' if fp8 else ''}"
             out[name] = lambda kw=kw: _attention_case(target, **kw)
+    for kind, dtype, hidden in itertools.product(("rms_norm", "silu_and_mul", "quant"), ("float16", "bfloat16", "float32"),
+                                                 (2048, 5120, 7168, 8192, 16384)):  # 1B .. 405B-class widths
+        out[f"sweep/{kind}-{dtype}-hidden{hidden}"] = lambda kw=dict(kind=kind, dtype=dtype, hidden=hidden): \
+            _elementwise_case(target, **kw)
+    for kind, dtype, head in itertools.product(("rotary_neox", "rotary_gptj"), ("float16", "bfloat16", "float32"),
+                                               (64, 128, 256)):
+        out[f"sweep/{kind}-{dtype}-head{head}"] = lambda kw=dict(kind=kind, dtype=dtype, head=head): \
+            _elementwise_case(target, **kw)
     return out
 
 
