@@ -25,6 +25,7 @@ Unified attention grid: ``(num_q_tiles, num_kv_heads, num_splits)``.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -359,10 +360,16 @@ def pipeline_stages(max_query_len: int) -> int | None:
     """``num_stages`` for an attention launch on the active Triton target; None: Triton's default."""
     if max_query_len != 1 or _interpreting():
         return None
+    driver = triton.runtime.driver.active
+    return _decode_stages(id(driver), driver.get_current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_stages(driver_id: int, device: int) -> int | None:
+    # once per (driver, device), not per launch: get_current_target queries the device
+    # (the compile check's stand-in driver numbers its targets as devices)
     target = triton.runtime.driver.active.get_current_target()
-    if target.backend == "cuda" and target.arch >= 90:
-        return DECODE_PIPELINE_STAGES
-    return None
+    return DECODE_PIPELINE_STAGES if target.backend == "cuda" and target.arch >= 90 else None
 
 
 def paged_attention(

@@ -10,7 +10,9 @@ is a no-op that records the grid. Triton's own resource checks run (shared memor
 device's limit raises ``OutOfResources`` as on the GPU); registers and spills are read from
 the binary (``cuobjdump --dump-resource-usage`` / the AMDGCN metadata).
 
-    python -m halserve.platforms.triton_kernels.compile_check --target sm_90 [--json]
+    python -m halserve.platforms.triton_kernels.compile_check --target sm_90 [--json] [--sweep]
+
+The cases (which launchers, which shapes) are in ``compile_cases.py``.
 
 Needs triton (``pip install 'halserve[cuda]'``) and must run without ``TRITON_INTERPRET``
 (kernels decorated under the interpreter cannot be compiled), so tests run it in a
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import re
@@ -30,6 +31,8 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from halserve.platforms.triton_kernels.compile_cases import cases, sweep_cases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,174 +261,6 @@ def compile_only(target: GpuTarget) -> Iterator[_CompileOnlyDriver]:
     finally:
         knobs.runtime.jit_post_compile_hook = saved_hook
         triton_driver._active = saved_driver
-
-
-# -- the cases: real launchers, GPU shapes ----------------------------------------------------
-
-
-def _attention_case(target: GpuTarget, *, dtype: str, head_size: int, qpk: int, block_size: int, decode: bool,
-                    fp8_cache: bool = False, sliding_window: int | None = None, soft_cap: float | None = None,
-                    num_splits: int = 1) -> None:
-    """One step of the triton_paged backend: the KV write, then unified attention (+ split reduce)."""
-    import torch
-
-    from halserve.attention_backends import triton_paged_kernels as K
-
-    num_kv_heads, num_reqs = 2, 4
-    q_len = 1 if decode else 48
-    seq_len = 1000
-    num_tokens = num_reqs * q_len
-    dt = getattr(torch, dtype)
-    cache_dt = getattr(torch, target.fp8_dtype) if fp8_cache else dt
-    blocks_per_req = -(-seq_len // block_size)
-    num_blocks = num_reqs * blocks_per_req
-    q = torch.empty(num_tokens, num_kv_heads * qpk, head_size, dtype=dt)
-    k = torch.empty(num_tokens, num_kv_heads, head_size, dtype=dt)
-    v = torch.empty_like(k)
-    cache = torch.empty(2, num_blocks, block_size, num_kv_heads, head_size, dtype=cache_dt)
-    slots = torch.zeros(num_tokens, dtype=torch.int64)
-    block_table = torch.arange(num_blocks, dtype=torch.int32).reshape(num_reqs, blocks_per_req)
-    seq_lens = torch.full((num_reqs,), seq_len, dtype=torch.int32)
-    query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32) * q_len
-    K.write_kv_cache(k, v, cache[0], cache[1], slots, 0.5, 0.5)
-    K.paged_attention(
-        torch.empty_like(q), q, cache[0], cache[1], block_table, seq_lens, query_start_loc,
-        num_reqs=num_reqs, max_query_len=q_len, scale=head_size ** -0.5, sliding_window=sliding_window,
-        logits_soft_cap=soft_cap, k_scale=0.5, v_scale=0.5, num_splits=num_splits,
-    )
-
-
-def _gemm_case(target: GpuTarget, *, kind: str, m: int, dtype: str = "bfloat16", group: int = 128) -> None:
-    """A Llama-3-8B-sized projection (N=K=4096) through the registered GEMM kernel classes
-    (``group``: the 4-bit GEMMs' group size, -1 per channel)."""
-    import torch
-
-    n = k = 4096
-    out_dt = getattr(torch, dtype)
-    if kind in ("fp8", "int8"):
-        from halserve.platforms.triton_kernels.fp8_gemm import TritonFp8ScaledGemm
-        from halserve.platforms.triton_kernels.int8_gemm import TritonInt8ScaledGemm
-
-        qdt = torch.int8 if kind == "int8" else getattr(torch, target.fp8_dtype or "float8_e4m3fn")
-        gemm = TritonInt8ScaledGemm() if kind == "int8" else TritonFp8ScaledGemm(upcast=not target.has_fp8_dot)
-        a, b = torch.empty(m, k, dtype=qdt), torch.empty(n, k, dtype=qdt)
-        gemm(a, b, torch.ones(m, 1), torch.ones(n, 1), out_dt, bias=torch.empty(n, dtype=out_dt))
-        return
-    from halserve.platforms.triton_kernels.wo4_gemm import TritonAwqGemm, TritonGptqGemm
-
-    x = torch.empty(m, k, dtype=out_dt)
-    groups = 1 if group == -1 else k // group
-    scales = torch.empty(groups, n, dtype=out_dt)
-    qzeros = torch.empty(groups, n // 8, dtype=torch.int32)
-    if kind == "awq":
-        TritonAwqGemm()(x, torch.empty(k, n // 8, dtype=torch.int32), qzeros, scales, group)
-    else:
-        g_idx = torch.arange(k, dtype=torch.int32) // (k if group == -1 else group)
-        TritonGptqGemm()(x, torch.empty(k // 8, n, dtype=torch.int32), qzeros, scales,
-                         g_idx if kind == "gptq_act_order" else None, group)
-
-
-def _elementwise_case(target: GpuTarget, *, kind: str, dtype: str = "bfloat16", hidden: int = 4096,
-                      head: int = 128) -> None:
-    """The elementwise kernels at Llama-3-8B sizes (``hidden``: model width; the MLP's
-    intermediate size is 3.5x; ``head``: rotary head size)."""
-    import torch
-
-    from halserve.platforms.triton_kernels.jit import activation, quant, rms_norm, rotary
-
-    dt = getattr(torch, dtype)
-    tokens = 64
-    if kind == "rms_norm":
-        x = torch.empty(tokens, hidden, dtype=dt)
-        rms_norm.rms_norm(x, torch.empty(hidden, dtype=dt), 1e-6)
-        rms_norm.rms_norm(x, torch.empty(hidden, dtype=dt), 1e-6, residual=torch.empty_like(x))
-    elif kind in ("rotary_neox", "rotary_gptj"):
-        rotary.rotary_embedding(torch.zeros(tokens, dtype=torch.int64), torch.empty(tokens, 32 * head, dtype=dt),
-                                torch.empty(tokens, 8 * head, dtype=dt), torch.empty(4096, head, dtype=torch.float32),
-                                head, kind == "rotary_neox")
-    elif kind == "silu_and_mul":
-        activation.silu_and_mul(torch.empty(tokens, 2 * (hidden * 7 // 2), dtype=dt))
-    elif kind == "quant":
-        x = torch.empty(tokens, hidden, dtype=dt)
-        for qdt in filter(None, (target.fp8_dtype, "int8")):
-            quant.quantize(x, getattr(torch, qdt), None, per_token=True)
-            quant.quantize(x, getattr(torch, qdt), None, per_token=False)
-            quant.quantize(x, getattr(torch, qdt), torch.ones(1), per_token=False)
-    else:
-        raise ValueError(f"unknown elementwise case {kind!r}")
-
-
-def cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
-    """Every kernel on the configurations the plugins declare, in GPU shapes, for ``target``."""
-    out: dict[str, Callable[[], None]] = {}
-
-    def attn(name: str, **kw: Any) -> None:
-        out[f"attention/{name}"] = lambda: _attention_case(target, **kw)
-
-    for head_size in (64, 80, 96, 128, 256):
-        for decode in (True, False):
-            attn(f"{'decode' if decode else 'prefill'}-bf16-h{head_size}-gqa4-bs16", dtype="bfloat16",
-                 head_size=head_size, qpk=4, block_size=16, decode=decode)
-    for dtype, qpk, bs in (("float16", 1, 32), ("float32", 8, 64)):
-        for decode in (True, False):
-            attn(f"{'decode' if decode else 'prefill'}-{dtype}-h128-gqa{qpk}-bs{bs}", dtype=dtype, head_size=128,
-                 qpk=qpk, block_size=bs, decode=decode)
-    for decode in (True, False):
-        attn(f"{'decode' if decode else 'prefill'}-bf16-h128-gqa7-bs32", dtype="bfloat16", head_size=128, qpk=7,
-             block_size=32, decode=decode)
-        attn(f"{'decode' if decode else 'prefill'}-bf16-h256-gqa2-window-softcap", dtype="bfloat16", head_size=256,
-             qpk=2, block_size=16, decode=decode, sliding_window=256, soft_cap=50.0)
-        if target.fp8_dtype:
-            attn(f"{'decode' if decode else 'prefill'}-bf16-h128-gqa4-fp8cache", dtype="bfloat16", head_size=128,
-                 qpk=4, block_size=16, decode=decode, fp8_cache=True)
-    attn("decode-bf16-h128-gqa4-split8", dtype="bfloat16", head_size=128, qpk=4, block_size=16, decode=True,
-         num_splits=8)
-    # the widest fp32 tiles (FMA dots hold their operands in registers)
-    attn("decode-float32-h256-gqa8-split2", dtype="float32", head_size=256, qpk=8, block_size=16, decode=True,
-         num_splits=2)
-    attn("prefill-float32-h256-gqa8", dtype="float32", head_size=256, qpk=8, block_size=16, decode=False)
-    for kind in ("fp8", "int8", "awq", "gptq", "gptq_act_order"):
-        for m in (1, 32, 64, 512):  # every M bucket of gemm_tiles
-            out[f"gemm/{kind}-m{m}"] = lambda kind=kind, m=m: _gemm_case(target, kind=kind, m=m)
-    out["gemm/awq-m64-fp16"] = lambda: _gemm_case(target, kind="awq", m=64, dtype="float16")
-    for kind in ("awq", "gptq_act_order"):  # fp32 activations: FMA dots, their own tiles
-        out[f"gemm/{kind}-m512-float32"] = lambda kind=kind: _gemm_case(target, kind=kind, m=512, dtype="float32")
-    for kind in ("rms_norm", "rotary_neox", "rotary_gptj", "silu_and_mul", "quant"):
-        out[f"elementwise/{kind}"] = lambda kind=kind: _elementwise_case(target, kind=kind)
-    return out
-
-
-def sweep_cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
-    """Every configuration the kernels declare, crossed. Attention: head sizes x dtypes x GQA
-    ratios (1, 4, 8, 32) x decode (single pass, split) / prefill x model-dtype / fp8 cache.
-    GEMMs: every M bucket x output dtype, and the 4-bit GEMMs' group sizes (32, 128, per
-    channel). RMSNorm, SiLU-and-mul and quantization at model widths 2048-16384, rotary at
-    head sizes 64-256, in every dtype. About 500 cases, minutes per target: a developer's
-    check (``--sweep``), not the suite's."""
-    out: dict[str, Callable[[], None]] = {}
-    for kind, m, dtype in itertools.product(("fp8", "int8", "awq", "gptq", "gptq_act_order"), (1, 32, 64, 512),
-                                            ("float16", "bfloat16", "float32")):
-        for group in (32, 128, -1) if kind in ("awq", "gptq", "gptq_act_order") else (128,):
-            name = f"sweep/gemm-{kind}-m{m}-{dtype}" + (f"-g{group}" if kind not in ("fp8", "int8") else "")
-            out[name] = lambda kw=dict(kind=kind, m=m, dtype=dtype, group=group): _gemm_case(target, **kw)
-    fp8_choices = (False, True) if target.fp8_dtype else (False,)
-    for head_size, dtype, qpk, step in itertools.product(
-        (64, 80, 96, 128, 256), ("float16", "bfloat16", "float32"), (1, 4, 8, 32), ("decode", "split4", "prefill")
-    ):
-        for fp8 in fp8_choices if dtype != "float32" else (False,):
-            kw = dict(dtype=dtype, head_size=head_size, qpk=qpk, block_size=16, decode=step != "prefill",
-                      fp8_cache=fp8, num_splits=4 if step == "split4" else 1)
-            name = f"sweep/attention-{step}-{dtype}-h{head_size}-gqa{qpk}{'-fp8cache' if fp8 else ''}"
-            out[name] = lambda kw=kw: _attention_case(target, **kw)
-    for kind, dtype, hidden in itertools.product(("rms_norm", "silu_and_mul", "quant"), ("float16", "bfloat16", "float32"),
-                                                 (2048, 5120, 7168, 8192, 16384)):  # 1B .. 405B-class widths
-        out[f"sweep/{kind}-{dtype}-hidden{hidden}"] = lambda kw=dict(kind=kind, dtype=dtype, hidden=hidden): \
-            _elementwise_case(target, **kw)
-    for kind, dtype, head in itertools.product(("rotary_neox", "rotary_gptj"), ("float16", "bfloat16", "float32"),
-                                               (64, 128, 256)):
-        out[f"sweep/{kind}-{dtype}-head{head}"] = lambda kw=dict(kind=kind, dtype=dtype, head=head): \
-            _elementwise_case(target, **kw)
-    return out
 
 
 def check(target_name: str, only: str | None = None, sweep: bool = False) -> tuple[list[KernelBuild], dict[str, str]]:

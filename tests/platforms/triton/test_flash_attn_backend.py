@@ -30,7 +30,8 @@ SPECS = [(300, 20), (530, 1), (0, 9)]
 def _varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                       softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                       deterministic=False, return_attn_probs=False, block_table=None):
-    assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype, "FlashAttention only supports fp16 and bf16"
+    assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype, \
+        "FlashAttention only supports fp16 and bf16"
     assert block_table is not None and block_table.dtype == torch.int32, "block_table must have dtype torch.int32"
     assert k.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256"
     assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32, "cu_seqlens must have dtype int32"
