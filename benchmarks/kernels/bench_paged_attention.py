@@ -7,6 +7,11 @@
 Decode: ``--batch`` requests with ``--context`` cached tokens each, one new token. Figure of
 merit: achieved bandwidth = bytes of K and V read (the whole context of every request,
 every kv head) / time, and its share of ``--peak-gbps`` (H100 SXM: ~3350 GB/s).
+Two references measured in the same process, on the same device, put the figure in context:
+the device-to-device copy bandwidth (``tensor.copy_`` of 1 GiB, bytes read + written: what
+the part delivers in practice, below the data-sheet peak) and torch's own
+``scaled_dot_product_attention`` decoding the same shape from contiguous (not paged) K/V,
+the vendor kernel our paged kernel has to match (``--no-reference`` skips both).
 Prefill: ``--prefill-batch`` fresh prompts of ``--prefill-len`` tokens; TFLOP/s counts the
 causal half of QK^T and PV: 2 * 2 * (L^2 / 2) * head_size * num_heads per prompt.
 Each timed call is a full backend forward (the cache write of the step's K/V included).
@@ -55,6 +60,28 @@ def make_step(specs, *, num_heads, num_kv_heads, head_size, block_size, dtype, d
     return q, k, v, kv_cache, md
 
 
+def copy_bandwidth(device: str, nbytes: int) -> float:
+    """GB/s of a device-to-device ``copy_`` of ``nbytes``, counting the bytes read and written."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, iters=10)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def sdpa_decode_ms(args, dtype, device: str) -> float:
+    """torch's scaled_dot_product_attention on the decode shape, K/V contiguous per request
+    ([batch, kv heads, context, head size]; on an H100 flash or memory-efficient attention)."""
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(args.batch, args.num_heads, 1, args.head_size, device=device, dtype=dtype)
+    k = torch.randn(args.batch, args.num_kv_heads, args.context, args.head_size, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    return time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), device, args.iters)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
@@ -71,6 +98,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tiny", action="store_true", help="tiny sizes, fp16: a smoke run that works on CPU")
     p.add_argument("--decode-only", action="store_true", help="skip prefill")
+    p.add_argument("--no-reference", action="store_true",
+                   help="skip the copy-bandwidth and torch SDPA references of the decode figure")
     p.add_argument("--sweep", action="store_true",
                    help="also time decode at every forced pipeline depth (3, 5) x split-K factor (1, 2, 4, 8) "
                         "and prefill at depths 3 and 5 (HALSERVE_TRITON_ATTN_STAGES / _SPLITS)")
@@ -110,14 +139,22 @@ def main() -> None:
 
     # decode: each request reads its whole context once per kv head
     step = make_step([(args.context - 1, 1)] * args.batch, **common)
-    kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_size * step[3].element_size()
+    step_element_size = step[3].element_size()
+    kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_size * step_element_size
 
-    def bandwidth(ms: float) -> str:
-        gbps = kv_bytes / (ms * 1e-3) / 1e9
+    def bandwidth(ms: float, nbytes: int = kv_bytes) -> str:
+        gbps = nbytes / (ms * 1e-3) / 1e9
         return f"{gbps:.1f} GB/s = {100 * gbps / args.peak_gbps:.1f}% of {args.peak_gbps:.0f} GB/s"
 
     run(step, f"decode  batch={args.batch} context={args.context} kv={args.kv_cache_dtype}", bandwidth,
         [{"STAGES": stages, "SPLITS": splits} for stages in ("3", "5") for splits in ("1", "2", "4", "8")])
+    if not args.no_reference:
+        del step  # the paged cache: room for the references' copies
+        print(f"reference: device copy {copy_bandwidth(device, 64 << 20 if args.tiny else 1 << 30):.1f} GB/s "
+              "(tensor.copy_, bytes read + written)")
+        ms = sdpa_decode_ms(args, dtype, device)
+        sdpa_bytes = kv_bytes // step_element_size * dtype.itemsize  # SDPA reads K/V in the model dtype
+        print(f"reference: torch SDPA decode, contiguous K/V, {shape}: {ms:.3f} ms, {bandwidth(ms, sdpa_bytes)}")
     if args.decode_only:
         return
     # prefill: fresh prompts, causal

@@ -10,6 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 @pytest.mark.parametrize("script,flags,expect", [
     ("bench_paged_attention.py", [], "GB/s"),
+    ("bench_paged_attention.py", ["--decode-only"], "reference: torch SDPA decode"),  # same-device references
     ("bench_paged_attention.py", ["--sweep"], "splits=8 stages=5"),  # the tuning sweep run_gpu_checks.sh uses
     ("bench_gemm.py", [], "TFLOP/s"),
 ])
