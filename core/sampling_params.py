@@ -74,6 +74,11 @@ class SamplingParams:
     """Subtracted per occurrence from the logit of tokens already generated, in [-2, 2]."""
     repetition_penalty: float = 1.0
     """HF-style: > 1 discourages tokens seen in the prompt or the output; must be > 0."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before sampling (and before the penalties);
+    -100 bans a token in practice, 100 all but forces it. Not reflected in logprobs."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be sampled (EOS too must be listed to end early)."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -90,6 +95,14 @@ class SamplingParams:
         else:
             self.stop = list(stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            self.logit_bias = dict(self.logit_bias) or None
+        if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes)) or not hasattr(self.allowed_token_ids, "__iter__"):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -145,6 +158,34 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if type(tid) is not int or tid < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {tid!r}")
+        for tid, bias in (self.logit_bias or {}).items():
+            if type(tid) is not int or tid < 0:
+                raise ValueError(
+                    f"logit_bias keys must be non-negative integer token ids, got {tid!r} in {self.logit_bias!r}"
+                )
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} in {self.logit_bias!r}")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not allowed:
+                raise ValueError(f"allowed_token_ids={allowed!r} must not be empty (no token could be sampled); "
+                                 "leave it unset to allow every token")
+            for tid in allowed:
+                if type(tid) is not int or tid < 0:
+                    raise ValueError(
+                        f"allowed_token_ids must be non-negative integer token ids, got {tid!r} in {allowed!r}"
+                    )
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """ValueError if a token id named by logit_bias or allowed_token_ids is past the
+        model's vocabulary (checked when a request is added, where the vocabulary is known)."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+            for tid in ids:
+                if tid >= vocab_size:
+                    raise ValueError(
+                        f"{name} names token id {tid}, out of range: the model's vocabulary has {vocab_size} "
+                        f"tokens, so ids must be in [0, {vocab_size - 1}]"
+                    )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -170,6 +211,10 @@ class SamplingParams:
         new = copy.copy(self)
         new.stop = list(self.stop)
         new.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            new.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            new.allowed_token_ids = list(self.allowed_token_ids)
         return new
 
     def update_from_generation_config(

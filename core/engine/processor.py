@@ -74,6 +74,7 @@ class InputProcessor:
         """Validate and tokenize one request; returns (prompt text, one core request per sample)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.check_token_ids(self.vocab_size)
         if prompt_token_ids is None:
             text, ids = self.tokenize(prompt)
         else:
@@ -87,6 +88,13 @@ class InputProcessor:
         room = max_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = set() if params.ignore_eos else set(self.info.eos_token_ids)
+        if params.min_tokens and params.allowed_token_ids is not None:
+            if set(params.allowed_token_ids) <= eos | set(params.stop_token_ids):
+                raise ValueError(
+                    f"allowed_token_ids={params.allowed_token_ids} holds only stop tokens (EOS or stop_token_ids), "
+                    f"which min_tokens={params.min_tokens} forbids at first: no token could be sampled; "
+                    "allow other tokens or drop min_tokens"
+                )
         arrival = time.time() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):

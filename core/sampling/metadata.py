@@ -58,6 +58,12 @@ class SamplingMetadata:
     # min_tokens: (row, token) pairs whose logit is -inf this step (stop tokens of short outputs).
     min_tokens_rows: torch.Tensor | None = None  # [M] int64
     min_tokens_token_ids: torch.Tensor | None = None  # [M] int64
+    # logit_bias: bias_values[i] is added at (bias_rows[i], bias_token_ids[i]).
+    bias_rows: torch.Tensor | None = None  # [B] int64
+    bias_token_ids: torch.Tensor | None = None  # [B] int64
+    bias_values: torch.Tensor | None = None  # [B] f32
+    # allowed_token_ids: True where a row may not sample the token (all False in rows without a list).
+    disallowed: torch.Tensor | None = None  # [R, V] bool
     # Logprobs: per row the number of top alternatives asked (None = no logprobs).
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None  # None when no row asks
@@ -103,7 +109,7 @@ class SamplingMetadata:
 
         greedy: list[bool] = []
         num_logprobs: list[int | None] = []
-        uses_filter = uses_penalty = uses_min_tokens = False
+        uses_filter = uses_penalty = uses_min_tokens = uses_token_lists = False
         for p, out in zip(params, output_token_ids):
             is_greedy = p.temperature < SAMPLING_EPS
             greedy.append(is_greedy)
@@ -114,6 +120,8 @@ class SamplingMetadata:
                 uses_penalty = True
             if p.min_tokens > len(out):
                 uses_min_tokens = True
+            if p.logit_bias or p.allowed_token_ids is not None:
+                uses_token_lists = True
 
         all_greedy = all(greedy)
         meta = cls(num_reqs=num_reqs, vocab_size=vocab_size, all_greedy=all_greedy, all_random=not any(greedy))
@@ -127,6 +135,8 @@ class SamplingMetadata:
             meta._build_penalties(params, prompt_token_ids, output_token_ids, device)
         if uses_min_tokens:
             meta._build_min_tokens(params, output_token_ids, eos_token_ids, device)
+        if uses_token_lists:
+            meta._build_token_lists(params, device)
         return meta
 
     def _build_random(
@@ -203,6 +213,30 @@ class SamplingMetadata:
             self.min_tokens_rows = torch.tensor(rows, dtype=torch.int64, device=device)
             self.min_tokens_token_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
 
+    def _build_token_lists(self, params: Sequence[SamplingParams], device: torch.device) -> None:
+        """logit_bias and allowed_token_ids. Ids past the logits (refused when the request was
+        added) are dropped here too, so a stale id can never index out of bounds; a list left
+        with no id in range restricts nothing, rather than leave its row nothing to sample."""
+        V = self.vocab_size
+        bias: list[tuple[int, int, float]] = []  # (row, token id, bias)
+        allowed: list[tuple[int, int]] = []  # (row, token id)
+        restricted: list[int] = []
+        for row, p in enumerate(params):
+            bias.extend((row, tid, float(b)) for tid, b in (p.logit_bias or {}).items() if 0 <= tid < V)
+            ids = [tid for tid in p.allowed_token_ids or () if 0 <= tid < V]
+            if ids:
+                restricted.append(row)
+                allowed.extend((row, tid) for tid in ids)
+        if bias:
+            rows, token_ids, values = zip(*bias)
+            self.bias_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            self.bias_token_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+            self.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
+        if restricted:
+            disallowed = torch.zeros(self.num_reqs, V, dtype=torch.bool, device=device)
+            disallowed[torch.tensor(restricted, dtype=torch.int64, device=device)] = True
+            rows, token_ids = (torch.tensor(col, dtype=torch.int64, device=device) for col in zip(*allowed))
+            self.disallowed = disallowed.index_put_((rows, token_ids), torch.tensor(False, device=device))
 
 def _eos_per_row(
     eos_token_ids: Collection[int] | Sequence[Collection[int]], num_reqs: int

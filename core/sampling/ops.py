@@ -91,3 +91,10 @@ def gumbel_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     # E = 0 would turn a zero-probability token into 0/0 = NaN, which argmax prefers.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
+
+
+def add_logit_bias(
+    logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """``bias[i]`` added at each (rows[i], token_ids[i]): the requests' logit_bias."""
+    return logits.index_put((rows, token_ids), bias, accumulate=True)

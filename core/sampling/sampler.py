@@ -5,14 +5,22 @@ import torch
 
 from halserve.sampling.logprobs import gather_logprobs
 from halserve.sampling.metadata import SamplingMetadata
-from halserve.sampling.ops import apply_min_p, apply_penalties, apply_top_k_top_p, gumbel_sample, mask_tokens
+from halserve.sampling.ops import (
+    add_logit_bias,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    gumbel_sample,
+    mask_tokens,
+)
 from halserve.scheduler_output import SampleLogprobs
 
 
 class Sampler:
     """Called by the model runner once per step, on the logits' device.
 
-    Order (as vLLM): logprobs from the raw logits; penalties; min_tokens masking;
+    Order (as vLLM): logprobs from the raw logits; allowed_token_ids; logit_bias;
+    penalties; min_tokens masking;
     then greedy rows take the argmax, random rows go through temperature, min_p, top_k,
     top_p and an exponential-race (Gumbel) draw.
     """
@@ -33,6 +41,11 @@ class Sampler:
         # penalty, temperature or filter changes it.
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
 
+        if meta.disallowed is not None:
+            logits = logits.masked_fill(meta.disallowed, float("-inf"))
+        if meta.bias_rows is not None:
+            assert meta.bias_token_ids is not None and meta.bias_values is not None
+            logits = add_logit_bias(logits, meta.bias_rows, meta.bias_token_ids, meta.bias_values)
         if meta.has_penalties:
             assert meta.output_token_counts is not None
             logits = apply_penalties(

@@ -226,3 +226,56 @@ def test_mismatched_shapes_are_value_errors():
         SamplingMetadata.build([SamplingParams()], [[]], [], V, "cpu")
     with pytest.raises(ValueError, match="eos_token_ids"):
         build([SamplingParams(min_tokens=2)] * 2, eos=[{1}, {2}, {3}])
+
+
+def test_logit_bias_moves_greedy_choice_and_only_in_its_row():
+    logits = rand_logits(3, seed=5)
+    low = int(logits[0].argmin())
+    params = [SamplingParams(temperature=0.0, logit_bias={low: 100.0}), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias={int(logits[2].argmax()): -100.0})]
+    meta = build(params)
+    assert meta.disallowed is None and meta.bias_rows.tolist() == [0, 2]
+    sampled, _ = sampler(logits, meta)
+    assert sampled[0] == low  # the least likely token, pushed to the top
+    assert sampled[1] == logits[1].argmax()  # a row without logit_bias is untouched
+    assert sampled[2] == logits[2].topk(2).indices[1]  # the argmax pushed down: the runner-up wins
+
+
+def test_logit_bias_comes_before_penalties_and_not_into_logprobs():
+    logits = torch.zeros(1, V)
+    logits[0, 7] = 1.0
+    # +0.5 on token 3 and a presence penalty of 2 on token 7 (already generated): 3 wins
+    meta = build([SamplingParams(temperature=0.0, logit_bias={3: 0.5}, presence_penalty=2.0, logprobs=1)],
+                 outputs=[[7]])
+    sampled, logprobs = sampler(logits, meta)
+    assert sampled.tolist() == [3]
+    # logprobs describe the model's own distribution (vLLM's default): the bias is not in them
+    raw = logits.log_softmax(-1)[0]
+    assert logprobs[0].token_id == 3 and math.isclose(logprobs[0].logprob, float(raw[3]), rel_tol=1e-6)
+
+
+def test_allowed_token_ids_restrict_random_and_greedy_rows():
+    allowed = [2, 9, 30]
+    params = [SamplingParams(temperature=1.0, allowed_token_ids=allowed), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.0, allowed_token_ids=[5])]
+    meta = build(params)
+    assert meta.disallowed.shape == (3, V) and not meta.disallowed[1].any()
+    assert (~meta.disallowed[0]).nonzero().flatten().tolist() == allowed
+    seen0, seen1 = set(), set()
+    logits = torch.zeros(3, V)  # flat: without the restriction every token is as likely
+    for _ in range(200):
+        sampled, _ = sampler(logits, meta)
+        seen0.add(int(sampled[0]))
+        seen1.add(int(sampled[1]))
+        assert sampled[2] == 5
+    assert seen0 == set(allowed)  # only those, and each of them
+    assert len(seen1) > 10  # the unrestricted row samples widely
+
+
+def test_token_lists_ignore_ids_past_the_logits():
+    # ids are checked against the vocabulary when a request is added; the metadata still
+    # never indexes past the logits (a model whose logits are narrower than the tokenizer)
+    meta = build([SamplingParams(temperature=0.0, logit_bias={V + 3: 5.0}, allowed_token_ids=[V + 1])])
+    assert meta.bias_rows is None and meta.disallowed is None
+    logits = rand_logits(1)
+    assert sampler(logits, meta)[0] == logits[0].argmax()

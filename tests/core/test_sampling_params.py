@@ -36,6 +36,14 @@ from halserve.sampling_params import SamplingParams, SamplingType
         ({"logprobs": 21}, "logprobs"),
         ({"seed": 1.5}, "seed"),
         ({"seed": "42"}, "seed"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias keys"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias keys"),
+        ({"logit_bias": {5: math.inf}}, "logit_bias values"),
+        ({"logit_bias": {5: "high"}}, "logit_bias values"),
+        ({"logit_bias": [5]}, "logit_bias must be a dict"),
+        ({"allowed_token_ids": []}, "must not be empty"),
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids must be non-negative"),
+        ({"allowed_token_ids": 7}, "allowed_token_ids must be a list"),
     ],
 )
 def test_invalid_values_raise(kwargs, needle):
@@ -135,3 +143,21 @@ def test_generation_config_extra_eos_ids_become_stop_tokens():
 def test_generation_config_invalid_default_is_reported():
     with pytest.raises(ValueError, match="generation config.*top_p"):
         SamplingParams().update_from_generation_config({"top_p": 0.0})
+
+
+def test_token_ids_checked_against_the_vocabulary():
+    params = SamplingParams(logit_bias={3: 2.0, 99: -1.0}, allowed_token_ids=[1, 2])
+    params.check_token_ids(100)  # in range
+    with pytest.raises(ValueError, match=r"logit_bias names token id 99, out of range.*\[0, 49\]"):
+        params.check_token_ids(50)
+    with pytest.raises(ValueError, match="allowed_token_ids names token id 2"):
+        SamplingParams(allowed_token_ids=[1, 2]).check_token_ids(2)
+
+
+def test_clone_copies_token_lists():
+    params = SamplingParams(logit_bias={3: 2.0}, allowed_token_ids=[1, 2])
+    copy = params.clone()
+    copy.logit_bias[4] = 1.0
+    copy.allowed_token_ids.append(9)
+    assert params.logit_bias == {3: 2.0} and params.allowed_token_ids == [1, 2]
+    assert SamplingParams(logit_bias={}).logit_bias is None  # an empty dict biases nothing

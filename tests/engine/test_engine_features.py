@@ -107,6 +107,8 @@ BAD_PARAMS = [
     dict(stop=[""]),
     dict(n=2, temperature=0.0),
     dict(logprobs=21),
+    dict(logit_bias={-1: 1.0}),
+    dict(allowed_token_ids=[]),
 ]
 
 
@@ -137,6 +139,36 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm):
         assert not llm.llm_engine.has_unfinished_requests()
         assert llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert llm.llm_engine.get_stats().kv_cache_usage == 0.0
+
+
+def test_logit_bias_and_allowed_token_ids(llm):
+    vocab = _vocab(llm)
+    prompt = {"prompt_token_ids": [4, 5, 6, 7]}
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    base = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    forced = vocab - 1 if base[0] != vocab - 1 else vocab - 2
+    biased = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={forced: 100.0})
+    banned = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={base[0]: -100.0})
+    allowed = [9, 10, 11]
+    restricted = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)
+    # one batch: the lists of one request do not leak into the others
+    outs = llm.generate([prompt] * 4, [biased, banned, restricted, greedy], use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got[0] == [forced] * 6
+    assert got[1][0] != base[0]
+    assert set(got[2]) <= set(allowed) and len(got[2]) == 12
+    assert got[3] == base
+    # an id past the vocabulary is refused when the request is added, and the engine serves on
+    for bad in (dict(logit_bias={vocab: 1.0}), dict(allowed_token_ids=[1, vocab + 5])):
+        with pytest.raises(ValueError, match=f"out of range: the model's vocabulary has {vocab} tokens"):
+            llm.generate(prompt, SamplingParams(max_tokens=2, **bad), use_tqdm=False)
+    # only stop tokens allowed while min_tokens forbids them: nothing could be sampled
+    eos = next(iter(llm.llm_engine.model_info.eos_token_ids))
+    for only_stops in (dict(allowed_token_ids=[eos]), dict(allowed_token_ids=[8, eos], stop_token_ids=[8])):
+        with pytest.raises(ValueError, match="holds only stop tokens"):
+            llm.generate(prompt, SamplingParams(max_tokens=4, min_tokens=2, **only_stops), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == base
 
 
 def test_request_that_can_never_fit_is_an_error(llama_path):

@@ -124,6 +124,26 @@ def test_stop_strings_and_extras(client):
     assert extras.usage.completion_tokens == 6
 
 
+def test_logit_bias_and_allowed_token_ids(client, server):
+    forced = VOCAB_SIZE - 7
+    want = httpx.post(server.url + "/detokenize", json={"tokens": [forced] * 5}).json()["prompt"]
+    # OpenAI's range is [-100, 100]: 1000 is clamped to 100, which still forces the token
+    for bias in (100, 1000):
+        out = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=5, temperature=0,
+                                        logit_bias={str(forced): bias}, extra_body={"ignore_eos": True})
+        assert out.choices[0].text == want
+    chat = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_completion_tokens=5,
+                                          temperature=0, logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == want
+    only = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=0,
+                                     extra_body={"allowed_token_ids": [forced], "ignore_eos": True})
+    assert only.choices[0].text == want
+    # the next request without them is unaffected
+    plain = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert plain.choices[0].text != want
+
+
 def test_tokenize_detokenize(server):
     tok = httpx.post(server.url + "/tokenize", json={"model": SERVED_NAME, "prompt": PROMPT}).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == MAX_MODEL_LEN

@@ -42,6 +42,12 @@ BAD_COMPLETIONS = {
     "wrong type: stop": {"stop": [1, 2]},
     "stream_options without stream": {"stream_options": {"include_usage": True}},
     "echo with logprobs": {"echo": True, "logprobs": 1},
+    "logit_bias key not a token id": {"logit_bias": {"x": 1}},
+    "logit_bias key negative": {"logit_bias": {"-1": 1}},
+    "logit_bias token id >= vocab": {"logit_bias": {str(VOCAB_SIZE): 1}},
+    "wrong type: logit_bias value": {"logit_bias": {"5": "high"}},
+    "empty allowed_token_ids": {"allowed_token_ids": []},
+    "allowed_token_ids >= vocab": {"allowed_token_ids": [1, VOCAB_SIZE]},
 }
 
 BAD_CHAT = {
@@ -54,6 +60,7 @@ BAD_CHAT = {
     "stream_options without stream": {"stream_options": {"include_usage": True}},
     "wrong type: messages": {"messages": "hi"},
     "prompt too long": {"messages": [{"role": "user", "content": "hello world " * 100}]},
+    "logit_bias token id >= vocab": {"logit_bias": {str(VOCAB_SIZE + 7): -100}},
 }
 
 

@@ -8,6 +8,7 @@ fields are ignored (as OpenAI's and vLLM's servers do) and logged.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from typing import Any, ClassVar, Literal
@@ -30,6 +31,7 @@ _SAMPLING_FIELDS = (
     "min_tokens",
     "stop",
     "stop_token_ids",
+    "allowed_token_ids",
     "ignore_eos",
     "include_stop_str_in_output",
     "skip_special_tokens",
@@ -86,6 +88,7 @@ class SamplingRequest(OpenAIModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
@@ -94,13 +97,20 @@ class SamplingRequest(OpenAIModel):
     def _check_common(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):  # "12", not "-1", " 12", "x" or "²"
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}")
+            if not math.isfinite(bias):
+                raise ValueError(f"logit_bias values must be finite numbers in [-100, 100], got {bias!r} for {key!r}")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams keywords the client set (model defaults fill the rest)."""
-        return {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        if self.logit_bias:
+            # OpenAI's range: biases outside [-100, 100] are clamped (as vLLM does)
+            kwargs["logit_bias"] = {int(key): min(100.0, max(-100.0, bias)) for key, bias in self.logit_bias.items()}
+        return kwargs
 
     @property
     def include_usage(self) -> bool:
