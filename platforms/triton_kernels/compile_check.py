@@ -165,6 +165,10 @@ def _resource_usage(target: GpuTarget, asm: dict[str, Any], name: str) -> tuple[
     return vgprs, scratch, mfma, waves  # (SGPR spills go to VGPR lanes, not memory: not counted)
 
 
+FAKE_DEVICE_BASE = 1 << 20
+"""Device ids of the compile-only targets start here, far above any real device index."""
+
+
 class _CompileOnlyDriver:
     """Enough of a Triton driver for ``kernel[grid](...)`` to compile for ``target`` and stop."""
 
@@ -182,8 +186,11 @@ class _CompileOnlyDriver:
         return self.triton_target
 
     def get_current_device(self) -> int:
-        # one device id per target: Triton keeps a kernel's compiled binaries per device id
-        return list(TARGETS).index(self.target.name)
+        # One device id per target: Triton keeps a kernel's compiled binaries (and its target)
+        # per device id, so these ids must never be a real GPU's. Under id 0, a process with
+        # an H100 would afterwards launch the sm_90 stand-ins (which launch nothing) on its real
+        # device 0, and the check would find the real device's binaries instead of compiling.
+        return FAKE_DEVICE_BASE + list(TARGETS).index(self.target.name)
 
     def get_current_stream(self, device: int | None = None) -> int:
         return 0

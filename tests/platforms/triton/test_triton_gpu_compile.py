@@ -169,6 +169,36 @@ def test_the_check_reports_what_a_gpu_would_refuse_or_spill(tmp_path):
     assert spill > 1000, proc.stdout
 
 
+# Triton keeps compiled kernels per device id: the check's builds must never land under a
+# real GPU's id, nor reuse what a real GPU compiled there.
+_REAL_DEVICE_CACHE = """
+import triton
+from halserve.attention_backends import triton_paged_kernels as K
+from halserve.platforms.triton_kernels.compile_cases import cases
+from halserve.platforms.triton_kernels.compile_check import compile_only, TARGETS
+
+real = object()  # what a GPU process would hold under its device 0
+K.unified_attention_kernel.device_caches[0] = real
+case = next(c for name, c in cases(TARGETS["sm_90"]).items() if name.startswith("attention/decode"))
+with compile_only(TARGETS["sm_90"]) as driver:
+    case()
+assert K.unified_attention_kernel.device_caches[0] is real, "device 0's kernel cache was replaced"
+ids = sorted(set(K.unified_attention_kernel.device_caches) | set(K.write_kv_cache_kernel.device_caches))
+print("builds:", len(driver.builds), "device ids:", ids)
+"""
+
+
+def test_builds_stay_off_real_device_ids(tmp_path):
+    script = tmp_path / "device_ids.py"
+    script.write_text(_REAL_DEVICE_CACHE)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_compile_env(),
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    builds, ids = proc.stdout.split("builds:")[1].split("device ids:")
+    assert int(builds) >= 2  # the KV write and the attention kernel were compiled for sm_90
+    assert [i for i in json.loads(ids) if i < 1 << 16] == [0], ids  # only the "real" entry sits below
+
+
 def test_unknown_target_is_a_clear_error():
     from halserve.platforms.triton_kernels.compile_check import check
 
