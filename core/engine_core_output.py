@@ -18,6 +18,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while it runs on
     stop_reason: int | str | None = None  # the stop token id that ended it; None for eos / length
     num_cached_tokens: int = 0  # prefix-cache hit (tokens) found when first scheduled
+    prompt_logprobs: list[SampleLogprobs] | None = None  # prompt tokens 1.. (prompt_logprobs), with the first token
 
     @property
     def finished(self) -> bool:

@@ -57,4 +57,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)  # reserved; not computed yet
+    # prompt_logprobs asked: None for the first prompt token, then one dict per prompt token
+    # (the token and the top alternatives); None when not asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)

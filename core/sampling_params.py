@@ -68,6 +68,10 @@ class SamplingParams:
     """Keep generating after EOS (benchmarks)."""
     logprobs: int | None = None
     """Top alternatives to return per generated token besides the sampled one, 0..20; None: none."""
+    prompt_logprobs: int | None = None
+    """Logprobs of the prompt's tokens (each scored by the model given the ones before it)
+    plus this many top alternatives, 0..20; None: none. Such a request computes its whole
+    prompt (no prefix-cache hits): every position's logits are needed."""
     presence_penalty: float = 0.0
     """Subtracted once from the logit of every token already generated, in [-2, 2]."""
     frequency_penalty: float = 0.0
@@ -143,9 +147,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {mn!r}")
         if mt is not None and mn > mt:
             raise ValueError(f"min_tokens ({mn}) must be <= max_tokens ({mt})")
-        lp = self.logprobs
-        if lp is not None and (type(lp) is not int or not 0 <= lp <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            if lp is not None and (type(lp) is not int or not 0 <= lp <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
         seed = self.seed
         if seed is not None and type(seed) is not int:
             raise ValueError(f"seed must be an integer or None, got {seed!r}")

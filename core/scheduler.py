@@ -253,6 +253,7 @@ class Scheduler:
                 if self._check_stop(request):
                     break
             sample_logprobs = logprobs[i] if i is not None and i < len(logprobs) else None
+            prompt_logprobs = model_runner_output.prompt_logprobs
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
@@ -261,6 +262,7 @@ class Scheduler:
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
+                    prompt_logprobs=prompt_logprobs[i] if i is not None and i < len(prompt_logprobs) else None,
                 )
             )
             if request.is_finished:

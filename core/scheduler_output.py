@@ -65,3 +65,6 @@ class ModelRunnerOutput:
     req_ids: list[str]  # the requests scheduled this step, in the runner's batch order
     sampled_token_ids: list[list[int]]  # per request: [token] when it sampled, [] mid-prefill (partial chunk)
     logprobs: list[SampleLogprobs | None]  # per request, when its sampling params asked for logprobs
+    # per request: with its first sampled token, the logprobs of prompt tokens 1.. when it
+    # asked for prompt_logprobs (None otherwise; [] = no request asked this step)
+    prompt_logprobs: list[list[SampleLogprobs] | None] = field(default_factory=list)

@@ -144,6 +144,7 @@ class _ParentState:
     arrival_time: float
     num_cached_tokens: int = 0
     first_token_time: float | None = None
+    prompt_logprobs: list | None = None  # [None, {token: Logprob}, ...] once the prompt is scored
 
 
 class OutputProcessor:
@@ -220,6 +221,9 @@ class OutputProcessor:
                 continue
             if out.num_cached_tokens:
                 parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:  # (n > 1: each child sends it)
+                # vLLM's shape: None for the first prompt token (nothing scores it), then one dict per token
+                parent.prompt_logprobs = [None] + [self._logprob_dict(entry) for entry in out.prompt_logprobs]
             new_ids = list(out.new_token_ids)
             if new_ids and parent.first_token_time is None:
                 parent.first_token_time = now
@@ -278,4 +282,5 @@ class OutputProcessor:
             outputs=outputs,
             finished=all(s.finished for s in parent.samples.values()),
             num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=parent.prompt_logprobs,
         )

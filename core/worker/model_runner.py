@@ -10,6 +10,8 @@ Per step (R scheduled requests, T tokens)::
     slot_mapping    [T]     block_table[r, pos // block_size] * block_size + pos % block_size
     logits_indices          last token of each request that reaches the end of its known
                             tokens this step (requests mid-prefill sample nothing)
+    prompt_indices          tokens whose logits score the next prompt token, for requests
+                            that asked for prompt_logprobs (collected across their chunks)
 
 Request state lives here between steps (the worker is stateful); the scheduler sends
 full records only for new or resumed requests and diffs for the rest.
@@ -49,6 +51,10 @@ class StepInputs:
     seq_lens: np.ndarray  # [R] context length after this step
     sample_rows: list[int]  # requests that sample a token this step
     logits_indices: torch.Tensor  # [len(sample_rows)] their last token in the batch
+    # prompt_logprobs: rows of the batch whose logits score the prompt token after them
+    prompt_indices: list[int] = dataclasses.field(default_factory=list)  # [P] token index in the batch
+    prompt_targets: list[int] = dataclasses.field(default_factory=list)  # [P] the prompt token it scores
+    prompt_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (request row, count), in order
 
 
 @dataclass(slots=True)
@@ -59,6 +65,8 @@ class CachedRequestState:
     sampling_params: "SamplingParams"
     block_ids: list[int]
     num_computed_tokens: int
+    # prompt_logprobs asked and the prompt not yet all scored: entries for prompt tokens 1.. so far
+    prompt_logprobs: list | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -224,6 +232,9 @@ class ModelRunner:
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                # (a request resumed after its first token has sent its prompt logprobs already)
+                prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
+                else None,
             )
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -262,11 +273,23 @@ class ModelRunner:
         positions = np.arange(total, dtype=np.int64) + np.repeat(computed - query_start_loc[:-1], num_sched)
 
         token_ids: list[int] = []
+        prompt_indices: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_spans: list[tuple[int, int]] = []
         max_blocks = int(-(-seq_lens.max() // bs))
         block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)  # 0 = null block
         for r, state in enumerate(states):
             c, n = int(computed[r]), int(num_sched[r])
             token_ids.extend(state.token_slice(c, c + n))
+            if state.prompt_logprobs is not None:
+                # the logits at position p score prompt token p + 1 (the last prompt position
+                # scores the first output token: that is the sampled token's logprob)
+                stop = min(c + n, len(state.prompt_token_ids) - 1)
+                if stop > c:
+                    first = int(query_start_loc[r])
+                    prompt_indices.extend(range(first, first + stop - c))
+                    prompt_targets.extend(state.prompt_token_ids[c + 1 : stop + 1])
+                    prompt_spans.append((r, stop - c))
             ids = state.block_ids[:max_blocks]
             block_table[r, : len(ids)] = ids
         slot_mapping = block_table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
@@ -297,6 +320,9 @@ class ModelRunner:
             seq_lens=seq_lens,
             sample_rows=[r for r in range(num_reqs) if sample_mask[r]],
             logits_indices=torch.from_numpy(query_start_loc[1:][sample_mask] - 1),
+            prompt_indices=prompt_indices,
+            prompt_targets=prompt_targets,
+            prompt_spans=prompt_spans,
         )
 
     def _forward(self, step: "StepInputs") -> torch.Tensor | None:
@@ -316,14 +342,40 @@ class ModelRunner:
 
         with set_forward_context(attn_metadata):
             hidden = self.model(step.input_ids.to(dev, non_blocking=True), step.positions.to(dev, non_blocking=True))
+        if step.prompt_indices:
+            self._score_prompt(step, hidden)
         if not step.sample_rows:
             return None
         return self.model.compute_logits(hidden.index_select(0, step.logits_indices.to(dev)))
+
+    # Rows of prompt logits computed at once: a 2,048-token chunk of a 128k vocabulary would
+    # be 1 GB of float32 logits in one piece.
+    PROMPT_LOGITS_ROWS = 256
+
+    def _score_prompt(self, step: "StepInputs", hidden: torch.Tensor) -> None:
+        """Logprobs (and top alternatives) of the prompt tokens this step's chunks cover, for
+        requests that asked for prompt_logprobs; kept on their state until their first token."""
+        from halserve.sampling.logprobs import gather_logprobs
+
+        dev = hidden.device
+        ks = [step.states[r].sampling_params.prompt_logprobs for r, count in step.prompt_spans for _ in range(count)]
+        entries: list = []
+        for lo in range(0, len(step.prompt_indices), self.PROMPT_LOGITS_ROWS):
+            hi = lo + self.PROMPT_LOGITS_ROWS
+            index = torch.tensor(step.prompt_indices[lo:hi], dtype=torch.long, device=dev)
+            logprobs = self.model.compute_logits(hidden.index_select(0, index)).float().log_softmax(dim=-1)
+            targets = torch.tensor(step.prompt_targets[lo:hi], dtype=torch.long, device=logprobs.device)
+            entries.extend(gather_logprobs(logprobs, targets, ks[lo:hi], max(ks[lo:hi])))
+        start = 0
+        for r, count in step.prompt_spans:
+            step.states[r].prompt_logprobs.extend(entries[start : start + count])
+            start += count
 
     def _sample(self, step: "StepInputs", logits: torch.Tensor | None) -> ModelRunnerOutput:
         num_reqs = len(step.states)
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs: list = [None] * num_reqs
+        prompt_logprobs: list = [None] * num_reqs
         if logits is not None:
             rows = [step.states[r] for r in step.sample_rows]
             tokens, row_logprobs = self.sampler(logits, self._sampling_metadata(rows, logits.device))
@@ -331,11 +383,15 @@ class ModelRunner:
             for j, r in enumerate(step.sample_rows):
                 tok = tokens[j]
                 sampled_token_ids[r] = [tok]
-                step.states[r].output_token_ids.append(tok)
+                state = step.states[r]
+                state.output_token_ids.append(tok)
                 logprobs[r] = row_logprobs[j] if row_logprobs else None
+                if state.prompt_logprobs is not None:  # the prompt is all scored: send it with the first token
+                    prompt_logprobs[r], state.prompt_logprobs = state.prompt_logprobs, None
         for r, state in enumerate(step.states):
             state.num_computed_tokens = int(step.seq_lens[r])
-        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs)
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
 
     def _sampling_metadata(self, rows: list[CachedRequestState], device: torch.device):
         from halserve.sampling import SamplingMetadata

@@ -41,6 +41,8 @@ class XlaModelRunner(ModelRunner):
 
         with set_forward_context(attn_metadata):
             hidden = self.model(padded.input_ids.to(dev), padded.positions.to(dev))
+        if step.prompt_indices:  # (the real tokens lead the padded batch; one more graph per count)
+            self._score_prompt(step, hidden)
         # [R_pad, vocab]: the last token of every (padded) request
         logits = self.model.compute_logits(hidden.index_select(0, padded.logits_indices.to(dev)))
         torch_xla.sync()

@@ -68,6 +68,39 @@ def test_logprobs_match_transformers(llm, llama_path):
     assert math.isclose(out.cumulative_logprob, cumulative, rel_tol=1e-5, abs_tol=1e-5)
 
 
+def test_prompt_logprobs_match_transformers_across_chunks_and_cached_prefixes(llm, llama_path):
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(4)
+    vocab = _vocab(llm)
+    shared = [rng.randrange(3, vocab) for _ in range(64)]  # 4 full blocks, cached by the first request
+    prompts = [shared + [rng.randrange(3, vocab) for _ in range(n)] for n in (1, 150)]  # 150: 2+ chunks of 128
+    model = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
+    plain = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    scored = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    llm.generate({"prompt_token_ids": prompts[0]}, plain, use_tqdm=False)  # the shared blocks enter the cache
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts] + [{"prompt_token_ids": prompts[0]}],
+                        [scored, scored, plain], use_tqdm=False)
+    assert outs[2].prompt_logprobs is None and outs[2].num_cached_tokens == 64  # not asked: the cache serves
+    for prompt, out in zip(prompts, outs):
+        assert out.num_cached_tokens == 0  # every position's logits are needed: no cache hit
+        with torch.inference_mode():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        pl = out.prompt_logprobs
+        assert len(pl) == len(prompt) and pl[0] is None
+        for pos in range(1, len(prompt)):
+            entry, tok, row = pl[pos], prompt[pos], ref[pos - 1]
+            assert abs(entry[tok].logprob - row[tok].item()) < 1e-4, pos
+            assert entry[tok].rank == int((row > row[tok]).sum()) + 1
+            top = torch.topk(row, 3)
+            assert all(abs(entry[t].logprob - v) < 1e-4 for t, v in zip(top.indices.tolist(), top.values.tolist()))
+        assert out.outputs[0].token_ids[0] == int(ref[-1].argmax())  # sampling is unchanged
+    # n > 1: the prompt is scored once per request, not per sample
+    out = llm.generate({"prompt_token_ids": prompts[0][:10]},
+                       SamplingParams(n=2, temperature=1.0, max_tokens=2, prompt_logprobs=0), use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == 10 and all(len(d) in (1, 2) for d in out.prompt_logprobs[1:])
+
+
 def test_seeded_sampling_reproducible_across_runs_and_batches(llm):
     rng = random.Random(11)
     vocab = _vocab(llm)
@@ -107,6 +140,7 @@ BAD_PARAMS = [
     dict(stop=[""]),
     dict(n=2, temperature=0.0),
     dict(logprobs=21),
+    dict(prompt_logprobs=-1),
     dict(logit_bias={-1: 1.0}),
     dict(allowed_token_ids=[]),
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 from server_utils import MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
 
@@ -122,6 +123,34 @@ def test_stop_strings_and_extras(client):
                     "stop_token_ids": [3], "skip_special_tokens": True},
     )
     assert extras.usage.completion_tokens == 6
+
+
+def test_echo_with_logprobs_scores_the_prompt(client):
+    """What lm-evaluation-harness sends for loglikelihoods: echo, logprobs=1, max_tokens=1."""
+    tokens = [11, 40, 97, 3, 250, 18, 7]
+    out = client.completions.create(model=SERVED_NAME, prompt=tokens, max_tokens=1, temperature=0, echo=True,
+                                    logprobs=1, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(tokens) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing scores the first token
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(1 <= len(d) <= 2 for d in lp.top_logprobs[1:])
+    # a token's logprob is the same sampled after the prompt and scored as part of a longer
+    # prompt (allowed_token_ids picks the token; logprobs are the model's, unrestricted)
+    forced = 123
+    sampled = client.completions.create(model=SERVED_NAME, prompt=tokens, max_tokens=1, temperature=0, logprobs=0,
+                                        extra_body={"ignore_eos": True, "allowed_token_ids": [forced]})
+    rescored = client.completions.create(model=SERVED_NAME, prompt=tokens + [forced], max_tokens=1, temperature=0,
+                                         echo=True, logprobs=0, extra_body={"ignore_eos": True})
+    again = rescored.choices[0].logprobs.token_logprobs
+    assert abs(again[len(tokens)] - sampled.choices[0].logprobs.token_logprobs[0]) < 1e-4
+    assert again[1 : len(tokens)] == pytest.approx(lp.token_logprobs[1 : len(tokens)], abs=1e-4)
+    # streamed, the first chunk carries the echoed prompt's logprobs
+    chunks = list(client.completions.create(model=SERVED_NAME, prompt=tokens, max_tokens=2, temperature=0, echo=True,
+                                            logprobs=1, stream=True, extra_body={"ignore_eos": True}))
+    first = chunks[0].choices[0].logprobs
+    assert first.token_logprobs[0] is None
+    assert first.token_logprobs[1:len(tokens)] == pytest.approx(lp.token_logprobs[1:len(tokens)], abs=1e-4)
 
 
 def test_logit_bias_and_allowed_token_ids(client, server):

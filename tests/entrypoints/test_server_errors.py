@@ -41,7 +41,6 @@ BAD_COMPLETIONS = {
     "wrong type: n": {"n": 1.5},
     "wrong type: stop": {"stop": [1, 2]},
     "stream_options without stream": {"stream_options": {"include_usage": True}},
-    "echo with logprobs": {"echo": True, "logprobs": 1},
     "logit_bias key not a token id": {"logit_bias": {"x": 1}},
     "logit_bias key negative": {"logit_bias": {"-1": 1}},
     "logit_bias token id >= vocab": {"logit_bias": {str(VOCAB_SIZE): 1}},

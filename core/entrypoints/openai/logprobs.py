@@ -13,7 +13,7 @@ from halserve.entrypoints.openai.protocol import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from halserve.outputs import CompletionOutput
+    from halserve.outputs import CompletionOutput, RequestOutput
 
 Decode = Callable[[int], str]
 
@@ -28,23 +28,34 @@ def _finite(value: float) -> float:
     return value if value > -9999.0 else -9999.0
 
 
-def completion_logprobs(
-    output: "CompletionOutput", start: int, decode: Decode, text_offset: int
-) -> CompletionLogProbs | None:
-    """Logprobs of ``output.token_ids[start:]``; ``text_offset`` is where the first of
-    them begins in the text the client has received."""
-    if output.logprobs is None:
-        return None
-    result = CompletionLogProbs()
-    offset = text_offset
-    for token_id, entry in zip(output.token_ids[start:], output.logprobs[start:]):
-        sampled = entry.get(token_id)
+def _append_legacy(result: CompletionLogProbs, token_ids: Any, entries: Any, decode: Decode, offset: int) -> int:
+    """Append one row per token to ``result``; an entry of None (the prompt's first token,
+    which nothing scores) gives nulls, as OpenAI's echo does. Returns the offset after them."""
+    for token_id, entry in zip(token_ids, entries):
+        sampled = entry.get(token_id) if entry is not None else None
         token = _token_text(token_id, sampled, decode)
         result.tokens.append(token)
         result.token_logprobs.append(_finite(sampled.logprob) if sampled is not None else None)
-        result.top_logprobs.append({_token_text(t, lp, decode): _finite(lp.logprob) for t, lp in entry.items()})
+        result.top_logprobs.append(
+            None if entry is None else {_token_text(t, lp, decode): _finite(lp.logprob) for t, lp in entry.items()}
+        )
         result.text_offset.append(offset)
         offset += len(token)
+    return offset
+
+
+def completion_logprobs(
+    output: "CompletionOutput", start: int, decode: Decode, text_offset: int, echoed: "RequestOutput | None" = None
+) -> CompletionLogProbs | None:
+    """Logprobs of ``output.token_ids[start:]``; ``text_offset`` is where the first of
+    them begins in the text the client has received. ``echoed``: the request whose prompt
+    is echoed in front of them (echo with logprobs), scored by its ``prompt_logprobs``."""
+    if output.logprobs is None:
+        return None
+    result = CompletionLogProbs()
+    if echoed is not None and echoed.prompt_logprobs is not None:
+        _append_legacy(result, echoed.prompt_token_ids, echoed.prompt_logprobs, decode, 0)
+    _append_legacy(result, output.token_ids[start:], output.logprobs[start:], decode, text_offset)
     return result
 
 

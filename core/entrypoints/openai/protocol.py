@@ -139,8 +139,6 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("best_of is not supported (only best_of == n)")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (prompt logprobs are not computed)")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -148,6 +146,8 @@ class CompletionRequest(SamplingRequest):
         kwargs["max_tokens"] = self.max_tokens
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
+            if self.echo:  # the echoed prompt's tokens come with their logprobs too
+                kwargs["prompt_logprobs"] = self.logprobs
         return kwargs
 
 

@@ -87,7 +87,7 @@ class OpenAIServingCompletion:
                     CompletionResponseChoice(
                         index=i * n + o.index,
                         text=prefix + o.text,
-                        logprobs=completion_logprobs(o, 0, decode, len(prefix)),
+                        logprobs=completion_logprobs(o, 0, decode, len(prefix), final if req.echo else None),
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
                     )
@@ -141,7 +141,7 @@ class OpenAIServingCompletion:
                     if not (delta or prefix or o.finish_reason is not None or (new_tokens and req.logprobs is not None)):
                         continue
                     offset = offsets.get(index, 0) + len(prefix)
-                    logprobs = completion_logprobs(o, start_tok, decode, offset)
+                    logprobs = completion_logprobs(o, start_tok, decode, offset, out if prefix else None)
                     if logprobs is not None and logprobs.tokens:
                         offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                     else:
