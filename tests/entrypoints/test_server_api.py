@@ -151,6 +151,20 @@ def test_echo_with_logprobs_scores_the_prompt(client):
     first = chunks[0].choices[0].logprobs
     assert first.token_logprobs[0] is None
     assert first.token_logprobs[1:len(tokens)] == pytest.approx(lp.token_logprobs[1:len(tokens)], abs=1e-4)
+    # vLLM's prompt_logprobs extra: {token id: {logprob, rank, decoded_token}} per prompt token
+    raw = client.completions.create(model=SERVED_NAME, prompt=tokens, max_tokens=1, temperature=0,
+                                    extra_body={"prompt_logprobs": 2, "ignore_eos": True})
+    scored = raw.choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(tokens)
+    for pos in range(1, len(tokens)):
+        entry = scored[pos][str(tokens[pos])]
+        assert entry["logprob"] == pytest.approx(lp.token_logprobs[pos], abs=1e-4) and entry["rank"] >= 1
+        assert 1 <= len(scored[pos]) <= 3
+    chat = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_completion_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 5
+    assert raw.choices[0].logprobs is None and client.completions.create(
+        model=SERVED_NAME, prompt=tokens, max_tokens=1).choices[0].model_extra["prompt_logprobs"] is None
 
 
 def test_logit_bias_and_allowed_token_ids(client, server):

@@ -46,6 +46,8 @@ BAD_COMPLETIONS = {
     "logit_bias token id >= vocab": {"logit_bias": {str(VOCAB_SIZE): 1}},
     "wrong type: logit_bias value": {"logit_bias": {"5": "high"}},
     "empty allowed_token_ids": {"allowed_token_ids": []},
+    "prompt_logprobs > 20": {"prompt_logprobs": 21},
+    "prompt_logprobs with stream": {"prompt_logprobs": 1, "stream": True},
     "allowed_token_ids >= vocab": {"allowed_token_ids": [1, VOCAB_SIZE]},
 }
 

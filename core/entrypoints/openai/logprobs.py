@@ -10,6 +10,8 @@ from halserve.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
     CompletionLogProbs,
+    PromptLogprob,
+    PromptLogprobs,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,6 +59,19 @@ def completion_logprobs(
         _append_legacy(result, echoed.prompt_token_ids, echoed.prompt_logprobs, decode, 0)
     _append_legacy(result, output.token_ids[start:], output.logprobs[start:], decode, text_offset)
     return result
+
+
+def prompt_logprobs(output: "RequestOutput", decode: Decode) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` response field, from the engine's (None when not asked)."""
+    if output.prompt_logprobs is None:
+        return None
+    return [
+        None if entry is None else {
+            tid: PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=_token_text(tid, lp, decode))
+            for tid, lp in entry.items()
+        }
+        for entry in output.prompt_logprobs
+    ]
 
 
 def chat_logprobs(output: "CompletionOutput", start: int, top_n: int, decode: Decode) -> ChatChoiceLogprobs | None:

@@ -32,6 +32,7 @@ _SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "allowed_token_ids",
+    "prompt_logprobs",
     "ignore_eos",
     "include_stop_str_in_output",
     "skip_special_tokens",
@@ -89,6 +90,7 @@ class SamplingRequest(OpenAIModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
@@ -97,6 +99,9 @@ class SamplingRequest(OpenAIModel):
     def _check_common(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream=true (as in vLLM); "
+                             "for a completion, echo with logprobs streams the prompt's logprobs")
         for key, bias in (self.logit_bias or {}).items():
             if not (key.isascii() and key.isdigit()):  # "12", not "-1", " 12", "x" or "²"
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}")
@@ -147,7 +152,7 @@ class CompletionRequest(SamplingRequest):
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
             if self.echo:  # the echoed prompt's tokens come with their logprobs too
-                kwargs["prompt_logprobs"] = self.logprobs
+                kwargs["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return kwargs
 
 
@@ -158,12 +163,26 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's ``prompt_logprobs``: a token's logprob, rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs in responses: None for the first prompt token, then per prompt token
+# {token id: PromptLogprob} for the token and its top alternatives
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extra: when the request set prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -287,6 +306,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extra: when the request set prompt_logprobs
 
 
 class DeltaMessage(BaseModel):

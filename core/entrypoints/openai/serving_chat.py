@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halserve.entrypoints.openai.errors import BadRequestError
-from halserve.entrypoints.openai.logprobs import chat_logprobs
+from halserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs
 from halserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -128,6 +128,7 @@ class OpenAIServingChat:
                 completion_tokens=completion_tokens,
                 total_tokens=prompt_tokens + completion_tokens,
             ),
+            prompt_logprobs=prompt_logprobs(final, serving.decode_token) if req.prompt_logprobs is not None else None,
         )
         return JSONResponse(response.model_dump())
 

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halserve.entrypoints.openai.errors import BadRequestError
-from halserve.entrypoints.openai.logprobs import completion_logprobs
+from halserve.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs
 from halserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -81,6 +81,7 @@ class OpenAIServingCompletion:
         for i, final in enumerate(finals):
             prompt_tokens += len(final.prompt_token_ids)
             prefix = self._prompt_text(final) if req.echo else ""
+            scored_prompt = prompt_logprobs(final, decode) if req.prompt_logprobs is not None else None
             for o in final.outputs:
                 completion_tokens += len(o.token_ids)
                 choices.append(
@@ -90,6 +91,7 @@ class OpenAIServingCompletion:
                         logprobs=completion_logprobs(o, 0, decode, len(prefix), final if req.echo else None),
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
+                        prompt_logprobs=scored_prompt,
                     )
                 )
         choices.sort(key=lambda c: c.index)
