@@ -101,6 +101,28 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_cached_prefixes(ll
     assert len(out.prompt_logprobs) == 10 and all(len(d) in (1, 2) for d in out.prompt_logprobs[1:])
 
 
+def test_prompt_logprobs_survive_preemption(llama_path):
+    """A tiny cache preempts requests mid-prefill and mid-decode; recomputed prompts must
+    neither lose nor repeat prompt logprobs (they are sent once, with the first token)."""
+    rng = random.Random(9)
+    roomy = LLM(llama_path, platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=64,
+                max_model_len=256)
+    vocab = _vocab(roomy)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in (90, 40, 120, 70, 100, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=1, logprobs=0)
+    want = roomy.generate(prompts, params, use_tqdm=False)
+    tight = LLM(llama_path, platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=64,
+                max_model_len=256, num_kv_blocks=16)
+    got = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.llm_engine.get_stats().num_preemptions > 0, "the tiny cache should have forced preemption"
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(w.prompt_token_ids)
+        for pos, (a, b) in enumerate(zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:]), start=1):
+            tok = w.prompt_token_ids[pos]
+            assert abs(a[tok].logprob - b[tok].logprob) < 1e-4, pos
+
+
 def test_seeded_sampling_reproducible_across_runs_and_batches(llm):
     rng = random.Random(11)
     vocab = _vocab(llm)
