@@ -167,6 +167,24 @@ def test_echo_with_logprobs_scores_the_prompt(client):
         model=SERVED_NAME, prompt=tokens, max_tokens=1).choices[0].model_extra["prompt_logprobs"] is None
 
 
+def test_return_tokens_as_token_ids(client):
+    tokens = [11, 40, 97]
+    out = client.completions.create(model=SERVED_NAME, prompt=tokens, max_tokens=3, temperature=0, logprobs=2,
+                                    echo=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = out.choices[0].logprobs
+    assert lp.tokens[:3] == [f"token_id:{t}" for t in tokens]
+    assert all(t.startswith("token_id:") for t in lp.tokens) and all(
+        k.startswith("token_id:") for d in lp.top_logprobs[1:] for k in d)
+    for stream in (False, True):
+        chat = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_completion_tokens=3,
+                                              temperature=0, logprobs=True, top_logprobs=1, stream=stream,
+                                              extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        content = ([t for c in chat if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+                   if stream else chat.choices[0].logprobs.content)
+        assert len(content) == 3 and all(t.token.startswith("token_id:") for t in content)
+        assert all(int(t.token.split(":")[1]) >= 0 for t in content)
+
+
 def test_logit_bias_and_allowed_token_ids(client, server):
     forced = VOCAB_SIZE - 7
     want = httpx.post(server.url + "/detokenize", json={"tokens": [forced] * 5}).json()["prompt"]

@@ -20,9 +20,15 @@ if TYPE_CHECKING:  # pragma: no cover
 Decode = Callable[[int], str]
 
 
+def token_id_text(token_id: int) -> str:
+    """vLLM's ``return_tokens_as_token_ids``: tokens as "token_id:{id}" instead of their text
+    (a token that is not valid UTF-8 on its own stays identifiable)."""
+    return f"token_id:{token_id}"
+
+
 def _token_text(token_id: int, entry: Any, decode: Decode) -> str:
     text = getattr(entry, "decoded_token", None)
-    return text if text is not None else decode(token_id)
+    return text if text is not None and decode is not token_id_text else decode(token_id)
 
 
 def _finite(value: float) -> float:

@@ -91,6 +91,7 @@ class SamplingRequest(OpenAIModel):
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halserve.entrypoints.openai.errors import BadRequestError
-from halserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs
+from halserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs, token_id_text
 from halserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -106,11 +106,12 @@ class OpenAIServingChat:
             (final,) = await serving.collect(streams, raw_request)
         except ClientDisconnected:
             return Response(status_code=499)
+        decode = token_id_text if req.return_tokens_as_token_ids else serving.decode_token
         choices = [
             ChatCompletionResponseChoice(
                 index=o.index,
                 message=ChatResponseMessage(content=o.text),
-                logprobs=chat_logprobs(o, 0, top_n, serving.decode_token),
+                logprobs=chat_logprobs(o, 0, top_n, decode),
                 finish_reason=o.finish_reason,
                 stop_reason=o.stop_reason,
             )
@@ -142,7 +143,7 @@ class OpenAIServingChat:
         top_n: int,
         holdback: int,
     ) -> AsyncIterator[str]:
-        decode = self.serving.decode_token
+        decode = token_id_text if req.return_tokens_as_token_ids else self.serving.decode_token
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
