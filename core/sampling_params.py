@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from halserve.structured_output import StructuredOutputsParams
+
 # Temperatures below this are greedy (argmax), as in vLLM.
 SAMPLING_EPS = 1e-5
 # Upper bound of ``logprobs`` (top alternatives returned per token), as vLLM's default max_logprobs.
@@ -83,6 +85,9 @@ class SamplingParams:
     -100 bans a token in practice, 100 all but forces it. Not reflected in logprobs."""
     allowed_token_ids: list[int] | None = None
     """Only these token ids may be sampled (EOS too must be listed to end early)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, any JSON object, a regex, a choice of strings or
+    an EBNF grammar (a dict of StructuredOutputsParams' fields is accepted too); needs xgrammar."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -107,6 +112,17 @@ class SamplingParams:
             if isinstance(self.allowed_token_ids, (str, bytes)) or not hasattr(self.allowed_token_ids, "__iter__"):
                 raise ValueError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}")
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            known = {f.name for f in fields(StructuredOutputsParams)}
+            unknown = sorted(set(self.structured_outputs) - known)
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}; "
+                                 f"give one of {', '.join(sorted(known))}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams or a dict, got {self.structured_outputs!r}"
+            )
         if self.top_k == -1:
             self.top_k = 0
         self._verify()

@@ -75,6 +75,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.check_token_ids(self.vocab_size)
+        if params.structured_outputs is not None:
+            from halserve.structured_output import validate
+
+            validate(params.structured_outputs)
         if prompt_token_ids is None:
             text, ids = self.tokenize(prompt)
         else:

@@ -67,6 +67,7 @@ class CachedRequestState:
     num_computed_tokens: int
     # prompt_logprobs asked and the prompt not yet all scored: entries for prompt tokens 1.. so far
     prompt_logprobs: list | None = None
+    grammar: object | None = None  # structured outputs: the request's xgrammar matcher
 
     @property
     def num_tokens(self) -> int:
@@ -143,6 +144,7 @@ class ModelRunner:
         from halserve.sampling import Sampler
 
         self.sampler = Sampler()
+        self._structured = None  # StructuredOutputs, built at the first constrained request
 
     # -- setup -----------------------------------------------------------------------
     def load_model(self) -> None:
@@ -236,6 +238,8 @@ class ModelRunner:
                 prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
                 else None,
             )
+            if new.sampling_params.structured_outputs is not None:
+                self._start_grammar(self.requests[new.req_id])
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -348,6 +352,20 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden.index_select(0, step.logits_indices.to(dev)))
 
+    def _start_grammar(self, state: CachedRequestState) -> None:
+        """The request's grammar matcher, advanced past the tokens it already generated (a
+        request resumed after preemption)."""
+        if self._structured is None:
+            from halserve.engine.llm_engine import load_tokenizer
+            from halserve.structured_output import StructuredOutputs
+
+            self._structured = StructuredOutputs(load_tokenizer(self.config, self.info), self.info.vocab_size)
+        state.grammar = self._structured.matcher(state.sampling_params.structured_outputs)
+        for token_id in state.output_token_ids:
+            if not self._structured.accept(state.req_id, state.grammar, token_id):
+                state.grammar = None
+                break
+
     # Rows of prompt logits computed at once: a 2,048-token chunk of a 128k vocabulary would
     # be 1 GB of float32 logits in one piece.
     PROMPT_LOGITS_ROWS = 256
@@ -378,6 +396,9 @@ class ModelRunner:
         prompt_logprobs: list = [None] * num_reqs
         if logits is not None:
             rows = [step.states[r] for r in step.sample_rows]
+            constrained = [(j, s.grammar) for j, s in enumerate(rows) if s.grammar is not None]
+            if constrained:
+                logits = self._structured.mask_logits(logits, constrained)
             tokens, row_logprobs = self.sampler(logits, self._sampling_metadata(rows, logits.device))
             tokens = tokens.tolist()
             for j, r in enumerate(step.sample_rows):
@@ -386,6 +407,8 @@ class ModelRunner:
                 state = step.states[r]
                 state.output_token_ids.append(tok)
                 logprobs[r] = row_logprobs[j] if row_logprobs else None
+                if state.grammar is not None and not self._structured.accept(state.req_id, state.grammar, tok):
+                    state.grammar = None
                 if state.prompt_logprobs is not None:  # the prompt is all scored: send it with the first token
                     prompt_logprobs[r], state.prompt_logprobs = state.prompt_logprobs, None
         for r, state in enumerate(step.states):

@@ -44,6 +44,7 @@ from halserve.sampling_params import SamplingParams, SamplingType
         ({"allowed_token_ids": []}, "must not be empty"),
         ({"allowed_token_ids": [3, -1]}, "allowed_token_ids must be non-negative"),
         ({"allowed_token_ids": 7}, "allowed_token_ids must be a list"),
+
     ],
 )
 def test_invalid_values_raise(kwargs, needle):
@@ -161,3 +162,42 @@ def test_clone_copies_token_lists():
     copy.allowed_token_ids.append(9)
     assert params.logit_bias == {3: 2.0} and params.allowed_token_ids == [1, 2]
     assert SamplingParams(logit_bias={}).logit_bias is None  # an empty dict biases nothing
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ({"regex": "a", "choice": ["a"]}, "exactly one of json, json_object, regex, choice, grammar; got regex, choice"),
+        ({}, "got none"),
+        ({"xml": "<a/>"}, "unknown field(s) xml"),
+        ({"choice": []}, "choice must be a non-empty list"),
+        ({"choice": ["a", ""]}, "each choice must be a non-empty string, got ''"),
+        ({"json": 5}, "json must be a JSON schema (an object or its text), got 5"),
+        ({"regex": ""}, "regex must be a non-empty string"),
+        ("json", "structured_outputs must be a StructuredOutputsParams or a dict, got 'json'"),
+    ],
+)
+def test_invalid_structured_outputs_raise(spec, needle):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(structured_outputs=spec)
+    assert needle in str(info.value)
+
+
+def test_structured_outputs_keys():
+    from halserve.structured_output import StructuredOutputsParams
+
+    choice = SamplingParams(structured_outputs={"choice": ['say "hi"', "no"]}).structured_outputs
+    assert choice.key == ("grammar", 'root ::= "say \\"hi\\"" | "no"')  # JSON-escaped literals
+    schema = {"type": "object", "properties": {"b": {}, "a": {}}}
+    assert StructuredOutputsParams(json=schema).key == ("json", '{"type": "object", "properties": {"b": {}, "a": {}}}')
+    assert StructuredOutputsParams(json_object=True).key == ("json", '{"type": "object"}')
+
+
+def test_structured_outputs_without_xgrammar_say_how_to_install(monkeypatch):
+    import sys
+
+    from halserve.structured_output import StructuredOutputsParams, validate
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"pip install 'halserve\[structured-outputs\]'"):
+        validate(StructuredOutputsParams(regex="[0-9]+"))

@@ -123,6 +123,31 @@ def test_prompt_logprobs_survive_preemption(llama_path):
             assert abs(a[tok].logprob - b[tok].logprob) < 1e-4, pos
 
 
+def test_structured_outputs_survive_preemption_and_batching(llama_path):
+    """Grammar matchers live in the model runner: a request preempted after some tokens
+    rebuilds its matcher from them; constrained and free requests share steps."""
+    import re
+
+    regex = "[a-z]{3,6}(-[0-9]{2,4}){2,5}"
+    constrained = SamplingParams(temperature=1.0, seed=7, max_tokens=40, structured_outputs={"regex": regex})
+    free = SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i] * (60 + 10 * i)} for i in range(6)]
+    params = [constrained, free] * 3
+    kwargs = dict(platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=64, max_model_len=256)
+    want = LLM(llama_path, **kwargs).generate(prompts, params, use_tqdm=False)
+    tight = LLM(llama_path, **kwargs, num_kv_blocks=16)
+    got = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.llm_engine.get_stats().num_preemptions > 0, "the tiny cache should have forced preemption"
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, i
+        if i % 2 == 0:
+            assert g.outputs[0].finish_reason == "stop" and re.fullmatch(regex, g.outputs[0].text), g.outputs[0].text
+        else:
+            assert len(g.outputs[0].token_ids) == 40
+    with pytest.raises(ValueError, match="invalid regex"):
+        tight.generate(prompts[0], SamplingParams(structured_outputs={"regex": "[a-"}), use_tqdm=False)
+
+
 def test_seeded_sampling_reproducible_across_runs_and_batches(llm):
     rng = random.Random(11)
     vocab = _vocab(llm)

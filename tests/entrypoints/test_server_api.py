@@ -167,6 +167,52 @@ def test_echo_with_logprobs_scores_the_prompt(client):
         model=SERVED_NAME, prompt=tokens, max_tokens=1).choices[0].model_extra["prompt_logprobs"] is None
 
 
+SCHEMA = {
+    "type": "object",
+    # (no maxLength: xgrammar 0.2.8 lets length-bounded strings hold raw control characters)
+    "properties": {"city": {"enum": ["Paris", "Lyon", "Nice"]}, "population": {"type": "integer", "minimum": 0},
+                   "capital": {"type": "boolean"}},
+    "required": ["city", "population", "capital"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs(client):
+    """Every way a client asks for a constrained output; the tiny model's random weights would
+    never produce these by chance, so each one shows the constraint at work."""
+    import re
+
+    chat = dict(model=SERVED_NAME, messages=MESSAGES, max_completion_tokens=120, temperature=1.0, seed=3)
+    for fmt in ({"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}},):
+        out = json.loads(client.chat.completions.create(response_format=fmt, **chat).choices[0].message.content)
+        assert set(out) == {"city", "population", "capital"} and isinstance(out["population"], int)
+        assert isinstance(out["capital"], bool) and out["city"] in ("Paris", "Lyon", "Nice")
+    # any JSON object: the random model may write one long string and run out of tokens, but it
+    # always opens an object, and every run that ends by itself ends with a whole one
+    objects = [client.chat.completions.create(response_format={"type": "json_object"}, **chat | {"seed": seed})
+               for seed in range(6)]
+    assert all(o.choices[0].message.content.startswith("{") for o in objects)
+    finished = [json.loads(o.choices[0].message.content) for o in objects if o.choices[0].finish_reason == "stop"]
+    assert finished and all(isinstance(o, dict) for o in finished)
+    base = dict(model=SERVED_NAME, prompt=PROMPT, max_tokens=40, temperature=1.0)
+    for seed in range(3):
+        regex = client.completions.create(seed=seed, extra_body={"structured_outputs": {"regex": "[a-z]{2,5}-[0-9]{3}"}},
+                                          **base).choices[0].text
+        assert re.fullmatch("[a-z]{2,5}-[0-9]{3}", regex), regex
+        choice = client.completions.create(seed=seed, extra_body={"guided_choice": ["red", "green", "blue"]},
+                                           **base).choices[0].text
+        assert choice in ("red", "green", "blue")
+    grammar = client.completions.create(extra_body={"guided_grammar": 'root ::= "<" [0-9]+ ("," [0-9]+)* ">"'},
+                                        **base).choices[0].text
+    assert re.fullmatch(r"<[0-9]+(,[0-9]+)*>", grammar), grammar
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        stream=True, extra_body={"guided_json": SCHEMA}, **base | {"max_tokens": 120}))
+    assert set(json.loads(streamed)) == {"city", "population", "capital"}
+    # an unconstrained request after them is unconstrained
+    free = client.completions.create(seed=0, **base).choices[0].text
+    assert not re.fullmatch("[a-z]{2,5}-[0-9]{3}", free)
+
+
 def test_return_tokens_as_token_ids(client):
     tokens = [11, 40, 97]
     out = client.completions.create(model=SERVED_NAME, prompt=tokens, max_tokens=3, temperature=0, logprobs=2,

@@ -48,6 +48,15 @@ BAD_COMPLETIONS = {
     "empty allowed_token_ids": {"allowed_token_ids": []},
     "prompt_logprobs > 20": {"prompt_logprobs": 21},
     "prompt_logprobs with stream": {"prompt_logprobs": 1, "stream": True},
+    "bad regex": {"structured_outputs": {"regex": "[0-9"}},
+    "bad json schema": {"guided_json": {"type": "objectx"}},
+    "bad grammar": {"guided_grammar": "root ::= ("},
+    "two constraints": {"guided_regex": "a+", "guided_choice": ["a"]},
+    "constraint with no field": {"structured_outputs": {}},
+    "unknown constraint field": {"structured_outputs": {"xml": "<a/>"}},
+    "empty choice": {"guided_choice": []},
+    "unknown response_format": {"response_format": {"type": "yaml"}},
+    "json_schema without schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
     "allowed_token_ids >= vocab": {"allowed_token_ids": [1, VOCAB_SIZE]},
 }
 

@@ -15,6 +15,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from halserve.entrypoints.openai.errors import BadRequestError
+
 logger = logging.getLogger(__name__)
 
 # Fields that map 1:1 onto SamplingParams when the client sets them.
@@ -81,6 +83,7 @@ class SamplingRequest(OpenAIModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None
     # vLLM extras
     top_k: int | None = None
@@ -92,6 +95,12 @@ class SamplingRequest(OpenAIModel):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
+    structured_outputs: dict[str, Any] | None = None
+    # older vLLM names of the same constraints
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
@@ -113,10 +122,45 @@ class SamplingRequest(OpenAIModel):
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams keywords the client set (model defaults fill the rest)."""
         kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        structured = self._structured_outputs()
+        if structured is not None:
+            kwargs["structured_outputs"] = structured
         if self.logit_bias:
             # OpenAI's range: biases outside [-100, 100] are clamped (as vLLM does)
             kwargs["logit_bias"] = {int(key): min(100.0, max(-100.0, bias)) for key, bias in self.logit_bias.items()}
         return kwargs
+
+    def _structured_outputs(self) -> dict[str, Any] | None:
+        """One constraint from response_format, structured_outputs or a guided_* field."""
+        sources: dict[str, dict[str, Any]] = {}
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type", "text")
+            if kind == "json_object":
+                sources["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise BadRequestError(
+                        'response_format of type "json_schema" needs json_schema.schema, a JSON schema object',
+                        param="response_format",
+                    )
+                sources["response_format"] = {"json": schema}
+            elif kind != "text":
+                raise BadRequestError(
+                    f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                    param="response_format",
+                )
+        if self.structured_outputs is not None:
+            sources["structured_outputs"] = dict(self.structured_outputs)
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                sources[f"guided_{name}"] = {name: value}
+        if len(sources) > 1:
+            raise BadRequestError(f"give one output constraint, not several: {', '.join(sources)}")
+        return next(iter(sources.values()), None)
 
     @property
     def include_usage(self) -> bool:
@@ -239,7 +283,6 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -251,8 +294,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("tools are not supported by this server")
         if self.tool_choice not in (None, "none", "auto"):
             raise ValueError("tool_choice is not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than 'text' is not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         if self.continue_final_message and self.add_generation_prompt:

@@ -1,0 +1,153 @@
+"""Structured outputs: generation constrained to a JSON schema, any JSON object, a regex, one of
+a list of strings, or an EBNF grammar (vLLM's ``StructuredOutputsParams``), through xgrammar.
+
+The request carries a ``StructuredOutputsParams``; the frontend parses its grammar when the
+request is added (a bad schema or regex is a ``ValueError`` there, never in the step loop).
+The model runner compiles it against the tokenizer (``StructuredOutputs``, cached per
+grammar), keeps one matcher per request, masks the logits of every token the grammar does
+not allow before sampling, and advances the matcher with each sampled token. Once the grammar
+is complete only EOS is allowed, so the request ends as a normal stop.
+
+xgrammar is an optional dependency (``pip install "halserve[structured-outputs]"``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+logger = logging.getLogger(__name__)
+
+_INSTALL_HINT = "structured outputs need xgrammar: pip install 'halserve[structured-outputs]'"
+
+
+@dataclass(slots=True, kw_only=True)
+class StructuredOutputsParams:
+    """Exactly one constraint (vLLM's names)."""
+
+    json: str | dict | None = None
+    """A JSON schema (dict or JSON text): the output is one JSON value that satisfies it."""
+    json_object: bool | None = None
+    """The output is a JSON object (any keys and values)."""
+    regex: str | None = None
+    """The output matches this regular expression."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """The output derives from this EBNF (GBNF) grammar's ``root`` rule."""
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice, grammar; "
+                f"got {', '.join(given) if given else 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured outputs: json must be a JSON schema (an object or its text), got {self.json!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured outputs: json_object must be true or false, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured outputs: {name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"structured outputs: choice must be a non-empty list of strings, got {self.choice!r}")
+            for option in self.choice:
+                if not isinstance(option, str) or not option:
+                    raise ValueError(f"structured outputs: each choice must be a non-empty string, got {option!r}")
+            self.choice = list(self.choice)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): what identifies the compiled grammar (the cache key)."""
+        if self.json is not None:
+            # (keys keep their order: xgrammar emits an object's properties in the schema's order)
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if self.json_object:
+            return "json", '{"type": "object"}'  # an object, not any JSON value
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            # one alternative per choice, each a JSON-escaped string literal (GBNF's escapes)
+            return "grammar", "root ::= " + " | ".join(json.dumps(option) for option in self.choice)
+        return "grammar", self.grammar  # type: ignore[return-value]
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise ValueError(_INSTALL_HINT) from exc
+    return xgrammar
+
+
+def validate(params: StructuredOutputsParams) -> None:
+    """Parse the constraint (no tokenizer needed): ``ValueError`` naming what is wrong."""
+    xgr = _xgrammar()
+    kind, spec = params.key
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(spec)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(spec)
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the parser's message
+        message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"structured outputs: invalid {kind}: {message}") from None
+
+
+class StructuredOutputs:
+    """The model runner's side: compiled grammars (cached) and the logits mask of a step."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        xgr = _xgrammar()
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgr.GrammarCompiler(info)
+        self._compiled: dict[tuple[str, str], Any] = {}
+
+    def matcher(self, params: StructuredOutputsParams) -> Any:
+        """A fresh matcher for one request (the grammar compiled once per distinct constraint)."""
+        key = params.key
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            kind, spec = key
+            if kind == "json":
+                compiled = self._compiler.compile_json_schema(spec, any_whitespace=False)
+            elif kind == "regex":
+                compiled = self._compiler.compile_regex(spec)
+            else:
+                compiled = self._compiler.compile_grammar(spec)
+            self._compiled[key] = compiled
+        return self._xgr.GrammarMatcher(compiled)
+
+    def mask_logits(self, logits: "torch.Tensor", matchers: list[tuple[int, Any]]) -> "torch.Tensor":
+        """-inf in ``logits`` rows (one per (row, matcher)) for every token the grammar does not
+        allow next; returns the masked logits (a copy: the caller's stay as they were)."""
+        import torch
+
+        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i, (_, matcher) in enumerate(matchers):
+            matcher.fill_next_token_bitmask(bitmask, i)
+        rows = torch.tensor([row for row, _ in matchers], dtype=torch.long, device=logits.device)
+        masked = logits.index_select(0, rows).float()
+        self._xgr.apply_token_bitmask_inplace(masked, bitmask.to(masked.device))
+        return logits.index_copy(0, rows, masked.to(logits.dtype))
+
+    @staticmethod
+    def accept(req_id: str, matcher: Any, token_id: int) -> bool:
+        """Advance a matcher by one sampled token; False if the token does not fit (the caller
+        drops the matcher). After the grammar completed, EOS is all it allows: ignored."""
+        if matcher.is_terminated() or matcher.accept_token(token_id):
+            return True
+        logger.warning("request %s: token %d does not fit its grammar; it runs unconstrained from here",
+                       req_id, token_id)
+        return False
