@@ -114,20 +114,31 @@ class StructuredOutputs:
         self._compiler = xgr.GrammarCompiler(info)
         self._compiled: dict[tuple[str, str], Any] = {}
 
-    def matcher(self, params: StructuredOutputsParams) -> Any:
-        """A fresh matcher for one request (the grammar compiled once per distinct constraint)."""
+    def start(self, req_id: str, params: StructuredOutputsParams, generated: list[int]) -> Any:
+        """A request's matcher (its grammar compiled once per distinct constraint), advanced
+        past the tokens it already generated (a request resumed after preemption). None, with
+        an error logged, if the grammar does not compile (``validate`` parsed it when the
+        request was added, so this is not expected): a step never fails for one request."""
         key = params.key
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            kind, spec = key
-            if kind == "json":
-                compiled = self._compiler.compile_json_schema(spec, any_whitespace=False)
-            elif kind == "regex":
-                compiled = self._compiler.compile_regex(spec)
-            else:
-                compiled = self._compiler.compile_grammar(spec)
-            self._compiled[key] = compiled
-        return self._xgr.GrammarMatcher(compiled)
+        try:
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                kind, spec = key
+                if kind == "json":
+                    compiled = self._compiler.compile_json_schema(spec, any_whitespace=False)
+                elif kind == "regex":
+                    compiled = self._compiler.compile_regex(spec)
+                else:
+                    compiled = self._compiler.compile_grammar(spec)
+                self._compiled[key] = compiled
+        except Exception:  # noqa: BLE001 - keep the engine serving
+            logger.exception("request %s: its %s constraint did not compile; it runs unconstrained", req_id, key[0])
+            return None
+        matcher = self._xgr.GrammarMatcher(compiled)
+        for token_id in generated:
+            if not self.accept(req_id, matcher, token_id):
+                return None
+        return matcher
 
     def mask_logits(self, logits: "torch.Tensor", matchers: list[tuple[int, Any]]) -> "torch.Tensor":
         """-inf in ``logits`` rows (one per (row, matcher)) for every token the grammar does not

@@ -1,5 +1,8 @@
-"""Logprobs of the sampled tokens and their top-k alternatives, from the raw logits."""
+"""Logprobs of the sampled tokens and their top-k alternatives, from the raw logits; and of
+given tokens (a prompt's) from the hidden states before them."""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -38,4 +41,28 @@ def gather_logprobs(
             top_token_ids=top_ids_list[j][:k],
             top_logprobs=top_logprobs_list[j][:k],
         )
+    return out
+
+
+# Rows of logits computed at once when scoring many tokens: a 2,048-token prompt chunk of a
+# 128k vocabulary would be 1 GB of float32 logits in one piece.
+SCORE_ROWS = 256
+
+
+def score_tokens(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,  # [T, H] the step's hidden states
+    indices: list[int],  # [P] rows of ``hidden`` whose logits score a token
+    targets: list[int],  # [P] the token each of them scores
+    num_logprobs: list[int],  # [P] top alternatives asked per row
+) -> list[SampleLogprobs]:
+    """``SampleLogprobs`` of each target token under the logits of the row before it (prompt
+    logprobs), ``SCORE_ROWS`` rows of logits at a time."""
+    out: list = []
+    for lo in range(0, len(indices), SCORE_ROWS):
+        hi = lo + SCORE_ROWS
+        index = torch.tensor(indices[lo:hi], dtype=torch.long, device=hidden.device)
+        logprobs = compute_logits(hidden.index_select(0, index)).float().log_softmax(dim=-1)
+        tokens = torch.tensor(targets[lo:hi], dtype=torch.long, device=logprobs.device)
+        out.extend(gather_logprobs(logprobs, tokens, num_logprobs[lo:hi], max(num_logprobs[lo:hi])))
     return out

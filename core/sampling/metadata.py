@@ -238,6 +238,7 @@ class SamplingMetadata:
             rows, token_ids = (torch.tensor(col, dtype=torch.int64, device=device) for col in zip(*allowed))
             self.disallowed = disallowed.index_put_((rows, token_ids), torch.tensor(False, device=device))
 
+
 def _eos_per_row(
     eos_token_ids: Collection[int] | Sequence[Collection[int]], num_reqs: int
 ) -> Sequence[Collection[int]]:

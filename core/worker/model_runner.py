@@ -29,6 +29,7 @@ import torch
 
 from halserve.attention_backends.base import AttentionMetadata
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from halserve.worker.backend_selection import select_attention_backend
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
@@ -80,53 +81,6 @@ class CachedRequestState:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : stop - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
-
-
-def select_attention_backend(config: "EngineConfig", platform: "Platform", info: "ModelInfo") -> type:
-    """The forced backend (config or HALSERVE_ATTENTION_BACKEND), else the platform's
-    first preferred backend that supports this model's configuration."""
-    import os
-
-    from halserve.plugins import get_plugin_manager
-
-    registry = get_plugin_manager().attention_backends
-    dtype = str(info.dtype).replace("torch.", "")
-    query = dict(
-        dtype=dtype,
-        head_size=info.head_size,
-        block_size=config.block_size,
-        kv_cache_dtype=config.kv_cache_dtype,
-        sliding_window=info.sliding_window,
-        num_heads=info.num_heads,
-        num_kv_heads=info.num_kv_heads,
-    )
-    forced = config.attention_backend or os.environ.get("HALSERVE_ATTENTION_BACKEND")
-    if forced:
-        reg = registry.get(forced)
-        if reg is None:
-            raise ValueError(f"unknown attention backend {forced!r}; registered: {', '.join(registry.names())}")
-        cls = reg.obj
-        if not cls.runs_on(platform.name):
-            raise ValueError(f"attention backend {forced!r} does not run on platform {platform.name!r} (it runs on {cls.platforms})")
-        reason = cls.supports(**query)
-        if reason:
-            raise ValueError(f"attention backend {forced!r} cannot run this model: {reason}")
-        return cls
-    reasons = []
-    for name in platform.preferred_attention_backends:
-        reg = registry.get(name)
-        if reg is None:
-            reasons.append(f"{name}: not registered")
-            continue
-        reason = reg.obj.supports(**query)
-        if reason is None:
-            if reasons:
-                logger.info("attention backend %s selected; skipped %s", name, "; ".join(reasons))
-            return reg.obj
-        reasons.append(f"{name}: {reason}")
-    raise ValueError(
-        f"no attention backend of platform {platform.name!r} supports {query}: " + "; ".join(reasons)
-    )
 
 
 class ModelRunner:
@@ -353,37 +307,22 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, step.logits_indices.to(dev)))
 
     def _start_grammar(self, state: CachedRequestState) -> None:
-        """The request's grammar matcher, advanced past the tokens it already generated (a
-        request resumed after preemption)."""
         if self._structured is None:
             from halserve.engine.llm_engine import load_tokenizer
             from halserve.structured_output import StructuredOutputs
 
             self._structured = StructuredOutputs(load_tokenizer(self.config, self.info), self.info.vocab_size)
-        state.grammar = self._structured.matcher(state.sampling_params.structured_outputs)
-        for token_id in state.output_token_ids:
-            if not self._structured.accept(state.req_id, state.grammar, token_id):
-                state.grammar = None
-                break
-
-    # Rows of prompt logits computed at once: a 2,048-token chunk of a 128k vocabulary would
-    # be 1 GB of float32 logits in one piece.
-    PROMPT_LOGITS_ROWS = 256
+        # (a request resumed after preemption replays the tokens it generated)
+        state.grammar = self._structured.start(state.req_id, state.sampling_params.structured_outputs,
+                                               state.output_token_ids)
 
     def _score_prompt(self, step: "StepInputs", hidden: torch.Tensor) -> None:
-        """Logprobs (and top alternatives) of the prompt tokens this step's chunks cover, for
-        requests that asked for prompt_logprobs; kept on their state until their first token."""
-        from halserve.sampling.logprobs import gather_logprobs
+        """Logprobs of the prompt tokens this step's chunks cover, for requests that asked for
+        prompt_logprobs; kept on their state until their first token."""
+        from halserve.sampling.logprobs import score_tokens
 
-        dev = hidden.device
         ks = [step.states[r].sampling_params.prompt_logprobs for r, count in step.prompt_spans for _ in range(count)]
-        entries: list = []
-        for lo in range(0, len(step.prompt_indices), self.PROMPT_LOGITS_ROWS):
-            hi = lo + self.PROMPT_LOGITS_ROWS
-            index = torch.tensor(step.prompt_indices[lo:hi], dtype=torch.long, device=dev)
-            logprobs = self.model.compute_logits(hidden.index_select(0, index)).float().log_softmax(dim=-1)
-            targets = torch.tensor(step.prompt_targets[lo:hi], dtype=torch.long, device=logprobs.device)
-            entries.extend(gather_logprobs(logprobs, targets, ks[lo:hi], max(ks[lo:hi])))
+        entries = score_tokens(self.model.compute_logits, hidden, step.prompt_indices, step.prompt_targets, ks)
         start = 0
         for r, count in step.prompt_spans:
             step.states[r].prompt_logprobs.extend(entries[start : start + count])

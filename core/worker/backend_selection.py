@@ -1,0 +1,60 @@
+"""Which attention backend a model runs with: forced by the config (or
+``HALSERVE_ATTENTION_BACKEND``), else the platform's first preferred backend that supports the
+model's configuration; the reasons of the skipped ones are logged."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
+    from halserve.models.loader import ModelInfo
+    from halserve.platforms.base import Platform
+
+logger = logging.getLogger(__name__)
+
+
+def select_attention_backend(config: "EngineConfig", platform: "Platform", info: "ModelInfo") -> type:
+    """The forced backend (config or HALSERVE_ATTENTION_BACKEND), else the platform's
+    first preferred backend that supports this model's configuration."""
+    from halserve.plugins import get_plugin_manager
+
+    registry = get_plugin_manager().attention_backends
+    dtype = str(info.dtype).replace("torch.", "")
+    query = dict(
+        dtype=dtype,
+        head_size=info.head_size,
+        block_size=config.block_size,
+        kv_cache_dtype=config.kv_cache_dtype,
+        sliding_window=info.sliding_window,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+    )
+    forced = config.attention_backend or os.environ.get("HALSERVE_ATTENTION_BACKEND")
+    if forced:
+        reg = registry.get(forced)
+        if reg is None:
+            raise ValueError(f"unknown attention backend {forced!r}; registered: {', '.join(registry.names())}")
+        cls = reg.obj
+        if not cls.runs_on(platform.name):
+            raise ValueError(f"attention backend {forced!r} does not run on platform {platform.name!r} (it runs on {cls.platforms})")
+        reason = cls.supports(**query)
+        if reason:
+            raise ValueError(f"attention backend {forced!r} cannot run this model: {reason}")
+        return cls
+    reasons = []
+    for name in platform.preferred_attention_backends:
+        reg = registry.get(name)
+        if reg is None:
+            reasons.append(f"{name}: not registered")
+            continue
+        reason = reg.obj.supports(**query)
+        if reason is None:
+            if reasons:
+                logger.info("attention backend %s selected; skipped %s", name, "; ".join(reasons))
+            return reg.obj
+        reasons.append(f"{name}: {reason}")
+    raise ValueError(
+        f"no attention backend of platform {platform.name!r} supports {query}: " + "; ".join(reasons)
+    )
