@@ -26,6 +26,12 @@ def token_id_text(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
+def token_decoder(request: Any, decode: Decode) -> Decode:
+    """How a request's logprobs name tokens: ``decode`` (their text), or ``token_id_text``
+    when it set ``return_tokens_as_token_ids``."""
+    return token_id_text if request.return_tokens_as_token_ids else decode
+
+
 def _token_text(token_id: int, entry: Any, decode: Decode) -> str:
     text = getattr(entry, "decoded_token", None)
     return text if text is not None and decode is not token_id_text else decode(token_id)

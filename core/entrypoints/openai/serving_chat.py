@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halserve.entrypoints.openai.errors import BadRequestError
-from halserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs, token_id_text
+from halserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs, token_decoder
 from halserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -106,7 +106,7 @@ class OpenAIServingChat:
             (final,) = await serving.collect(streams, raw_request)
         except ClientDisconnected:
             return Response(status_code=499)
-        decode = token_id_text if req.return_tokens_as_token_ids else serving.decode_token
+        decode = token_decoder(req, serving.decode_token)
         choices = [
             ChatCompletionResponseChoice(
                 index=o.index,
@@ -129,7 +129,7 @@ class OpenAIServingChat:
                 completion_tokens=completion_tokens,
                 total_tokens=prompt_tokens + completion_tokens,
             ),
-            prompt_logprobs=prompt_logprobs(final, serving.decode_token) if req.prompt_logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs(final, decode) if req.prompt_logprobs is not None else None,
         )
         return JSONResponse(response.model_dump())
 
@@ -143,7 +143,7 @@ class OpenAIServingChat:
         top_n: int,
         holdback: int,
     ) -> AsyncIterator[str]:
-        decode = token_id_text if req.return_tokens_as_token_ids else self.serving.decode_token
+        decode = token_decoder(req, self.serving.decode_token)
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halserve.entrypoints.openai.errors import BadRequestError
-from halserve.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs, token_id_text
+from halserve.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs, token_decoder
 from halserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -74,7 +74,7 @@ class OpenAIServingCompletion:
     def _response(
         self, req: CompletionRequest, finals: list["RequestOutput"], request_id: str, model: str, created: int
     ) -> CompletionResponse:
-        decode = token_id_text if req.return_tokens_as_token_ids else self.serving.decode_token
+        decode = token_decoder(req, self.serving.decode_token)
         choices = []
         prompt_tokens = completion_tokens = 0
         n = len(finals[0].outputs)
@@ -117,7 +117,7 @@ class OpenAIServingCompletion:
         n: int,
         holdback: int,
     ) -> AsyncIterator[str]:
-        decode = token_id_text if req.return_tokens_as_token_ids else self.serving.decode_token
+        decode = token_decoder(req, self.serving.decode_token)
         sent_text: dict[int, int] = {}  # choice index -> characters of text sent
         sent_tokens: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
         offsets: dict[int, int] = {}  # choice index -> text offset for logprobs
