@@ -48,7 +48,9 @@ class StructuredOutputsParams:
                 f"got {', '.join(given) if given else 'none'}"
             )
         if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValueError(f"structured outputs: json must be a JSON schema (an object or its text), got {self.json!r}")
+            raise ValueError(
+                f"structured outputs: json must be a JSON schema (an object or its text), got {self.json!r}"
+            )
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError(f"structured outputs: json_object must be true or false, got {self.json_object!r}")
         for name in ("regex", "grammar"):

@@ -213,6 +213,67 @@ def test_structured_outputs(client):
     assert not re.fullmatch("[a-z]{2,5}-[0-9]{3}", free)
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_forced_tool_calls(client):
+    chat = dict(model=SERVED_NAME, messages=MESSAGES, max_completion_tokens=150, temperature=1.0, seed=1,
+                tools=[WEATHER, TIME])
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           **chat).choices[0]
+    (call,) = named.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool")
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Paris", "Lyon") and args["unit"] in ("C", "F")
+    assert named.message.content is None and named.finish_reason == "stop"
+    names = set()
+    for seed in range(4):  # one call (parallel_tool_calls false), of either tool
+        required = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False,
+                                                  **chat | {"seed": seed}).choices[0]
+        assert required.finish_reason == "tool_calls" and len(required.message.tool_calls) == 1
+        call = required.message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        assert (call.function.name, set(args)) in (("get_weather", {"city", "unit"}), ("get_time", {"zone"}))
+        names.add(call.function.name)
+    assert names == {"get_weather", "get_time"}
+    # parallel calls allowed: the random model may keep adding calls until max_tokens; a reply cut
+    # short is not a whole array and stays text, a whole one is one call per item
+    parallel = client.chat.completions.create(tool_choice="required", **chat).choices[0]
+    if parallel.finish_reason == "tool_calls":
+        assert parallel.message.tool_calls and parallel.message.content is None
+    else:
+        assert parallel.finish_reason == "length" and parallel.message.content.startswith("[")
+    # the reply goes back as a multi-turn conversation: an assistant's tool_calls and a tool message
+    follow_up = client.chat.completions.create(
+        model=SERVED_NAME, max_completion_tokens=3, tools=[WEATHER], tool_choice="none",
+        messages=MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                             {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"}])
+    assert follow_up.choices[0].message.content is not None and not follow_up.choices[0].message.tool_calls
+
+
+def test_tools_reach_the_chat_template():
+    from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
+    from halserve.entrypoints.openai.serving_chat import render_chat
+    from model_factory import make_tokenizer
+
+    template = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}<{{ c.function.name }} {{ c.function.arguments.city }}>{% endfor %}"
+                "{% endfor %}")
+    req = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+                         "name": "get_weather", "arguments": '{"city": "Lyon", "unit": "C"}'}}]}],
+        "tools": [WEATHER, TIME], "tool_choice": "required"})
+    text, _ = render_chat(make_tokenizer(300), req.template_messages(), template, template_kwargs=req.template_kwargs())
+    assert text == "[get_weather][get_time]user:hiassistant:<get_weather Lyon>"
+
+
 def test_return_tokens_as_token_ids(client):
     tokens = [11, 40, 97]
     out = client.completions.create(model=SERVED_NAME, prompt=tokens, max_tokens=3, temperature=0, logprobs=2,

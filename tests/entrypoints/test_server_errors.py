@@ -57,6 +57,17 @@ BAD_COMPLETIONS = {
     "empty choice": {"guided_choice": []},
     "unknown response_format": {"response_format": {"type": "yaml"}},
     "json_schema without schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+}
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+BAD_CHAT_TOOLS = {
+    "tools with tool_choice auto": {"tools": [_TOOL]},
+    "tool_choice names no tool": {"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+    "tool_choice without tools": {"tool_choice": "required"},
+    "streamed tool calls": {"tools": [_TOOL], "tool_choice": "required", "stream": True},
+    "tool without a name": {"tools": [{"type": "function", "function": {"parameters": {}}}], "tool_choice": "required"},
+    "tool of another type": {"tools": [{"type": "retrieval"}], "tool_choice": "required"},
+    "tool_choice and response_format": {"tools": [_TOOL], "tool_choice": "required",
+                                        "response_format": {"type": "json_object"}},
     "allowed_token_ids >= vocab": {"allowed_token_ids": [1, VOCAB_SIZE]},
 }
 
@@ -93,6 +104,14 @@ def test_bad_completion_request_is_400(server, case):
 @pytest.mark.parametrize("case", list(BAD_CHAT), ids=list(BAD_CHAT))
 def test_bad_chat_request_is_400(server, case):
     _check_400(httpx.post(server.url + "/v1/chat/completions", json={**CHAT_OK, **BAD_CHAT[case]}, timeout=30))
+
+
+@pytest.mark.parametrize("case", list(BAD_CHAT_TOOLS), ids=list(BAD_CHAT_TOOLS))
+def test_bad_tool_request_is_400(server, case):
+    message = _check_400(httpx.post(server.url + "/v1/chat/completions", json={**CHAT_OK, **BAD_CHAT_TOOLS[case]},
+                                    timeout=30))
+    if case == "tools with tool_choice auto":
+        assert "tool_choice to 'required'" in message
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'{"prompt": "a",}', "{\"prompt\": \"\xff\"}".encode("latin-1")])

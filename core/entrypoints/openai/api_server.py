@@ -19,12 +19,9 @@ from fastapi.responses import JSONResponse, Response
 from halserve import __version__
 from halserve.entrypoints.openai.errors import error_body, error_response, install_error_handlers, parse_body
 from halserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from halserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from halserve.entrypoints.openai.protocol import CompletionRequest
+from halserve.entrypoints.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from halserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from halserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from halserve.entrypoints.openai.serving_engine import OpenAIServing

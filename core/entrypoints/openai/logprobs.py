@@ -5,14 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from halserve.entrypoints.openai.protocol import (
-    ChatChoiceLogprobs,
-    ChatTokenLogprob,
-    ChatTopLogprob,
-    CompletionLogProbs,
-    PromptLogprob,
-    PromptLogprobs,
-)
+from halserve.entrypoints.openai.chat_protocol import ChatChoiceLogprobs, ChatTokenLogprob, ChatTopLogprob
+from halserve.entrypoints.openai.protocol import CompletionLogProbs, PromptLogprob, PromptLogprobs
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.outputs import CompletionOutput, RequestOutput

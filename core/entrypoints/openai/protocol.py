@@ -1,4 +1,6 @@
-"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+"""Request and response bodies of the OpenAI-compatible API (pydantic models): what every
+request shares, and /v1/completions (chat: ``chat_protocol``; models and tokenize:
+``tokenize_protocol``; output constraints: ``constraints``).
 
 Requests are validated strictly (a string is not a number, a number is not a string):
 anything that does not fit is a 400 naming the field. Sampling ranges are checked once,
@@ -15,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from halserve.entrypoints.openai.errors import BadRequestError
+from halserve.entrypoints.openai.constraints import output_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -122,45 +124,13 @@ class SamplingRequest(OpenAIModel):
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams keywords the client set (model defaults fill the rest)."""
         kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
-        structured = self._structured_outputs()
+        structured = output_constraint(self)
         if structured is not None:
             kwargs["structured_outputs"] = structured
         if self.logit_bias:
             # OpenAI's range: biases outside [-100, 100] are clamped (as vLLM does)
             kwargs["logit_bias"] = {int(key): min(100.0, max(-100.0, bias)) for key, bias in self.logit_bias.items()}
         return kwargs
-
-    def _structured_outputs(self) -> dict[str, Any] | None:
-        """One constraint from response_format, structured_outputs or a guided_* field."""
-        sources: dict[str, dict[str, Any]] = {}
-        fmt = self.response_format
-        if fmt is not None:
-            kind = fmt.get("type", "text")
-            if kind == "json_object":
-                sources["response_format"] = {"json_object": True}
-            elif kind == "json_schema":
-                spec = fmt.get("json_schema")
-                schema = spec.get("schema") if isinstance(spec, dict) else None
-                if not isinstance(schema, dict):
-                    raise BadRequestError(
-                        'response_format of type "json_schema" needs json_schema.schema, a JSON schema object',
-                        param="response_format",
-                    )
-                sources["response_format"] = {"json": schema}
-            elif kind != "text":
-                raise BadRequestError(
-                    f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                    param="response_format",
-                )
-        if self.structured_outputs is not None:
-            sources["structured_outputs"] = dict(self.structured_outputs)
-        for name in ("json", "regex", "choice", "grammar"):
-            value = getattr(self, f"guided_{name}")
-            if value is not None:
-                sources[f"guided_{name}"] = {name: value}
-        if len(sources) > 1:
-            raise BadRequestError(f"give one output constraint, not several: {', '.join(sources)}")
-        return next(iter(sources.values()), None)
 
     @property
     def include_usage(self) -> bool:
@@ -246,175 +216,3 @@ class CompletionStreamResponse(BaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
-
-
-# ---------------------------------------------------------------------- chat
-class ChatContentPart(OpenAIModel):
-    type: str
-    text: str | None = None
-
-    @model_validator(mode="after")
-    def _text_only(self) -> "ChatContentPart":
-        if self.type != "text":
-            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text' parts are")
-        if self.text is None:
-            raise ValueError("a 'text' content part needs a 'text' field")
-        return self
-
-
-class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ChatContentPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text or "" for part in self.content)
-
-
-class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    # vLLM extras
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _check_chat(self) -> "ChatCompletionRequest":
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported by this server")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        return self
-
-    def sampling_kwargs(self) -> dict[str, Any]:
-        kwargs = super().sampling_kwargs()
-        # Chat has no 16-token default: unset means up to the context length.
-        kwargs["max_tokens"] = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        if self.logprobs:
-            kwargs["logprobs"] = self.top_logprobs or 0
-        return kwargs
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages
-        ]
-
-
-class ChatTopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
-
-
-class ChatChoiceLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatCompletionResponseChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM extra: when the request set prompt_logprobs
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-
-
-# ---------------------------------------------------------------------- models, tokenize
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "halserve"
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeRequest(OpenAIModel):
-    """``{prompt}`` (completions style) or ``{messages}`` (chat style)."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-
-    @model_validator(mode="after")
-    def _one_of(self) -> "TokenizeRequest":
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("send exactly one of 'prompt' or 'messages'")
-        return self
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int | None
-    tokens: list[int]
-
-
-class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str

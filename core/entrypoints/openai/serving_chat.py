@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -11,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halserve.entrypoints.openai.errors import BadRequestError
 from halserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs, token_decoder
-from halserve.entrypoints.openai.protocol import (
+from halserve.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -19,6 +20,10 @@ from halserve.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     DeltaMessage,
+    ToolCall,
+    ToolCallFunction,
+)
+from halserve.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
@@ -83,11 +88,30 @@ class OpenAIServingChat:
                     serving.chat_template,
                     req.add_generation_prompt,
                     req.continue_final_message,
-                    req.chat_template_kwargs,
+                    req.template_kwargs(),
                 ),
             )
         except ValueError as exc:
             raise BadRequestError(str(exc), param="messages") from None
+
+    @staticmethod
+    def _message(req: ChatCompletionRequest, text: str) -> ChatResponseMessage:
+        """The assistant's message: its text, or with a forced tool choice the calls (generated
+        to the tools' schemas, so the text is their JSON; a named call cut short by max_tokens
+        keeps its partial arguments, as OpenAI's do; a 'required' array cut short stays text)."""
+        if not req.calls_tools:
+            return ChatResponseMessage(content=text)
+        if isinstance(req.tool_choice, dict):
+            name = req.tool_choice["function"]["name"]
+            return ChatResponseMessage(tool_calls=[ToolCall(function=ToolCallFunction(name=name, arguments=text))])
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            return ChatResponseMessage(content=text)
+        return ChatResponseMessage(tool_calls=[
+            ToolCall(function=ToolCallFunction(name=call["name"], arguments=json.dumps(call["parameters"])))
+            for call in calls
+        ])
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         serving = self.serving
@@ -110,9 +134,11 @@ class OpenAIServingChat:
         choices = [
             ChatCompletionResponseChoice(
                 index=o.index,
-                message=ChatResponseMessage(content=o.text),
+                message=self._message(req, o.text),
                 logprobs=chat_logprobs(o, 0, top_n, decode),
-                finish_reason=o.finish_reason,
+                finish_reason=(
+                    "tool_calls" if req.tool_choice == "required" and o.finish_reason == "stop" else o.finish_reason
+                ),
                 stop_reason=o.stop_reason,
             )
             for o in final.outputs

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from halserve.entrypoints.openai.errors import BadRequestError
-from halserve.entrypoints.openai.protocol import (
+from halserve.entrypoints.openai.tokenize_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,

@@ -1,0 +1,198 @@
+"""Request and response bodies of /v1/chat/completions (pydantic models; the conventions of
+``protocol``: strict types, unknown fields ignored and logged)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from halserve.entrypoints.openai.constraints import named_tool, template_tool_call
+from halserve.entrypoints.openai.protocol import (
+    OpenAIModel,
+    PromptLogprobs,
+    SamplingRequest,
+    UsageInfo,
+    random_id,
+)
+
+
+class ChatContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ChatContentPart":
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text' parts are")
+        if self.text is None:
+            raise ValueError("a 'text' content part needs a 'text' field")
+        return self
+
+
+class ChatFunction(OpenAIModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: ChatFunction
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (multi-turn)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # False: at most one call
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none", "auto"):
+                raise ValueError("tool_choice 'required' or a named function needs tools")
+        elif choice in (None, "auto"):
+            raise ValueError(
+                "tool_choice 'auto' (the default when tools are given) needs a tool-call parser for the "
+                "model's own call format, which this server does not have yet; set tool_choice to "
+                "'required' or to a named function (the call is then generated to the tool's JSON schema), or 'none'"
+            )
+        elif choice != "none":
+            if isinstance(choice, dict):
+                named_tool(self)  # the name must be one of the tools
+            if self.stream:
+                raise ValueError("streamed tool calls are not supported yet; set stream to false with tool_choice")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = super().sampling_kwargs()
+        # Chat has no 16-token default: unset means up to the context length.
+        kwargs["max_tokens"] = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.logprobs:
+            kwargs["logprobs"] = self.top_logprobs or 0
+        return kwargs
+
+    @property
+    def calls_tools(self) -> bool:
+        """tool_choice forces tool calls ('required' or a named function)."""
+        return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        out = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name:
+                message["name"] = m.name
+            if m.tool_call_id:
+                message["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                message["tool_calls"] = [template_tool_call(call) for call in m.tool_calls]
+            out.append(message)
+        return out
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, plus the tools (unless tool_choice is 'none')."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools and self.tool_choice != "none":
+            kwargs.setdefault("tools", [t.model_dump(exclude_none=True) for t in self.tools])
+        return kwargs
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extra: when the request set prompt_logprobs
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None

@@ -1,0 +1,99 @@
+"""What a request constrains its output to, as a ``structured_outputs`` dict of SamplingParams:
+OpenAI's ``response_format``, vLLM's ``structured_outputs`` and ``guided_*`` fields, and a
+forced tool choice (a tool call is generated to the tool's JSON schema). Also how an
+assistant's earlier tool calls reach a chat template."""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from halserve.entrypoints.openai.errors import BadRequestError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatTool
+    from halserve.entrypoints.openai.protocol import SamplingRequest
+
+
+def output_constraint(req: "SamplingRequest") -> dict[str, Any] | None:
+    """The request's one constraint (None: free text); two at once are a 400."""
+    sources: dict[str, dict[str, Any]] = {}
+    if getattr(req, "calls_tools", False):
+        sources["tool_choice"] = {"json": tool_calls_schema(req)}  # type: ignore[arg-type]
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type", "text")
+        if kind == "json_object":
+            sources["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise BadRequestError(
+                    'response_format of type "json_schema" needs json_schema.schema, a JSON schema object',
+                    param="response_format",
+                )
+            sources["response_format"] = {"json": schema}
+        elif kind != "text":
+            raise BadRequestError(
+                f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                param="response_format",
+            )
+    if req.structured_outputs is not None:
+        sources["structured_outputs"] = dict(req.structured_outputs)
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{name}")
+        if value is not None:
+            sources[f"guided_{name}"] = {name: value}
+    if len(sources) > 1:
+        raise BadRequestError(f"give one output constraint, not several: {', '.join(sources)}")
+    return next(iter(sources.values()), None)
+
+
+def named_tool(req: "ChatCompletionRequest") -> "ChatTool":
+    """The tool a named tool_choice picks; ValueError if it names none of the tools."""
+    choice = req.tool_choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        raise ValueError('a named tool_choice is {"type": "function", "function": {"name": NAME}}')
+    for tool in req.tools or ():
+        if tool.function.name == name:
+            return tool
+    names = ", ".join(t.function.name for t in req.tools or ())
+    raise ValueError(f"tool_choice names {name!r}, which is not among the tools ({names})")
+
+
+def tool_calls_schema(req: "ChatCompletionRequest") -> dict[str, Any]:
+    """A forced tool call's JSON schema: a named function's arguments, or for 'required' a
+    non-empty array of {"name", "parameters"} of any of the tools (one item at most without
+    parallel_tool_calls)."""
+    if isinstance(req.tool_choice, dict):
+        return named_tool(req).function.parameters or {"type": "object"}
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"enum": [t.function.name]},
+                "parameters": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in req.tools or ()
+    ]
+    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not req.parallel_tool_calls:
+        array["maxItems"] = 1
+    return array
+
+
+def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's tool call as chat templates read it: arguments as an object (OpenAI
+    sends them as JSON text), as vLLM passes them."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # not JSON: the template gets the text
+    return {**call, "function": function}
