@@ -69,6 +69,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     g.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template file (default: the tokenizer's)")
     g.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="let tool_choice 'auto' (the default with tools) return the calls the model writes, found by "
+        "--tool-call-parser",
+    )
+    g.add_argument(
+        "--tool-call-parser", default=None, choices=["hermes"],
+        help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3)",
+    )
+    g.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"], help="log level"
     )
 
@@ -225,6 +234,8 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], str, str | None]:
     except ValueError as exc:
         raise StartupError(str(exc), EXIT_USAGE) from None
     problems = check_features(config, platform)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        problems.append("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
     if problems:
         raise StartupError("unsupported flags:\n  " + "\n  ".join(problems), EXIT_USAGE)
     return config, served, model, chat_template
@@ -265,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     metrics = ServerMetrics(served[0], engine.get_stats)
     engine.stat_observers.append(metrics)
-    serving = OpenAIServing(engine, served, model_path=getattr(engine.model_info, "model_path", None) or model, chat_template=chat_template)
+    serving = OpenAIServing(engine, served, model_path=getattr(engine.model_info, "model_path", None) or model, chat_template=chat_template,
+                            tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("HALSERVE_API_KEY"):
         api_keys = [os.environ["HALSERVE_API_KEY"]]

@@ -13,7 +13,9 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def server(checkpoint, tmp_path_factory):
-    srv = ServerProcess(server_args(checkpoint), str(tmp_path_factory.mktemp("logs") / "server.log")).wait_ready()
+    # (tool_choice 'auto' enabled here; the keyed server of test_server_auth runs without it)
+    args = server_args(checkpoint, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    srv = ServerProcess(args, str(tmp_path_factory.mktemp("logs") / "server.log")).wait_ready()
     yield srv
     srv.stop()
 

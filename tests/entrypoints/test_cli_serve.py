@@ -45,6 +45,8 @@ def test_unavailable_platform_fails_fast_with_the_probe_reason(checkpoint):
         (["--dtype", "int3"], "dtype"),
         (["--chat-template", "/no/such/file.jinja"], "no such file"),
         (["--kv-cache-memory", "lots"], "invalid size"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
     ],
 )
 def test_unsupported_or_invalid_flags_exit_2(checkpoint, flags, expected):

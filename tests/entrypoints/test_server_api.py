@@ -256,6 +256,33 @@ def test_forced_tool_calls(client):
     assert follow_up.choices[0].message.content is not None and not follow_up.choices[0].message.tool_calls
 
 
+def test_auto_tool_choice_parses_the_models_calls(client):
+    """The server runs with --tool-call-parser hermes: the model's <tool_call> blocks become
+    tool_calls. The tiny random model is made to write one (guided_choice), with text around."""
+    written = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "C"}}'
+               '\n</tool_call>')
+    chat = dict(model=SERVED_NAME, messages=MESSAGES, max_completion_tokens=100, tools=[WEATHER, TIME])
+    out = client.chat.completions.create(extra_body={"guided_choice": [written]}, **chat).choices[0]
+    (call,) = out.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Lyon", "unit": "C"})
+    assert out.message.content == "Let me check." and out.finish_reason == "tool_calls"
+    plain = client.chat.completions.create(extra_body={"guided_choice": ["no tools needed"]}, **chat).choices[0]
+    assert plain.message.content == "no tools needed" and not plain.message.tool_calls
+    assert plain.finish_reason == "stop"
+
+
+def test_hermes_parser():
+    from halserve.entrypoints.openai.tool_parsers import parse_hermes
+
+    text = ('a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> b '
+            '<tool_call>not json</tool_call><tool_call>\n{"name": "g", "arguments": "{}"}\n</tool_call>')
+    content, calls = parse_hermes(text)
+    assert calls == [("f", '{"x": 1}'), ("g", "{}")]
+    assert content == "a  b <tool_call>not json</tool_call>"  # a block that is not a call stays text
+    assert parse_hermes("just text") == ("just text", [])
+    assert parse_hermes('<tool_call>{"name": "f"}</tool_call>') == (None, [("f", "{}")])
+
+
 def test_tools_reach_the_chat_template():
     from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
     from halserve.entrypoints.openai.serving_chat import render_chat

@@ -29,6 +29,17 @@ def test_missing_or_wrong_key_is_401(keyed_server):
         assert httpx.get(url + path).status_code == 200
 
 
+def test_auto_tool_choice_needs_a_parser(keyed_server):
+    """This server runs without --enable-auto-tool-choice: tools with tool_choice 'auto' are a 400
+    that says how to start the server, or what to send instead."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = httpx.post(keyed_server.url + "/v1/chat/completions", headers={"Authorization": "Bearer key-one"},
+                   json={"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "--enable-auto-tool-choice --tool-call-parser" in message and "'required'" in message
+
+
 def test_right_keys_work_after_rejections(keyed_server):
     for key in ("key-one", "key-two"):
         client = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=key, max_retries=0, timeout=60)

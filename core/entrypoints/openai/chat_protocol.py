@@ -77,11 +77,8 @@ class ChatCompletionRequest(SamplingRequest):
             if choice not in (None, "none", "auto"):
                 raise ValueError("tool_choice 'required' or a named function needs tools")
         elif choice in (None, "auto"):
-            raise ValueError(
-                "tool_choice 'auto' (the default when tools are given) needs a tool-call parser for the "
-                "model's own call format, which this server does not have yet; set tool_choice to "
-                "'required' or to a named function (the call is then generated to the tool's JSON schema), or 'none'"
-            )
+            if self.stream:
+                raise ValueError("streamed tool calls are not supported yet; set stream to false with tools")
         elif choice != "none":
             if isinstance(choice, dict):
                 named_tool(self)  # the name must be one of the tools
@@ -100,6 +97,11 @@ class ChatCompletionRequest(SamplingRequest):
         if self.logprobs:
             kwargs["logprobs"] = self.top_logprobs or 0
         return kwargs
+
+    @property
+    def auto_tools(self) -> bool:
+        """Tools with tool_choice 'auto': the model may call them in its own format."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @property
     def calls_tools(self) -> bool:

@@ -27,6 +27,7 @@ from halserve.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from halserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from halserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ClientDisconnected,
@@ -38,6 +39,7 @@ from halserve.entrypoints.openai.serving_engine import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.async_llm import RequestStream
+    from halserve.outputs import CompletionOutput
 
 
 def render_chat(
@@ -94,28 +96,39 @@ class OpenAIServingChat:
         except ValueError as exc:
             raise BadRequestError(str(exc), param="messages") from None
 
-    @staticmethod
-    def _message(req: ChatCompletionRequest, text: str) -> ChatResponseMessage:
-        """The assistant's message: its text, or with a forced tool choice the calls (generated
-        to the tools' schemas, so the text is their JSON; a named call cut short by max_tokens
-        keeps its partial arguments, as OpenAI's do; a 'required' array cut short stays text)."""
-        if not req.calls_tools:
-            return ChatResponseMessage(content=text)
-        if isinstance(req.tool_choice, dict):
-            name = req.tool_choice["function"]["name"]
-            return ChatResponseMessage(tool_calls=[ToolCall(function=ToolCallFunction(name=name, arguments=text))])
-        try:
-            calls = json.loads(text)
-        except ValueError:
-            return ChatResponseMessage(content=text)
-        return ChatResponseMessage(tool_calls=[
-            ToolCall(function=ToolCallFunction(name=call["name"], arguments=json.dumps(call["parameters"])))
-            for call in calls
-        ])
+    def _reply(self, req: ChatCompletionRequest, output: "CompletionOutput") -> tuple[ChatResponseMessage, str | None]:
+        """The assistant's message and finish reason. With a forced tool choice the text is the
+        calls' JSON (generated to the tools' schemas): a named call cut short by max_tokens keeps
+        its partial arguments, as OpenAI's do; a 'required' array cut short stays text. With
+        tool_choice 'auto' the server's tool-call parser finds the calls in the text."""
+        text, finish = output.text, output.finish_reason
+        calls: list[tuple[str, str]] = []
+        named = isinstance(req.tool_choice, dict) and req.calls_tools
+        if named:
+            calls, text = [(req.tool_choice["function"]["name"], text)], None
+        elif req.calls_tools:
+            try:
+                calls = [(call["name"], json.dumps(call["parameters"])) for call in json.loads(text)]
+                text = None
+            except ValueError:
+                pass
+        elif req.auto_tools:
+            text, calls = TOOL_PARSERS[self.serving.tool_parser](text)
+        tool_calls = [ToolCall(function=ToolCallFunction(name=name, arguments=args)) for name, args in calls]
+        if tool_calls and finish == "stop" and not named:
+            finish = "tool_calls"  # (OpenAI says "stop" for a named function it was told to call)
+        return ChatResponseMessage(content=text, tool_calls=tool_calls), finish
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         serving = self.serving
         model = serving.check_model(req.model)
+        if req.auto_tools and serving.tool_parser is None:
+            raise BadRequestError(
+                "tool_choice 'auto' (the default with tools) needs the server started with "
+                "--enable-auto-tool-choice --tool-call-parser NAME (the model's call format); or set "
+                "tool_choice to 'required' or a named function (the call is generated to the tool's JSON schema)",
+                param="tool_choice",
+            )
         params = serving.sampling_params(req.sampling_kwargs())
         prompt_text, prompt_ids = await self.render(req)
         request_id = random_id("chatcmpl")
@@ -131,18 +144,13 @@ class OpenAIServingChat:
         except ClientDisconnected:
             return Response(status_code=499)
         decode = token_decoder(req, serving.decode_token)
-        choices = [
-            ChatCompletionResponseChoice(
-                index=o.index,
-                message=self._message(req, o.text),
-                logprobs=chat_logprobs(o, 0, top_n, decode),
-                finish_reason=(
-                    "tool_calls" if req.tool_choice == "required" and o.finish_reason == "stop" else o.finish_reason
-                ),
-                stop_reason=o.stop_reason,
-            )
-            for o in final.outputs
-        ]
+        choices = []
+        for o in final.outputs:
+            message, finish_reason = self._reply(req, o)
+            choices.append(ChatCompletionResponseChoice(
+                index=o.index, message=message, logprobs=chat_logprobs(o, 0, top_n, decode),
+                finish_reason=finish_reason, stop_reason=o.stop_reason,
+            ))
         prompt_tokens = len(final.prompt_token_ids)
         completion_tokens = sum(len(o.token_ids) for o in final.outputs)
         response = ChatCompletionResponse(

@@ -49,6 +49,7 @@ class OpenAIServing:
         served_model_names: Sequence[str],
         model_path: str,
         chat_template: str | None = None,
+        tool_parser: str | None = None,
     ) -> None:
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
@@ -56,6 +57,7 @@ class OpenAIServing:
         self.served_model_names = list(served_model_names)
         self.model_path = model_path
         self.chat_template = chat_template
+        self.tool_parser = tool_parser  # tool_choice 'auto': the --tool-call-parser, None when not enabled
         self.tokenizer = engine.tokenizer
         self.created = int(time.time())
 
