@@ -231,6 +231,10 @@ def test_forced_tool_calls(client):
     args = json.loads(call.function.arguments)
     assert args["city"] in ("Paris", "Lyon") and args["unit"] in ("C", "F")
     assert named.message.content is None and named.finish_reason == "stop"
+    streamed = list(client.chat.completions.create(
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True, **chat))
+    (streamed_call,) = [call for c in streamed if c.choices for call in c.choices[0].delta.tool_calls or []]
+    assert streamed_call.function.arguments == call.function.arguments  # the same seed: the same call
     names = set()
     for seed in range(4):  # one call (parallel_tool_calls false), of either tool
         required = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False,
@@ -269,6 +273,14 @@ def test_auto_tool_choice_parses_the_models_calls(client):
     plain = client.chat.completions.create(extra_body={"guided_choice": ["no tools needed"]}, **chat).choices[0]
     assert plain.message.content == "no tools needed" and not plain.message.tool_calls
     assert plain.finish_reason == "stop"
+    # streamed: the role, then the whole reply (text and calls) in the last delta
+    chunks = list(client.chat.completions.create(stream=True, extra_body={"guided_choice": [written]}, **chat))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    (streamed,) = [call for d in deltas for call in d.tool_calls or []]
+    assert streamed.index == 0 and streamed.function.name == "get_weather" and streamed.id.startswith("chatcmpl-tool")
+    assert json.loads(streamed.function.arguments) == {"city": "Lyon", "unit": "C"}
+    assert "".join(d.content or "" for d in deltas) == "Let me check."
 
 
 def test_hermes_parser():

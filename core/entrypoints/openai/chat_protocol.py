@@ -76,14 +76,8 @@ class ChatCompletionRequest(SamplingRequest):
         if not self.tools:
             if choice not in (None, "none", "auto"):
                 raise ValueError("tool_choice 'required' or a named function needs tools")
-        elif choice in (None, "auto"):
-            if self.stream:
-                raise ValueError("streamed tool calls are not supported yet; set stream to false with tools")
-        elif choice != "none":
-            if isinstance(choice, dict):
-                named_tool(self)  # the name must be one of the tools
-            if self.stream:
-                raise ValueError("streamed tool calls are not supported yet; set stream to false with tool_choice")
+        elif isinstance(choice, dict):
+            named_tool(self)  # the name must be one of the tools
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         if self.continue_final_message and self.add_generation_prompt:
@@ -178,9 +172,14 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM extra: when the request set prompt_logprobs
 
 
+class DeltaToolCall(ToolCall):
+    index: int  # which call of the message
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionStreamChoice(BaseModel):

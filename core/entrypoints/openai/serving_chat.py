@@ -20,6 +20,7 @@ from halserve.entrypoints.openai.chat_protocol import (
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     DeltaMessage,
+    DeltaToolCall,
     ToolCall,
     ToolCallFunction,
 )
@@ -119,6 +120,19 @@ class OpenAIServingChat:
             finish = "tool_calls"  # (OpenAI says "stop" for a named function it was told to call)
         return ChatResponseMessage(content=text, tool_calls=tool_calls), finish
 
+    def _whole_reply(self, req: ChatCompletionRequest, output: "CompletionOutput", top_n: int, decode: Any
+                     ) -> ChatCompletionStreamChoice:
+        """A streamed reply with tools, sent whole in its last delta: its text and its calls."""
+        message, finish_reason = self._reply(req, output)
+        calls = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(message.tool_calls)]
+        return ChatCompletionStreamChoice(
+            index=output.index,
+            delta=DeltaMessage(content=message.content, tool_calls=calls),
+            logprobs=chat_logprobs(output, 0, top_n, decode) if req.logprobs else None,
+            finish_reason=finish_reason,
+            stop_reason=output.stop_reason,
+        )
+
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         serving = self.serving
         model = serving.check_model(req.model)
@@ -182,6 +196,7 @@ class OpenAIServingChat:
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
         usage = UsageInfo()
+        tools = req.auto_tools or req.calls_tools
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
             return sse_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices))
@@ -197,6 +212,12 @@ class OpenAIServingChat:
                         # The first chunk of each choice announces the role, as OpenAI does.
                         sent_text[o.index] = 0
                         yield chunk([ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(role="assistant", content=""))])
+                    if tools:
+                        # calls are known once the reply is whole: it comes in one delta at the end
+                        if o.finish_reason is not None:
+                            finished.add(o.index)
+                            choices.append(self._whole_reply(req, o, top_n, decode))
+                        continue
                     start_tok = sent_tokens.get(o.index, 0)
                     end = sendable_end(o.text, sent_text[o.index], o.finish_reason is not None, holdback)
                     delta = o.text[sent_text[o.index] : end]
