@@ -101,6 +101,34 @@ def test_tp2_greedy_matches_tp1_and_transformers(llama, tp2_llm):
         assert g == e, f"tp=2 prompt {i} (len {len(prompts[i])}) differs from transformers"
 
 
+def test_tp2_per_request_state_matches_tp1(llama, tp2_llm):
+    """What the model runners keep per request (grammar matchers, prompt logprobs over chunks)
+    and the sampler's token lists give the same results on two ranks as on one."""
+    import re
+
+    from halserve import LLM, SamplingParams
+
+    path, prompts = llama
+    regex = "[a-z]{3}-[0-9]{2}"
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=30, structured_outputs={"regex": regex},
+                             prompt_logprobs=1, logit_bias={9: 3.0}) for i in range(len(prompts))]
+
+    def run(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(o.outputs[0].text, [round(d[t].logprob, 3) for d, t in zip(o.prompt_logprobs[1:],
+                                                                             o.prompt_token_ids[1:])])
+                for o in outs]
+
+    tp1 = LLM(path, **ENGINE_KWARGS)
+    try:
+        want = run(tp1)
+    finally:
+        tp1.llm_engine.shutdown()
+    got = run(tp2_llm)
+    assert got == want
+    assert all(re.fullmatch(regex, text) and len(scores) == len(p) - 1 for (text, scores), p in zip(got, prompts))
+
+
 def test_tp2_replicated_kv_head_tied_odd_vocab(tmp_path):
     """More ranks than kv heads (one kv head, replicated on both ranks), qkv bias (Qwen2),
     tied embeddings and a vocabulary that does not split evenly (padded vocab shards)."""
