@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
 def output_constraint(req: "SamplingRequest") -> dict[str, Any] | None:
     """The request's one constraint (None: free text); two at once are a 400."""
     sources: dict[str, dict[str, Any]] = {}
-    if getattr(req, "calls_tools", False):
+    if req.calls_tools:
         sources["tool_choice"] = {"json": tool_calls_schema(req)}  # type: ignore[arg-type]
     fmt = req.response_format
     if fmt is not None:

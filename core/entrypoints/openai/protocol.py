@@ -133,6 +133,11 @@ class SamplingRequest(OpenAIModel):
         return kwargs
 
     @property
+    def calls_tools(self) -> bool:
+        """tool_choice forces tool calls (chat only)."""
+        return False
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from halserve.entrypoints.openai.constraints import named_tool
 from halserve.entrypoints.openai.errors import BadRequestError
 from halserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs, token_decoder
 from halserve.entrypoints.openai.chat_protocol import (
@@ -106,7 +107,7 @@ class OpenAIServingChat:
         calls: list[tuple[str, str]] = []
         named = isinstance(req.tool_choice, dict) and req.calls_tools
         if named:
-            calls, text = [(req.tool_choice["function"]["name"], text)], None
+            calls, text = [(named_tool(req).function.name, text)], None
         elif req.calls_tools:
             try:
                 calls = [(call["name"], json.dumps(call["parameters"])) for call in json.loads(text)]
