@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from halserve.structured_output import StructuredOutputsParams
+from halserve.structured_output import CONSTRAINTS, StructuredOutputsParams
 
 # Temperatures below this are greedy (argmax), as in vLLM.
 SAMPLING_EPS = 1e-5
@@ -117,7 +117,7 @@ class SamplingParams:
             unknown = sorted(set(self.structured_outputs) - known)
             if unknown:
                 raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}; "
-                                 f"give one of {', '.join(sorted(known))}")
+                                 f"give one of {', '.join(CONSTRAINTS)}")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(

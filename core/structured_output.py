@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -23,6 +23,9 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 _INSTALL_HINT = "structured outputs need xgrammar: pip install 'halserve[structured-outputs]'"
+
+
+CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")  # StructuredOutputsParams takes one
 
 
 @dataclass(slots=True, kw_only=True)
@@ -39,9 +42,13 @@ class StructuredOutputsParams:
     """The output is exactly one of these strings."""
     grammar: str | None = None
     """The output derives from this EBNF (GBNF) grammar's ``root`` rule."""
+    start_after: list[int] | None = None
+    """Not a constraint: the constraint applies only once the output holds these token ids in a
+    row, free generation before (a reasoning model's end-of-thinking marker, e.g. ``</think>``:
+    the server sets it when its reasoning parser expects the model to think first)."""
 
     def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
                 "structured outputs take exactly one of json, json_object, regex, choice, grammar; "
@@ -64,6 +71,13 @@ class StructuredOutputsParams:
                 if not isinstance(option, str) or not option:
                     raise ValueError(f"structured outputs: each choice must be a non-empty string, got {option!r}")
             self.choice = list(self.choice)
+        if self.start_after is not None:
+            if (isinstance(self.start_after, (str, bytes)) or not self.start_after
+                    or not all(isinstance(t, int) and t >= 0 for t in self.start_after)):
+                raise ValueError(
+                    f"structured outputs: start_after must be a non-empty list of token ids, got {self.start_after!r}"
+                )
+            self.start_after = list(self.start_after)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -79,6 +93,15 @@ class StructuredOutputsParams:
             # one alternative per choice, each a JSON-escaped string literal (GBNF's escapes)
             return "grammar", "root ::= " + " | ".join(json.dumps(option) for option in self.choice)
         return "grammar", self.grammar  # type: ignore[return-value]
+
+
+def marker_end(token_ids: list[int], marker: list[int]) -> int | None:
+    """The index just past the first occurrence of ``marker`` in ``token_ids`` (None: absent)."""
+    n = len(marker)
+    for i in range(len(token_ids) - n + 1):
+        if token_ids[i : i + n] == marker:
+            return i + n
+    return None
 
 
 def _xgrammar() -> Any:
@@ -137,6 +160,10 @@ class StructuredOutputs:
             logger.exception("request %s: its %s constraint did not compile; it runs unconstrained", req_id, key[0])
             return None
         matcher = self._xgr.GrammarMatcher(compiled)
+        if params.start_after is not None:
+            # the matcher follows the tokens after the marker only (none yet if it is not there)
+            end = marker_end(generated, params.start_after)
+            generated = generated[end:] if end is not None else []
         for token_id in generated:
             if not self.accept(req_id, matcher, token_id):
                 return None

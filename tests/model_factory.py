@@ -7,7 +7,7 @@
 ``make_checkpoint(tmp_dir, arch="llama"|"mistral"|"qwen2"|"qwen3", *, vocab_size=512,
 hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=None,
 intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=False,
-rope_scaling=None, sliding_window=None, max_shard_size=None, seed=0, **overrides) -> str``
+rope_scaling=None, sliding_window=None, max_shard_size=None, seed=0, added_tokens=(), **overrides) -> str``
 
 writes into ``tmp_dir`` (created if needed; returned as a str):
 - ``config.json`` + ``model.safetensors`` (or shards + index when ``max_shard_size``,
@@ -18,7 +18,8 @@ writes into ``tmp_dir`` (created if needed; returned as a str):
 - a byte-level BPE tokenizer trained in-process on generated English text, padded with
   ``<extra_N>`` tokens so ``len(tokenizer) == vocab_size``; special tokens ``<pad>`` (0),
   ``<s>`` (1, prepended on encode), ``</s>`` (2), ``<|system|>``, ``<|user|>``,
-  ``<|assistant|>``; and a Jinja chat template using them.
+  ``<|assistant|>``; ``added_tokens`` (e.g. ``("<think>", "</think>")``) as ordinary
+  added tokens; and a Jinja chat template using them.
 
 ``rope_scaling`` is a dict like ``{"rope_type": "llama3", "factor": 8.0, ...}``;
 ``sliding_window`` turns the window on (Qwen2/3: for layers >= ``max_window_layers``,
@@ -70,8 +71,9 @@ def _corpus(seed: int, num_sentences: int = 400) -> list[str]:
     return lines
 
 
-def make_tokenizer(vocab_size: int, seed: int = 0):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` with exactly ``vocab_size`` tokens."""
+def make_tokenizer(vocab_size: int, seed: int = 0, added_tokens: tuple[str, ...] = ()):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with exactly ``vocab_size`` tokens, ``added_tokens``
+    (e.g. ``("<think>", "</think>")``) among them as ordinary added tokens, one id each."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -82,10 +84,11 @@ def make_tokenizer(vocab_size: int, seed: int = 0):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=vocab_size - len(added_tokens), special_tokens=SPECIAL_TOKENS, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.add_tokens(list(added_tokens))
     extra = [f"<extra_{i}>" for i in range(vocab_size - tok.get_vocab_size())]
     if extra:  # a small corpus may not yield enough merges: pad so ids cover the vocab
         tok.add_special_tokens(extra)
@@ -150,7 +153,7 @@ def make_checkpoint(tmp_dir, arch: str = "llama", *, vocab_size: int = 512, hidd
                     intermediate_size: int = 128, max_position_embeddings: int = 512,
                     tie_word_embeddings: bool = False, rope_scaling: dict | None = None,
                     sliding_window: int | None = None, max_shard_size: str | int | None = None, seed: int = 0,
-                    **overrides) -> str:
+                    added_tokens: tuple[str, ...] = (), **overrides) -> str:
     """Write a tiny random checkpoint + tokenizer into ``tmp_dir``; see the module docstring."""
     import transformers
     from transformers import GenerationConfig
@@ -171,7 +174,7 @@ def make_checkpoint(tmp_dir, arch: str = "llama", *, vocab_size: int = 512, hidd
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     model.save_pretrained(path, safe_serialization=True, **save_kwargs)
-    make_tokenizer(vocab_size, seed).save_pretrained(path)
+    make_tokenizer(vocab_size, seed, added_tokens).save_pretrained(path)
     return path
 
 

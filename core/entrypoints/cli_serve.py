@@ -78,6 +78,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3)",
     )
     g.add_argument(
+        "--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+        help="a thinking model's <think>...</think> goes to the chat message's 'reasoning' field: deepseek_r1 "
+        "(DeepSeek-R1, QwQ: always thinks), qwen3 (Qwen3: thinks unless enable_thinking is false)",
+    )
+    g.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"], help="log level"
     )
 
@@ -276,8 +281,11 @@ def run(args: argparse.Namespace) -> int:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     metrics = ServerMetrics(served[0], engine.get_stats)
     engine.stat_observers.append(metrics)
-    serving = OpenAIServing(engine, served, model_path=getattr(engine.model_info, "model_path", None) or model, chat_template=chat_template,
-                            tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+    serving = OpenAIServing(
+        engine, served, model_path=getattr(engine.model_info, "model_path", None) or model,
+        chat_template=chat_template, tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
+    )
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("HALSERVE_API_KEY"):
         api_keys = [os.environ["HALSERVE_API_KEY"]]

@@ -29,6 +29,7 @@ import torch
 
 from halserve.attention_backends.base import AttentionMetadata
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from halserve.structured_output import marker_end
 from halserve.worker.backend_selection import select_attention_backend
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,6 +70,7 @@ class CachedRequestState:
     # prompt_logprobs asked and the prompt not yet all scored: entries for prompt tokens 1.. so far
     prompt_logprobs: list | None = None
     grammar: object | None = None  # structured outputs: the request's xgrammar matcher
+    grammar_waits: bool = False  # the matcher starts after its start_after marker, not yet generated
 
     @property
     def num_tokens(self) -> int:
@@ -313,8 +315,10 @@ class ModelRunner:
 
             self._structured = StructuredOutputs(load_tokenizer(self.config, self.info), self.info.vocab_size)
         # (a request resumed after preemption replays the tokens it generated)
-        state.grammar = self._structured.start(state.req_id, state.sampling_params.structured_outputs,
-                                               state.output_token_ids)
+        params = state.sampling_params.structured_outputs
+        state.grammar = self._structured.start(state.req_id, params, state.output_token_ids)
+        state.grammar_waits = (params.start_after is not None
+                               and marker_end(state.output_token_ids, params.start_after) is None)
 
     def _score_prompt(self, step: "StepInputs", hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens this step's chunks cover, for requests that asked for
@@ -335,7 +339,7 @@ class ModelRunner:
         prompt_logprobs: list = [None] * num_reqs
         if logits is not None:
             rows = [step.states[r] for r in step.sample_rows]
-            constrained = [(j, s.grammar) for j, s in enumerate(rows) if s.grammar is not None]
+            constrained = [(j, s.grammar) for j, s in enumerate(rows) if s.grammar is not None and not s.grammar_waits]
             if constrained:
                 logits = self._structured.mask_logits(logits, constrained)
             tokens, row_logprobs = self.sampler(logits, self._sampling_metadata(rows, logits.device))
@@ -346,7 +350,12 @@ class ModelRunner:
                 state = step.states[r]
                 state.output_token_ids.append(tok)
                 logprobs[r] = row_logprobs[j] if row_logprobs else None
-                if state.grammar is not None and not self._structured.accept(state.req_id, state.grammar, tok):
+                if state.grammar is None:
+                    pass
+                elif state.grammar_waits:
+                    marker = state.sampling_params.structured_outputs.start_after
+                    state.grammar_waits = state.output_token_ids[-len(marker):] != marker
+                elif not self._structured.accept(state.req_id, state.grammar, tok):
                     state.grammar = None
                 if state.prompt_logprobs is not None:  # the prompt is all scored: send it with the first token
                     prompt_logprobs[r], state.prompt_logprobs = state.prompt_logprobs, None

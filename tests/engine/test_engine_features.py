@@ -148,6 +148,44 @@ def test_structured_outputs_survive_preemption_and_batching(llama_path):
         tight.generate(prompts[0], SamplingParams(structured_outputs={"regex": "[a-"}), use_tqdm=False)
 
 
+def test_structured_outputs_start_after_a_marker_across_preemption(llama_path):
+    """start_after (what --reasoning-parser sets to </think>): generation is free until the
+    marker's tokens appear, the grammar applies from there; a request preempted on either side
+    of the marker replays its tokens into the same state."""
+    import re
+
+    regex = "[a-z]{3,6}(-[0-9]{2,4}){1,3}"
+    marker = [7, 9]
+    kwargs = dict(platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=64, max_model_len=256)
+    roomy = LLM(llama_path, **kwargs)
+    # the marker nudged to come within a few tokens
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=48, logit_bias={7: 8.0, 9: 8.0},
+                             structured_outputs={"regex": regex, "start_after": marker}) for s in range(6)]
+    prompts = [{"prompt_token_ids": [5 + i] * (60 + 10 * i)} for i in range(6)]
+    want = roomy.generate(prompts, params, use_tqdm=False)
+    tight = LLM(llama_path, **kwargs, num_kv_blocks=16)
+    got = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.llm_engine.get_stats().num_preemptions > 0, "the tiny cache should have forced preemption"
+    tokenizer = roomy.get_tokenizer()
+    free_tokens, marked = 0, 0
+    for i, (w, g) in enumerate(zip(want, got)):
+        ids = g.outputs[0].token_ids
+        assert ids == w.outputs[0].token_ids, i
+        end = next((j + 2 for j in range(len(ids) - 1) if ids[j : j + 2] == marker), None)
+        if end is None:  # never marked: free all along, up to max_tokens
+            assert g.outputs[0].finish_reason == "length", (i, ids)
+            continue
+        marked += 1
+        free_tokens += end - 2
+        constrained = tokenizer.decode(ids[end:], skip_special_tokens=True)
+        assert re.fullmatch(regex, constrained), (i, constrained)
+        assert g.outputs[0].finish_reason == "stop"
+    assert marked >= 4, "the nudge should bring the marker in most requests"
+    assert free_tokens > 0, "some tokens before the marker: generation there was free"
+    with pytest.raises(ValueError, match="start_after must be a non-empty list of token ids"):
+        SamplingParams(structured_outputs={"regex": regex, "start_after": []})
+
+
 def test_seeded_sampling_reproducible_across_runs_and_batches(llm):
     rng = random.Random(11)
     vocab = _vocab(llm)

@@ -47,6 +47,22 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (multi-turn)
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning: str | None = None  # an assistant's earlier reasoning (vLLM's field) ...
+    reasoning_content: str | None = None  # ... or its older name; templates read reasoning_content
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            message["name"] = self.name
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [template_tool_call(call) for call in self.tool_calls]
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -69,6 +85,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # with --reasoning-parser: False leaves the reasoning out
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
@@ -103,17 +120,7 @@ class ChatCompletionRequest(SamplingRequest):
         return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
 
     def template_messages(self) -> list[dict[str, Any]]:
-        out = []
-        for m in self.messages:
-            message: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name:
-                message["name"] = m.name
-            if m.tool_call_id:
-                message["tool_call_id"] = m.tool_call_id
-            if m.tool_calls:
-                message["tool_calls"] = [template_tool_call(call) for call in m.tool_calls]
-            out.append(message)
-        return out
+        return [m.template_dict() for m in self.messages]
 
     def template_kwargs(self) -> dict[str, Any]:
         """chat_template_kwargs, plus the tools (unless tool_choice is 'none')."""
@@ -151,6 +158,8 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None  # with --reasoning-parser: the model's thinking (vLLM's name) ...
+    reasoning_content: str | None = None  # ... and its older name (DeepSeek's API), the same text
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -179,6 +188,8 @@ class DeltaToolCall(ToolCall):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 

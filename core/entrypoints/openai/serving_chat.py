@@ -29,6 +29,7 @@ from halserve.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from halserve.entrypoints.openai.reasoning import ReplyStart
 from halserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from halserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -98,15 +99,22 @@ class OpenAIServingChat:
         except ValueError as exc:
             raise BadRequestError(str(exc), param="messages") from None
 
-    def _reply(self, req: ChatCompletionRequest, output: "CompletionOutput") -> tuple[ChatResponseMessage, str | None]:
-        """The assistant's message and finish reason. With a forced tool choice the text is the
-        calls' JSON (generated to the tools' schemas): a named call cut short by max_tokens keeps
-        its partial arguments, as OpenAI's do; a 'required' array cut short stays text. With
-        tool_choice 'auto' the server's tool-call parser finds the calls in the text."""
+    def _reply(self, req: ChatCompletionRequest, output: "CompletionOutput", start: ReplyStart | None
+               ) -> tuple[ChatResponseMessage, str | None]:
+        """The assistant's message and finish reason. With a reasoning parser (``start`` set) the
+        thinking goes to ``reasoning`` and what follows it is the reply. With a forced tool
+        choice that reply is the calls' JSON (generated to the tools' schemas): a named call cut
+        short by max_tokens keeps its partial arguments, as OpenAI's do; a 'required' array cut
+        short stays text. With tool_choice 'auto' the server's tool-call parser finds the calls."""
         text, finish = output.text, output.finish_reason
+        reasoning = None
+        if start is not None:
+            reasoning, text = self.serving.reasoning_parser.split(text, start)
         calls: list[tuple[str, str]] = []
         named = isinstance(req.tool_choice, dict) and req.calls_tools
-        if named:
+        if text is None:
+            pass  # (the reply never got past its reasoning)
+        elif named:
             calls, text = [(named_tool(req).function.name, text)], None
         elif req.calls_tools:
             try:
@@ -119,16 +127,21 @@ class OpenAIServingChat:
         tool_calls = [ToolCall(function=ToolCallFunction(name=name, arguments=args)) for name, args in calls]
         if tool_calls and finish == "stop" and not named:
             finish = "tool_calls"  # (OpenAI says "stop" for a named function it was told to call)
-        return ChatResponseMessage(content=text, tool_calls=tool_calls), finish
+        if not req.include_reasoning:
+            reasoning = None
+        message = ChatResponseMessage(content=text, reasoning=reasoning, reasoning_content=reasoning,
+                                      tool_calls=tool_calls)
+        return message, finish
 
-    def _whole_reply(self, req: ChatCompletionRequest, output: "CompletionOutput", top_n: int, decode: Any
-                     ) -> ChatCompletionStreamChoice:
+    def _whole_reply(self, req: ChatCompletionRequest, output: "CompletionOutput", start: ReplyStart | None,
+                     top_n: int, decode: Any) -> ChatCompletionStreamChoice:
         """A streamed reply with tools, sent whole in its last delta: its text and its calls."""
-        message, finish_reason = self._reply(req, output)
+        message, finish_reason = self._reply(req, output, start)
         calls = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(message.tool_calls)]
         return ChatCompletionStreamChoice(
             index=output.index,
-            delta=DeltaMessage(content=message.content, tool_calls=calls),
+            delta=DeltaMessage(content=message.content, reasoning=message.reasoning,
+                               reasoning_content=message.reasoning, tool_calls=calls),
             logprobs=chat_logprobs(output, 0, top_n, decode) if req.logprobs else None,
             finish_reason=finish_reason,
             stop_reason=output.stop_reason,
@@ -146,13 +159,18 @@ class OpenAIServingChat:
             )
         params = serving.sampling_params(req.sampling_kwargs())
         prompt_text, prompt_ids = await self.render(req)
+        start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
+        if params.structured_outputs is not None and start not in (None, ReplyStart.CONTENT):
+            params.structured_outputs.start_after = list(serving.reasoning_end_ids)  # think first, then comply
         request_id = random_id("chatcmpl")
         streams = await serving.add_requests([prompt_ids], params, request_id, prompt_texts=[prompt_text])
         created = int(time.time())
         top_n = req.top_logprobs or 0
         if req.stream:
             return StreamingResponse(
-                self._stream(req, streams[0], request_id, model, created, top_n, params.output_text_buffer_length), media_type="text/event-stream"
+                self._stream(req, streams[0], request_id, model, created, top_n, params.output_text_buffer_length,
+                             start),
+                media_type="text/event-stream",
             )
         try:
             (final,) = await serving.collect(streams, raw_request)
@@ -161,7 +179,7 @@ class OpenAIServingChat:
         decode = token_decoder(req, serving.decode_token)
         choices = []
         for o in final.outputs:
-            message, finish_reason = self._reply(req, o)
+            message, finish_reason = self._reply(req, o, start)
             choices.append(ChatCompletionResponseChoice(
                 index=o.index, message=message, logprobs=chat_logprobs(o, 0, top_n, decode),
                 finish_reason=finish_reason, stop_reason=o.stop_reason,
@@ -191,9 +209,12 @@ class OpenAIServingChat:
         created: int,
         top_n: int,
         holdback: int,
+        start: ReplyStart | None,
     ) -> AsyncIterator[str]:
         decode = token_decoder(req, self.serving.decode_token)
-        sent_text: dict[int, int] = {}
+        parser = self.serving.reasoning_parser
+        sent_text: dict[int, int] = {}  # per choice: how much of its text went out ...
+        sent_parts: dict[int, tuple[int, int]] = {}  # ... or of its (reasoning, content), with a reasoning parser
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
         usage = UsageInfo()
@@ -212,27 +233,38 @@ class OpenAIServingChat:
                     if o.index not in sent_text:
                         # The first chunk of each choice announces the role, as OpenAI does.
                         sent_text[o.index] = 0
-                        yield chunk([ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(role="assistant", content=""))])
+                        announce = DeltaMessage(role="assistant", content="")
+                        yield chunk([ChatCompletionStreamChoice(index=o.index, delta=announce)])
                     if tools:
                         # calls are known once the reply is whole: it comes in one delta at the end
                         if o.finish_reason is not None:
                             finished.add(o.index)
-                            choices.append(self._whole_reply(req, o, top_n, decode))
+                            choices.append(self._whole_reply(req, o, start, top_n, decode))
                         continue
                     start_tok = sent_tokens.get(o.index, 0)
-                    end = sendable_end(o.text, sent_text[o.index], o.finish_reason is not None, holdback)
-                    delta = o.text[sent_text[o.index] : end]
+                    final = o.finish_reason is not None
+                    end = sendable_end(o.text, sent_text[o.index], final, holdback)
+                    delta, thought = o.text[sent_text[o.index] : end], ""
+                    if start is not None:
+                        # (each split of the sendable text extends the previous one's parts)
+                        reasoning, content = parser.split(o.text[:end], start, final)
+                        sent_r, sent_c = sent_parts.get(o.index, (0, 0))
+                        thought, delta = (reasoning or "")[sent_r:], (content or "")[sent_c:]
+                        sent_parts[o.index] = (sent_r + len(thought), sent_c + len(delta))
+                        if not req.include_reasoning:
+                            thought = ""
                     new_tokens = len(o.token_ids) > start_tok
-                    if not (delta or o.finish_reason is not None or (new_tokens and req.logprobs)):
+                    if not (delta or thought or final or (new_tokens and req.logprobs)):
                         continue
                     sent_text[o.index] = end
                     sent_tokens[o.index] = len(o.token_ids)
-                    if o.finish_reason is not None:
+                    if final:
                         finished.add(o.index)
                     choices.append(
                         ChatCompletionStreamChoice(
                             index=o.index,
-                            delta=DeltaMessage(content=delta),
+                            delta=DeltaMessage(content=delta if delta or not thought else None,
+                                               reasoning=thought or None, reasoning_content=thought or None),
                             logprobs=chat_logprobs(o, start_tok, top_n, decode) if req.logprobs else None,
                             finish_reason=o.finish_reason,
                             stop_reason=o.stop_reason,

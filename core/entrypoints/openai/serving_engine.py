@@ -14,6 +14,7 @@ from fastapi import Request
 
 from halserve.engine.async_llm import EngineDeadError, RequestStream
 from halserve.entrypoints.openai.errors import BadRequestError, NotFoundError, OpenAIError
+from halserve.entrypoints.openai.reasoning import REASONING_PARSERS
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.async_llm import AsyncLLM
@@ -50,6 +51,7 @@ class OpenAIServing:
         model_path: str,
         chat_template: str | None = None,
         tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
@@ -59,6 +61,12 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.tool_parser = tool_parser  # tool_choice 'auto': the --tool-call-parser, None when not enabled
         self.tokenizer = engine.tokenizer
+        self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+        # the token ids of its end tag: a constrained reply's grammar starts after them
+        self.reasoning_end_ids = (
+            self.tokenizer.encode(self.reasoning_parser.end_tag, add_special_tokens=False)
+            if self.reasoning_parser else None
+        )
         self.created = int(time.time())
 
     @property

@@ -36,8 +36,9 @@ class OpenAIServingTokenization:
 
         def work() -> list[int]:
             if req.messages is not None:
-                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                _, ids = render_chat(tokenizer, messages, s.chat_template, req.add_generation_prompt)
+                messages = [m.template_dict() for m in req.messages]
+                _, ids = render_chat(tokenizer, messages, s.chat_template, req.add_generation_prompt,
+                                     req.continue_final_message, req.template_kwargs())
                 return ids
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             return tokenizer.encode(req.prompt, add_special_tokens=add_special)

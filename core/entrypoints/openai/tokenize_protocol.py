@@ -1,11 +1,11 @@
 """Bodies of /v1/models, /tokenize and /detokenize (pydantic models)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, model_validator
 
-from halserve.entrypoints.openai.chat_protocol import ChatMessage
+from halserve.entrypoints.openai.chat_protocol import ChatMessage, ChatTool
 from halserve.entrypoints.openai.protocol import OpenAIModel
 
 
@@ -32,12 +32,24 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    # chat style, as in /v1/chat/completions: the same prompt the chat request would get
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
 
     @model_validator(mode="after")
     def _one_of(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of 'prompt' or 'messages'")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            kwargs.setdefault("tools", [t.model_dump(exclude_none=True) for t in self.tools])
+        return kwargs
 
 
 class TokenizeResponse(BaseModel):

@@ -1,0 +1,70 @@
+"""Reasoning parsers (``halserve serve --reasoning-parser NAME``, vLLM's flag): a thinking
+model's ``<think> ... </think>`` goes to the message's ``reasoning`` field (and
+``reasoning_content``, its older name), the text after it to ``content``.
+
+Where the reply starts is read off the rendered prompt: a prompt that leaves a think block open
+(DeepSeek-R1's and Qwen3-Thinking's templates end with ``<think>``) starts it inside the
+reasoning; one that ends with a closed, empty block (Qwen3 with ``enable_thinking: false``)
+starts it in the content; otherwise the parser's default holds (DeepSeek-R1 always thinks;
+Qwen3 thinks if it opens with ``<think>``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ReplyStart(Enum):
+    REASONING = "reasoning"  # the reply opens inside a think block
+    CONTENT = "content"  # thinking is off: the reply is all content
+    MAYBE = "maybe"  # reasoning if the reply opens with the start tag
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag`` (held back while
+    streaming: it may become the tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+@dataclass(frozen=True)
+class ThinkTagParser:
+    default: ReplyStart
+    start_tag: str = "<think>"
+    end_tag: str = "</think>"
+
+    def reply_start(self, prompt: str) -> ReplyStart:
+        opened, closed = prompt.rfind(self.start_tag), prompt.rfind(self.end_tag)
+        if opened > closed:
+            return ReplyStart.REASONING
+        if closed >= 0 and not prompt[closed + len(self.end_tag) :].strip():
+            return ReplyStart.CONTENT
+        return self.default
+
+    def split(self, text: str, start: ReplyStart, final: bool = True) -> tuple[str | None, str | None]:
+        """``(reasoning, content)`` of a reply's text. While streaming (``final`` false) what may
+        still turn into a tag is held back, so each call's parts extend the previous call's."""
+        if start is ReplyStart.CONTENT:
+            return None, text
+        body = text.lstrip()
+        if body.startswith(self.start_tag):
+            body = body[len(self.start_tag) :]
+        elif not final and self.start_tag.startswith(body):
+            return None, None  # nothing yet, or the start of the start tag
+        elif start is ReplyStart.MAYBE:
+            return None, text
+        body = body.lstrip()
+        end = body.find(self.end_tag)
+        if end < 0:
+            if not final:
+                body = body[: len(body) - _partial_suffix(body, self.end_tag)]
+            return body or None, None
+        content = body[end + len(self.end_tag) :].lstrip()
+        return body[:end] or None, content or None
+
+
+REASONING_PARSERS: dict[str, ThinkTagParser] = {
+    "deepseek_r1": ThinkTagParser(ReplyStart.REASONING),
+    "qwen3": ThinkTagParser(ReplyStart.MAYBE),
+}
