@@ -17,6 +17,23 @@ from halserve.sampling_params import SamplingParams
 PromptType = str | list[int] | dict
 
 
+# A text prompt over this many characters per token of the context is checked from its start first.
+_CHARS_PER_TOKEN_BOUND = 16
+
+
+def check_text_length(tokenizer: Any, prompt: str, max_len: int) -> None:
+    """A text far longer than the context is refused from its start alone, so a huge prompt
+    costs a bounded tokenization (and memory), not one of its whole length."""
+    head = _CHARS_PER_TOKEN_BOUND * max_len
+    if len(prompt) > head:
+        count = len(tokenizer.encode(prompt[:head], add_special_tokens=False))
+        if count >= max_len:
+            raise ValueError(
+                f"the prompt is longer than the model's maximum context length (max_model_len) of {max_len} "
+                f"tokens: its first {head} of {len(prompt)} characters alone are {count} tokens; shorten the prompt"
+            )
+
+
 def child_request_id(parent_id: str, index: int, n: int) -> str:
     return parent_id if n == 1 else f"{index}_{parent_id}"
 
@@ -41,6 +58,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty; give at least one character or token")
+            check_text_length(self.tokenizer, prompt, self.info.max_model_len)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(prompt)

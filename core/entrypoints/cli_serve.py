@@ -78,6 +78,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3)",
     )
     g.add_argument(
+        "--max-request-body-size", type=parse_bytes, default=32 * 2**20, metavar="BYTES",
+        help="larger request bodies get a 413 (default 32MiB)",
+    )
+    g.add_argument(
         "--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
         help="a thinking model's <think>...</think> goes to the chat message's 'reasoning' field: deepseek_r1 "
         "(DeepSeek-R1, QwQ: always thinks), qwen3 (Qwen3: thinks unless enable_thinking is false)",
@@ -289,4 +293,4 @@ def run(args: argparse.Namespace) -> int:
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("HALSERVE_API_KEY"):
         api_keys = [os.environ["HALSERVE_API_KEY"]]
-    return run_server(serving, metrics, args.host, args.port, api_keys, args.log_level)
+    return run_server(serving, metrics, args.host, args.port, api_keys, args.log_level, args.max_request_body_size)

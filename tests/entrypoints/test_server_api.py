@@ -293,6 +293,16 @@ def test_hermes_parser():
     assert content == "a  b <tool_call>not json</tool_call>"  # a block that is not a call stays text
     assert parse_hermes("just text") == ("just text", [])
     assert parse_hermes('<tool_call>{"name": "f"}</tool_call>') == (None, [("f", "{}")])
+    # with the request's tools and parallel_tool_calls: blocks that are no call of them stay text
+    text = ('<tool_call>{"name": "zzz", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "f", "arguments": 5}</tool_call>'
+            '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'
+            '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+            '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    content, calls = parse_hermes(text, {"f", "g"}, None)
+    assert calls == [("f", '{"x": 1}'), ("g", "{}")] and "zzz" in content and "NaN" in content
+    content, calls = parse_hermes(text, {"f", "g"}, 1)
+    assert calls == [("f", '{"x": 1}')] and content.endswith('<tool_call>{"name": "g", "arguments": {}}</tool_call>')
 
 
 def test_tools_reach_the_chat_template():

@@ -57,6 +57,9 @@ BAD_COMPLETIONS = {
     "empty choice": {"guided_choice": []},
     "unknown response_format": {"response_format": {"type": "yaml"}},
     "json_schema without schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+    "n huge": {"n": 10**30, "temperature": 1.0},  # (used to build 1e30 requests: the server died of OOM)
+    "n over the limit": {"n": 129, "temperature": 1.0},
+    "text far longer than the context": {"prompt": "hello world " * 100_000},
 }
 _TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 BAD_CHAT_TOOLS = {
@@ -67,6 +70,11 @@ BAD_CHAT_TOOLS = {
     "tool_choice and response_format": {"tools": [_TOOL], "tool_choice": "required",
                                         "response_format": {"type": "json_object"}},
     "allowed_token_ids >= vocab": {"allowed_token_ids": [1, VOCAB_SIZE]},
+    # (these three were 500s)
+    "tool_choice function a string": {"tools": [_TOOL], "tool_choice": {"type": "function", "function": "f"}},
+    "tool_choice function null": {"tools": [_TOOL], "tool_choice": {"type": "function", "function": None}},
+    "past tool call function not an object": {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": 5}]}]},
 }
 
 BAD_CHAT = {
@@ -112,11 +120,45 @@ def test_bad_tool_request_is_400(server, case):
         assert "'g', which is not among the tools (f)" in message
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'{"prompt": "a",}', "{\"prompt\": \"\xff\"}".encode("latin-1")])
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'{"prompt": "a",}', "{\"prompt\": \"\xff\"}".encode("latin-1"),
+                                 b'{"prompt": "a", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"])
 def test_malformed_json_is_400(server, raw):
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
         r = httpx.post(server.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
         _check_400(r)
+
+
+def test_body_over_the_limit_is_413(server):
+    """(A 200 MB prompt used to OOM-kill the server.) Declared or streamed, a body over the
+    limit (32 MiB by default) is refused before it is all read."""
+    big = b'{"prompt": "' + b"a" * (33 * 2**20) + b'"}'
+    r = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert "--max-request-body-size" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(33):
+            yield b"a" * 2**20
+        yield b'"}'
+
+    r = httpx.post(server.url + "/tokenize", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413
+
+
+def test_null_means_unset_and_routes_vllm_clients_use(server, client):
+    """null for a field that cannot be null takes its default (some clients send it);
+    GET /v1/models/{id} (the openai client's models.retrieve) and HEAD /health answer."""
+    r = httpx.post(server.url + "/v1/completions", json={**OK, "stream": None, "echo": None, "n": None}, timeout=30)
+    assert r.status_code == 200 and r.json()["object"] == "text_completion"
+    r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT_OK, "logprobs": None, "stream": None}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+    assert client.models.retrieve(SERVED_NAME).id == SERVED_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    assert httpx.head(server.url + "/health").status_code == 200
 
 
 def test_messages_name_the_problem(server):
@@ -126,6 +168,16 @@ def test_messages_name_the_problem(server):
     assert "max_tokens" in msg
     msg = _check_400(httpx.post(server.url + "/v1/completions", json={**OK, "prompt": [5] * (MAX_MODEL_LEN + 10)}))
     assert "max_model_len" in msg or str(MAX_MODEL_LEN) in msg
+    # the field the client sent is the one named
+    r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT_OK, "logprobs": True, "top_logprobs": 21})
+    assert "top_logprobs" in _check_400(r)
+    r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT_OK, "max_completion_tokens": 0})
+    assert "max_completion_tokens" in _check_400(r)
+    r = httpx.post(server.url + "/v1/completions", json={**OK, "temperature": -1})
+    assert r.json()["error"]["param"] == "temperature"
+    r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT_OK, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": [1, 2]}]}]})
+    assert "messages[1].tool_calls[0].function" in _check_400(r)
 
 
 def test_unknown_model_is_404_and_openai_client_raises(server, client):
@@ -143,3 +195,17 @@ def test_still_serves_after_bad_requests(client):
     out = client.completions.create(model=SERVED_NAME, prompt="hello world", max_tokens=4, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 4
+
+
+def test_unexpected_error_is_answered_not_raised():
+    """A bug in a route is a logged 500 JSON response from the route itself: re-raised to
+    Starlette, uvicorn would also drop the client's keep-alive connection."""
+    import asyncio
+
+    from halserve.entrypoints.openai.api_server import guarded
+
+    async def broken() -> None:
+        raise KeyError("oops")
+
+    response = asyncio.run(guarded(broken)())
+    assert response.status_code == 500 and b"KeyError" in response.body

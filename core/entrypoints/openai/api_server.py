@@ -1,12 +1,14 @@
 """The OpenAI-compatible HTTP server: the FastAPI app and running it under uvicorn.
 
 Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET
-/v1/models, /health, /version, /metrics. Request bodies are parsed here (not by
-FastAPI) so malformed JSON and wrong types are OpenAI-shaped 400s.
+/v1/models, /v1/models/{model}, /health (and HEAD), /version, /metrics. Request bodies are
+parsed here (not by FastAPI) so malformed JSON and wrong types are OpenAI-shaped 400s, and a
+body over ``max_body_bytes`` is a 413 before it is all read.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import logging
 import signal
@@ -17,7 +19,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from halserve import __version__
-from halserve.entrypoints.openai.errors import error_body, error_response, install_error_handlers, parse_body
+from halserve.entrypoints.openai.errors import (
+    OpenAIError,
+    error_body,
+    error_response,
+    install_error_handlers,
+    parse_body,
+)
 from halserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from halserve.entrypoints.openai.protocol import CompletionRequest
@@ -36,6 +44,43 @@ __all__ = ["build_app", "run_server"]
 
 # Paths anyone may reach even when --api-key is set (probes and scrapers).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 as soon as it is known to exceed ``limit`` bytes."""
+    too_large = OpenAIError(
+        f"the request body is larger than this server's limit of {limit} bytes "
+        "(halserve serve --max-request-body-size)", code="request_too_large", status_code=413,
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def guarded(route: Any) -> Any:
+    """An unexpected exception in ``route`` becomes a logged 500 here: left to Starlette, the
+    500 is sent and then the exception re-raised, which makes uvicorn drop the keep-alive
+    connection under the client's next request."""
+
+    @functools.wraps(route)
+    async def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await route(*args, **kwargs)
+        except OpenAIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug: report it, keep the connection
+            logger.exception("internal error while serving a request")
+            return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500)
+
+    return run
 
 
 class APIKeyMiddleware:
@@ -72,7 +117,8 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
 
-def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence[str] | None = None) -> FastAPI:
+def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence[str] | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     engine = serving.engine
 
     @contextlib.asynccontextmanager
@@ -89,31 +135,42 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     chat = OpenAIServingChat(serving)
     tokenization = OpenAIServingTokenization(serving)
 
+    async def body(model: type, raw_request: Request) -> Any:
+        return parse_body(model, await read_body(raw_request, max_body_bytes))
+
     @app.post("/v1/completions")
+    @guarded
     async def create_completion(raw_request: Request) -> Response:
-        req = parse_body(CompletionRequest, await raw_request.body())
-        return await completion.create(req, raw_request)
+        return await completion.create(await body(CompletionRequest, raw_request), raw_request)
 
     @app.post("/v1/chat/completions")
+    @guarded
     async def create_chat_completion(raw_request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await raw_request.body())
-        return await chat.create(req, raw_request)
+        return await chat.create(await body(ChatCompletionRequest, raw_request), raw_request)
 
     @app.get("/v1/models")
     async def show_models() -> JSONResponse:
         return JSONResponse(tokenization.models().model_dump())
 
+    @app.get("/v1/models/{model_id:path}")
+    async def show_model(model_id: str) -> JSONResponse:
+        name = serving.check_model(model_id or None)  # (an unknown name is a 404)
+        (card,) = [card for card in tokenization.models().data if card.id == name]
+        return JSONResponse(card.model_dump())
+
     @app.post("/tokenize")
+    @guarded
     async def tokenize(raw_request: Request) -> JSONResponse:
-        req = parse_body(TokenizeRequest, await raw_request.body())
+        req = await body(TokenizeRequest, raw_request)
         return JSONResponse((await tokenization.tokenize(req)).model_dump())
 
     @app.post("/detokenize")
+    @guarded
     async def detokenize(raw_request: Request) -> JSONResponse:
-        req = parse_body(DetokenizeRequest, await raw_request.body())
+        req = await body(DetokenizeRequest, raw_request)
         return JSONResponse((await tokenization.detokenize(req)).model_dump())
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if engine.dead_error is not None:
             return JSONResponse(error_body(f"the engine died: {engine.dead_error!r}", 503, code="engine_dead"), 503)
@@ -177,11 +234,12 @@ def run_server(
     port: int,
     api_keys: Sequence[str] | None = None,
     log_level: str = "info",
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> int:
     """Serve until SIGINT/SIGTERM; returns the process exit code."""
     import uvicorn
 
-    app = build_app(serving, metrics, api_keys)
+    app = build_app(serving, metrics, api_keys, max_body_bytes)
     config = uvicorn.Config(
         app,
         host=host,

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from halserve.entrypoints.openai.constraints import named_tool, template_tool_call
+from halserve.sampling_params import MAX_LOGPROBS
 from halserve.entrypoints.openai.protocol import (
     OpenAIModel,
     PromptLogprobs,
@@ -41,11 +42,24 @@ class ChatTool(OpenAIModel):
     function: ChatFunction
 
 
+class PastToolCallFunction(OpenAIModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text as OpenAI sends it (an object is taken too)
+
+
+class PastToolCall(OpenAIModel):
+    """A call an assistant made earlier in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: PastToolCallFunction
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (multi-turn)
+    tool_calls: list[PastToolCall] | None = None  # an assistant's earlier calls (multi-turn)
     tool_call_id: str | None = None  # a tool message: the call it answers
     reasoning: str | None = None  # an assistant's earlier reasoning (vLLM's field) ...
     reasoning_content: str | None = None  # ... or its older name; templates read reasoning_content
@@ -58,7 +72,7 @@ class ChatMessage(OpenAIModel):
         if self.tool_call_id:
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
-            message["tool_calls"] = [template_tool_call(call) for call in self.tool_calls]
+            message["tool_calls"] = [template_tool_call(call.model_dump(exclude_none=True)) for call in self.tool_calls]
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
         if reasoning is not None:
             message["reasoning_content"] = reasoning
@@ -97,6 +111,10 @@ class ChatCompletionRequest(SamplingRequest):
             named_tool(self)  # the name must be one of the tools
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise ValueError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self

@@ -52,7 +52,8 @@ def output_constraint(req: "SamplingRequest") -> dict[str, Any] | None:
 def named_tool(req: "ChatCompletionRequest") -> "ChatTool":
     """The tool a named tool_choice picks; ValueError if it names none of the tools."""
     choice = req.tool_choice
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise ValueError('a named tool_choice is {"type": "function", "function": {"name": NAME}}')
     for tool in req.tools or ():

@@ -132,6 +132,9 @@ def parse_body(model: type, raw: bytes) -> Any:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise BadRequestError("the request body nests arrays or objects too deeply to parse",
+                              code="invalid_json") from None
     if not isinstance(data, dict):
         raise BadRequestError(f"the request body must be a JSON object, got {type(data).__name__}")
     try:

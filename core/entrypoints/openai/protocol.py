@@ -9,9 +9,11 @@ fields are ignored (as OpenAI's and vLLM's servers do) and logged.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
+import typing
 import uuid
 from typing import Any, ClassVar, Literal
 
@@ -44,6 +46,18 @@ _SAMPLING_FIELDS = (
 )
 
 
+MAX_N = 128  # choices per prompt over HTTP (OpenAI's limit): n builds that many requests up front
+
+
+@functools.cache
+def _not_nullable(model: type[BaseModel]) -> frozenset[str]:
+    """Fields of ``model`` with a default whose type does not admit None."""
+    return frozenset(
+        name for name, info in model.model_fields.items()
+        if not info.is_required() and type(None) not in typing.get_args(info.annotation)
+    )
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -57,6 +71,15 @@ class OpenAIModel(BaseModel):
         "prompt": "a string, a list of strings, a list of token ids (integers) or a list of such lists",
         "stop": "a string or a list of strings",
     }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """``null`` for a field that cannot be null means "not set" (some clients send
+        ``"stream": null``): its default applies."""
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items() if value is not None or key not in _not_nullable(cls)}
 
     @model_validator(mode="after")
     def _log_unknown(self) -> "OpenAIModel":
@@ -109,6 +132,8 @@ class SamplingRequest(OpenAIModel):
 
     @model_validator(mode="after")
     def _check_common(self) -> "SamplingRequest":
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         if self.prompt_logprobs is not None and self.stream:

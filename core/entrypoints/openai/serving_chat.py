@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from halserve.engine.processor import check_text_length
 from halserve.entrypoints.openai.constraints import named_tool
 from halserve.entrypoints.openai.errors import BadRequestError
 from halserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs, token_decoder
@@ -52,6 +53,7 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> tuple[str, list[int]]:
     """Apply the chat template: ``(prompt text, prompt token ids)``. Template errors
     (e.g. a template that insists roles alternate) are the client's: ``ValueError``."""
@@ -72,6 +74,8 @@ def render_chat(
         )
     except Exception as exc:  # noqa: BLE001 - jinja's raise_exception and friends
         raise ValueError(f"the chat template could not render these messages: {exc}") from None
+    if max_model_len is not None:
+        check_text_length(tokenizer, text, max_model_len)
     # The template writes the special tokens (BOS) itself.
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     return text, token_ids
@@ -94,6 +98,7 @@ class OpenAIServingChat:
                     req.add_generation_prompt,
                     req.continue_final_message,
                     req.template_kwargs(),
+                    serving.max_model_len,
                 ),
             )
         except ValueError as exc:
@@ -123,7 +128,8 @@ class OpenAIServingChat:
             except ValueError:
                 pass
         elif req.auto_tools:
-            text, calls = TOOL_PARSERS[self.serving.tool_parser](text)
+            names = {tool.function.name for tool in req.tools or ()}
+            text, calls = TOOL_PARSERS[self.serving.tool_parser](text, names, None if req.parallel_tool_calls else 1)
         tool_calls = [ToolCall(function=ToolCallFunction(name=name, arguments=args)) for name, args in calls]
         if tool_calls and finish == "stop" and not named:
             finish = "tool_calls"  # (OpenAI says "stop" for a named function it was told to call)

@@ -99,7 +99,8 @@ class OpenAIServing:
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as exc:
-            raise BadRequestError(str(exc)) from None
+            field = str(exc).split(" ", 1)[0].rstrip(":")  # (its messages start with the field's name)
+            raise BadRequestError(str(exc), param=field if field in kwargs else None) from None
 
     # ------------------------------------------------------------------ engine calls
     async def add_requests(
