@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,7 @@ class StructuredOutputsParams:
     the server sets it when its reasoning parser expects the model to think first)."""
 
     def __post_init__(self) -> None:
-        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None and getattr(self, name) is not False]
         if len(given) != 1:
             raise ValueError(
                 "structured outputs take exactly one of json, json_object, regex, choice, grammar; "
@@ -104,6 +105,9 @@ def marker_end(token_ids: list[int], marker: list[int]) -> int | None:
     return None
 
 
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
 def _xgrammar() -> Any:
     try:
         import xgrammar
@@ -125,6 +129,7 @@ def validate(params: StructuredOutputsParams) -> None:
             xgr.Grammar.from_ebnf(spec)
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the parser's message
         message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        message = _XGRAMMAR_PREFIX.sub("", message)  # (its log prefix: "[06:24:02] /project/cpp/x.cc:83: ")
         raise ValueError(f"structured outputs: invalid {kind}: {message}") from None
 
 

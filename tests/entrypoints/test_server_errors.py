@@ -175,6 +175,10 @@ def test_messages_name_the_problem(server):
     assert "max_completion_tokens" in _check_400(r)
     r = httpx.post(server.url + "/v1/completions", json={**OK, "temperature": -1})
     assert r.json()["error"]["param"] == "temperature"
+    msg = _check_400(httpx.post(server.url + "/v1/completions", json={**OK, "structured_outputs": {"regex": 0}}))
+    assert "regex must be a non-empty string, got 0" in msg
+    msg = _check_400(httpx.post(server.url + "/v1/completions", json={**OK, "guided_regex": "[0-9"}))
+    assert msg.endswith("invalid regex: Regex parsing error at position 5: Unclosed '['"), msg
     r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT_OK, "messages": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": [1, 2]}]}]})
     assert "messages[1].tool_calls[0].function" in _check_400(r)
