@@ -69,7 +69,8 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     """Chained hashes of the request's full blocks, in order; extended as tokens arrive."""
     stop_reason: int | str | None = None
-    """The stop token id or stop string that ended it; None for eos, length or abort."""
+    """The stop token id or stop string that ended it, or why its constraints left no token to
+    generate (``ModelRunnerOutput.no_token_stops``); None for eos, length or abort."""
     num_preemptions: int = 0
     _all_token_ids: list[int] = field(init=False, repr=False)
 

@@ -232,7 +232,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Apply one executed step: advance computed tokens, append sampled tokens, check
-        stops, free finished requests. Returns one output per request that got a token."""
+        stops, free finished requests. Returns one output per request that got a token or
+        ended (one whose constraints left no token ends with none)."""
         position = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         logprobs = model_runner_output.logprobs
         outputs: list[EngineCoreOutput] = []
@@ -245,13 +246,18 @@ class Scheduler:
                 continue  # a partial prefill chunk samples nothing (anything sampled is discarded)
             i = position.get(req_id)
             sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
-            assert sampled, f"{req_id} completed its prefill/decode but the model runner sampled no token"
             new_token_ids: list[int] = []
-            for token_id in sampled:
-                request.append_output_token_id(token_id)
-                new_token_ids.append(token_id)
-                if self._check_stop(request):
-                    break
+            if req_id in model_runner_output.no_token_stops:  # its constraints left nothing to sample
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = model_runner_output.no_token_stops[req_id]
+            else:
+                assert sampled, f"{req_id} completed its prefill/decode but the model runner sampled no token"
+                waive_min_tokens = req_id in model_runner_output.min_tokens_waived
+                for token_id in sampled:
+                    request.append_output_token_id(token_id)
+                    new_token_ids.append(token_id)
+                    if self._check_stop(request, waive_min_tokens):
+                        break
             sample_logprobs = logprobs[i] if i is not None and i < len(logprobs) else None
             prompt_logprobs = model_runner_output.prompt_logprobs
             outputs.append(
@@ -270,14 +276,15 @@ class Scheduler:
                 self._release(request)
         return outputs
 
-    def _check_stop(self, request: Request) -> bool:
+    def _check_stop(self, request: Request, waive_min_tokens: bool = False) -> bool:
         """After appending one token. Order: min_tokens holds off eos and stop ids (not
-        length); then eos (kept in the output), stop_token_ids (stop_reason = the id),
-        then max_tokens / max_model_len. A stop token that is also the last allowed
-        token reports "stop" (vLLM would say "length")."""
+        length) unless waived (the runner sampled the stop token because the request's
+        constraints allowed nothing else); then eos (kept in the output), stop_token_ids
+        (stop_reason = the id), then max_tokens / max_model_len. A stop token that is also
+        the last allowed token reports "stop" (vLLM would say "length")."""
         params = request.sampling_params
         last = request.output_token_ids[-1]
-        if request.num_output_tokens >= (getattr(params, "min_tokens", 0) or 0):
+        if waive_min_tokens or request.num_output_tokens >= (getattr(params, "min_tokens", 0) or 0):
             if not getattr(params, "ignore_eos", False) and last in request.eos_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True

@@ -68,3 +68,10 @@ class ModelRunnerOutput:
     # per request: with its first sampled token, the logprobs of prompt tokens 1.. when it
     # asked for prompt_logprobs (None otherwise; [] = no request asked this step)
     prompt_logprobs: list[list[SampleLogprobs] | None] = field(default_factory=list)
+    # requests whose constraints (a grammar, with allowed_token_ids) left no token to
+    # sample: they sampled nothing ([] above) and end here, finish_reason "stop"; req_id ->
+    # stop_reason: why, or None when their structured output was complete (a normal end)
+    no_token_stops: dict[str, str | None] = field(default_factory=dict)
+    # requests that sampled a stop token before min_tokens because the other constraints
+    # allowed nothing else (a complete structured output): it ends them as after min_tokens
+    min_tokens_waived: set[str] = field(default_factory=set)

@@ -6,7 +6,9 @@ request is added (a bad schema or regex is a ``ValueError`` there, never in the 
 The model runner compiles it against the tokenizer (``StructuredOutputs``, cached per
 grammar), keeps one matcher per request, masks the logits of every token the grammar does
 not allow before sampling, and advances the matcher with each sampled token. Once the grammar
-is complete only EOS is allowed, so the request ends as a normal stop.
+is complete only EOS is allowed, so the request ends as a normal stop (min_tokens gives way).
+A step where the grammar and the request's other constraints (allowed_token_ids) leave no
+token ends the request there without one: finish_reason "stop", the stop_reason says why.
 
 xgrammar is an optional dependency (``pip install "halserve[structured-outputs]"``).
 """
@@ -196,3 +198,15 @@ class StructuredOutputs:
         logger.warning("request %s: token %d does not fit its grammar; it runs unconstrained from here",
                        req_id, token_id)
         return False
+
+    @staticmethod
+    def advance(matcher: Any, token_id: int) -> bool:
+        """Advance a matcher by one sampled token; False, the matcher unchanged, if the token
+        does not fit (the caller then ends the request). After the grammar completed, EOS is
+        all it allows: ignored."""
+        return matcher.is_terminated() or matcher.accept_token(token_id)
+
+    @staticmethod
+    def is_complete(matcher: Any) -> bool:
+        """The tokens so far form a whole string of the grammar (EOS may end it here)."""
+        return matcher.is_terminated() or matcher.is_completed()

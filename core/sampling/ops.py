@@ -39,6 +39,11 @@ def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tenso
     return logits.index_put((rows, token_ids), torch.tensor(_NEG_INF, device=logits.device))
 
 
+def has_token(logits: torch.Tensor) -> torch.Tensor:
+    """[R] bool: rows that still have a token to sample (a logit above -inf)."""
+    return (logits > _NEG_INF).any(dim=-1)
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens whose probability is below min_p times the row's top probability."""
     probs = logits.softmax(dim=-1)  # [R, V]

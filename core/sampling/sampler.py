@@ -1,6 +1,8 @@
 """The on-device sampler: one token per request from the model's last-position logits."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from halserve.sampling.logprobs import gather_logprobs
@@ -11,9 +13,24 @@ from halserve.sampling.ops import (
     apply_penalties,
     apply_top_k_top_p,
     gumbel_sample,
+    has_token,
     mask_tokens,
 )
 from halserve.scheduler_output import SampleLogprobs
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One step's draw for a batch of R rows."""
+
+    sampled_token_ids: torch.Tensor  # [R] int64 on the logits' device; arbitrary where has_token is False
+    logprobs: list[SampleLogprobs | None]  # per row, when its params asked for logprobs
+    # [R] bool: False where the hard constraints (allowed_token_ids, min_tokens, the caller's
+    # grammar mask) leave no token at all; such a row's token must not be used
+    has_token: torch.Tensor
+    # [R] bool: True where stop tokens were all the other constraints left, so min_tokens let
+    # one be sampled (its request is to end there); None when no row is under min_tokens
+    min_tokens_waived: torch.Tensor | None
 
 
 class Sampler:
@@ -23,13 +40,24 @@ class Sampler:
     penalties; min_tokens masking;
     then greedy rows take the argmax, random rows go through temperature, min_p, top_k,
     top_p and an exponential-race (Gumbel) draw.
+
+    Hard constraints (-inf logits: allowed_token_ids, min_tokens, a grammar) can leave a row
+    nothing: min_tokens gives way when only stop tokens are left (a complete structured
+    output ends rather than break its grammar); a row left with no token at all is reported
+    in ``SamplerOutput.has_token`` (logit_bias is soft: -100 leaves a token sampleable).
     """
 
     def __call__(
         self, logits: torch.Tensor, meta: SamplingMetadata
     ) -> tuple[torch.Tensor, list[SampleLogprobs | None]]:
         """logits [R, V] -> (sampled token ids [R] int64 on the logits' device, per-row
-        ``SampleLogprobs`` for rows whose params asked for logprobs, else None)."""
+        ``SampleLogprobs`` for rows whose params asked for logprobs, else None): ``sample``
+        without its constraint reports."""
+        out = self.sample(logits, meta)
+        return out.sampled_token_ids, out.logprobs
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits [R, V] (rows a grammar forbids already -inf) -> one token per row."""
         if logits.dim() != 2 or logits.shape[0] != meta.num_reqs or logits.shape[1] != meta.vocab_size:
             raise ValueError(
                 f"logits of shape {tuple(logits.shape)} do not match the sampling metadata "
@@ -56,19 +84,29 @@ class Sampler:
                 meta.frequency_penalty,
                 meta.presence_penalty,
             )
+        kept: torch.Tensor | None = None  # [R] bool: rows min_tokens masking leaves a token
         if meta.min_tokens_rows is not None:
             assert meta.min_tokens_token_ids is not None
-            logits = mask_tokens(logits, meta.min_tokens_rows, meta.min_tokens_token_ids)
+            masked = mask_tokens(logits, meta.min_tokens_rows, meta.min_tokens_token_ids)
+            kept = has_token(masked)
+            logits = torch.where(kept.unsqueeze(1), masked, logits)
 
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
             sampled = self._sample_random(logits, meta)
+        # A row with a token left draws one with a finite logit (the filters keep each row's
+        # best token); a row with none draws an arbitrary -inf one. O(R), no [R, V] scan.
+        chosen = logits.gather(1, sampled.unsqueeze(1)).squeeze(1)  # [R]
+        sampled_ok = chosen > float("-inf")
+        waived = None if kept is None else sampled_ok & ~kept
 
         if raw_logprobs is None:
-            return sampled, [None] * meta.num_reqs
-        assert meta.max_num_logprobs is not None
-        return sampled, gather_logprobs(raw_logprobs, sampled, meta.num_logprobs, meta.max_num_logprobs)
+            logprobs: list[SampleLogprobs | None] = [None] * meta.num_reqs
+        else:
+            assert meta.max_num_logprobs is not None
+            logprobs = gather_logprobs(raw_logprobs, sampled, meta.num_logprobs, meta.max_num_logprobs)
+        return SamplerOutput(sampled, logprobs, has_token=sampled_ok, min_tokens_waived=waived)
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

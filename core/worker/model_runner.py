@@ -337,32 +337,65 @@ class ModelRunner:
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs: list = [None] * num_reqs
         prompt_logprobs: list = [None] * num_reqs
+        no_token_stops: dict[str, str | None] = {}
+        min_tokens_waived: set[str] = set()
         if logits is not None:
             rows = [step.states[r] for r in step.sample_rows]
             constrained = [(j, s.grammar) for j, s in enumerate(rows) if s.grammar is not None and not s.grammar_waits]
             if constrained:
                 logits = self._structured.mask_logits(logits, constrained)
-            tokens, row_logprobs = self.sampler(logits, self._sampling_metadata(rows, logits.device))
-            tokens = tokens.tolist()
+            out = self.sampler.sample(logits, self._sampling_metadata(rows, logits.device))
+            tokens = out.sampled_token_ids.tolist()
+            has_token = out.has_token.tolist()
+            waived = out.min_tokens_waived.tolist() if out.min_tokens_waived is not None else [False] * len(rows)
             for j, r in enumerate(step.sample_rows):
                 tok = tokens[j]
-                sampled_token_ids[r] = [tok]
                 state = step.states[r]
-                state.output_token_ids.append(tok)
-                logprobs[r] = row_logprobs[j] if row_logprobs else None
-                if state.grammar is None:
-                    pass
-                elif state.grammar_waits:
-                    marker = state.sampling_params.structured_outputs.start_after
-                    state.grammar_waits = state.output_token_ids[-len(marker):] != marker
-                elif not self._structured.accept(state.req_id, state.grammar, tok):
-                    state.grammar = None
                 if state.prompt_logprobs is not None:  # the prompt is all scored: send it with the first token
                     prompt_logprobs[r], state.prompt_logprobs = state.prompt_logprobs, None
+                if not has_token[j]:
+                    no_token_stops[state.req_id] = self._no_token_stop(state, None)
+                    continue
+                grammar_active = state.grammar is not None and not state.grammar_waits
+                if grammar_active and not self._structured.advance(state.grammar, tok):
+                    no_token_stops[state.req_id] = self._no_token_stop(state, tok)  # (its mask allowed it)
+                    continue
+                sampled_token_ids[r] = [tok]
+                state.output_token_ids.append(tok)
+                logprobs[r] = out.logprobs[j]
+                if waived[j]:
+                    min_tokens_waived.add(state.req_id)
+                if state.grammar is not None and state.grammar_waits:
+                    marker = state.sampling_params.structured_outputs.start_after
+                    state.grammar_waits = state.output_token_ids[-len(marker):] != marker
         for r, state in enumerate(step.states):
             state.num_computed_tokens = int(step.seq_lens[r])
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs)
+                                 prompt_logprobs=prompt_logprobs, no_token_stops=no_token_stops,
+                                 min_tokens_waived=min_tokens_waived)
+
+    def _no_token_stop(self, state: CachedRequestState, rejected: int | None) -> str | None:
+        """The stop_reason of a request that ends without a token this step (``rejected``: the
+        sampled token its grammar refused; None: its constraints left no token). None when
+        its structured output is complete, so ending is what EOS would have done; otherwise
+        why, logged as a warning: its constraints contradict each other."""
+        grammar = state.grammar if not state.grammar_waits else None
+        params = state.sampling_params
+        if rejected is not None:
+            reason = f"the sampled token {rejected} does not fit the request's structured outputs grammar"
+        elif grammar is not None and self._structured.is_complete(grammar):
+            logger.info("request %s: its structured output is complete but its other constraints forbid EOS; "
+                        "it ends here", state.req_id)
+            return None
+        else:
+            # (min_tokens is never the cause: it gives way to stop tokens, see Sampler)
+            constraints = [name for name, active in (("structured outputs", grammar is not None),
+                                                     ("allowed_token_ids", params.allowed_token_ids is not None))
+                           if active]
+            reason = (f"the request's constraints leave no token to generate ({' with '.join(constraints)})"
+                      if constraints else "no token can be sampled: its logits are -inf or NaN")
+        logger.warning("request %s: %s; it ends here", state.req_id, reason)
+        return reason
 
     def _sampling_metadata(self, rows: list[CachedRequestState], device: torch.device):
         from halserve.sampling import SamplingMetadata

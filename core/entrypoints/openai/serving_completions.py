@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halserve.entrypoints.openai.errors import BadRequestError
-from halserve.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs, token_decoder
+from halserve.entrypoints.openai.logprobs import TextOffsets, completion_logprobs, prompt_logprobs, token_decoder
 from halserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -30,6 +30,7 @@ from halserve.entrypoints.openai.serving_engine import (
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.async_llm import RequestStream
     from halserve.outputs import RequestOutput
+    from halserve.sampling_params import SamplingParams
 
 
 def normalize_prompts(prompt: Any) -> list[str | list[int]]:
@@ -57,14 +58,14 @@ class OpenAIServingCompletion:
         created = int(time.time())
         if req.stream:
             return StreamingResponse(
-                self._stream(req, streams, request_id, model, created, params.n, params.output_text_buffer_length),
+                self._stream(req, params, streams, request_id, model, created),
                 media_type="text/event-stream",
             )
         try:
             finals = await serving.collect(streams, raw_request)
         except ClientDisconnected:
             return Response(status_code=499)
-        return JSONResponse(self._response(req, finals, request_id, model, created).model_dump())
+        return JSONResponse(self._response(req, params, finals, request_id, model, created).model_dump())
 
     def _prompt_text(self, out: "RequestOutput") -> str:
         if out.prompt is not None:
@@ -72,7 +73,13 @@ class OpenAIServingCompletion:
         return self.serving.tokenizer.decode(out.prompt_token_ids)
 
     def _response(
-        self, req: CompletionRequest, finals: list["RequestOutput"], request_id: str, model: str, created: int
+        self,
+        req: CompletionRequest,
+        params: "SamplingParams",
+        finals: list["RequestOutput"],
+        request_id: str,
+        model: str,
+        created: int,
     ) -> CompletionResponse:
         decode = token_decoder(req, self.serving.decode_token)
         choices = []
@@ -84,11 +91,12 @@ class OpenAIServingCompletion:
             scored_prompt = prompt_logprobs(final, decode) if req.prompt_logprobs is not None else None
             for o in final.outputs:
                 completion_tokens += len(o.token_ids)
+                offsets = TextOffsets(self.serving.tokenizer, params, final.prompt_token_ids, base=len(prefix))
                 choices.append(
                     CompletionResponseChoice(
                         index=i * n + o.index,
                         text=prefix + o.text,
-                        logprobs=completion_logprobs(o, 0, decode, len(prefix), final if req.echo else None),
+                        logprobs=completion_logprobs(o, 0, decode, offsets, final if req.echo else None),
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
                         prompt_logprobs=scored_prompt,
@@ -110,17 +118,17 @@ class OpenAIServingCompletion:
     async def _stream(
         self,
         req: CompletionRequest,
+        params: "SamplingParams",
         streams: list["RequestStream"],
         request_id: str,
         model: str,
         created: int,
-        n: int,
-        holdback: int,
     ) -> AsyncIterator[str]:
         decode = token_decoder(req, self.serving.decode_token)
+        n, holdback = params.n, params.output_text_buffer_length
         sent_text: dict[int, int] = {}  # choice index -> characters of text sent
         sent_tokens: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
-        offsets: dict[int, int] = {}  # choice index -> text offset for logprobs
+        offsets: dict[int, TextOffsets] = {}  # choice index -> its tokens' text offsets for logprobs
         finished: set[int] = set()
         prompt_tokens: dict[int, int] = {}
         completion_tokens: dict[int, int] = {}
@@ -142,12 +150,9 @@ class OpenAIServingCompletion:
                     new_tokens = len(o.token_ids) > start_tok
                     if not (delta or prefix or o.finish_reason is not None or (new_tokens and req.logprobs is not None)):
                         continue
-                    offset = offsets.get(index, 0) + len(prefix)
-                    logprobs = completion_logprobs(o, start_tok, decode, offset, out if prefix else None)
-                    if logprobs is not None and logprobs.tokens:
-                        offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-                    else:
-                        offsets[index] = offset
+                    if first:
+                        offsets[index] = TextOffsets(self.serving.tokenizer, params, out.prompt_token_ids, len(prefix))
+                    logprobs = completion_logprobs(o, start_tok, decode, offsets[index], out if prefix else None)
                     sent_text[index] = end
                     sent_tokens[index] = len(o.token_ids)
                     if o.finish_reason is not None:
