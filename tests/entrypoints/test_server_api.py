@@ -145,6 +145,23 @@ def test_echo_with_logprobs_scores_the_prompt(client):
     again = rescored.choices[0].logprobs.token_logprobs
     assert abs(again[len(tokens)] - sampled.choices[0].logprobs.token_logprobs[0]) < 1e-4
     assert again[1 : len(tokens)] == pytest.approx(lp.token_logprobs[1 : len(tokens)], abs=1e-4)
+    # max_tokens 0 with echo: the prompt scored, nothing generated (whole and streamed)
+    text_prompt = "hello world, tell me about paris"
+    for stream in (False, True):
+        extra = {"stream_options": {"include_usage": True}} if stream else {}
+        results = []
+        for prompt in (tokens, text_prompt):
+            got = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                            stream=stream, **extra)
+            chunks = list(got) if stream else [got]
+            (choice,) = [c for chunk in chunks for c in chunk.choices]
+            assert choice.finish_reason == "length" and chunks[-1].usage.completion_tokens == 0
+            results.append((choice, chunks[-1].usage.prompt_tokens))
+        (only, only_count), (texty, texty_count) = results
+        assert only_count == len(only.logprobs.tokens) == len(tokens)
+        assert only.logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:-1], abs=1e-4)
+        assert texty.text == text_prompt and texty_count == len(texty.logprobs.tokens)
+        assert "".join(texty.logprobs.tokens[1:]) == text_prompt  # (BOS, then the text)
     # streamed, the first chunk carries the echoed prompt's logprobs
     chunks = list(client.completions.create(model=SERVED_NAME, prompt=tokens, max_tokens=2, temperature=0, echo=True,
                                             logprobs=1, stream=True, extra_body={"ignore_eos": True}))

@@ -189,11 +189,20 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("best_of is not supported (only best_of == n)")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: set echo to true to get the prompt (and with logprobs "
+                             "its logprobs) back, or ask for at least 1 token")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated, as
+        lm-evaluation-harness asks to score a text."""
+        return self.echo and self.max_tokens == 0
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = super().sampling_kwargs()
-        kwargs["max_tokens"] = self.max_tokens
+        kwargs["max_tokens"] = 1 if self.echo_only else self.max_tokens  # (the one token is not returned)
         if self.logprobs is not None:
             kwargs["logprobs"] = self.logprobs
             if self.echo:  # the echoed prompt's tokens come with their logprobs too

@@ -2,6 +2,7 @@
 (choice index = prompt index * n + sample index), streamed as SSE or returned whole."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -29,7 +30,7 @@ from halserve.entrypoints.openai.serving_engine import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.async_llm import RequestStream
-    from halserve.outputs import RequestOutput
+    from halserve.outputs import CompletionOutput, RequestOutput
     from halserve.sampling_params import SamplingParams
 
 
@@ -42,6 +43,12 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
     if isinstance(prompt[0], int):
         return [list(prompt)]
     return list(prompt)
+
+
+def prompt_only(output: "CompletionOutput") -> "CompletionOutput":
+    """A finished choice as echo with max_tokens 0 returns it: without the token generated."""
+    return dataclasses.replace(output, text="", token_ids=[], logprobs=[] if output.logprobs is not None else None,
+                               cumulative_logprob=None, finish_reason="length", stop_reason=None)
 
 
 class OpenAIServingCompletion:
@@ -90,6 +97,7 @@ class OpenAIServingCompletion:
             prefix = self._prompt_text(final) if req.echo else ""
             scored_prompt = prompt_logprobs(final, decode) if req.prompt_logprobs is not None else None
             for o in final.outputs:
+                o = prompt_only(o) if req.echo_only else o
                 completion_tokens += len(o.token_ids)
                 offsets = TextOffsets(self.serving.tokenizer, params, final.prompt_token_ids, base=len(prefix))
                 choices.append(
@@ -138,8 +146,9 @@ class OpenAIServingCompletion:
                 choices = []
                 for o in out.outputs:
                     index = i * n + o.index
-                    if index in finished:
+                    if index in finished or (req.echo_only and o.finish_reason is None):
                         continue
+                    o = prompt_only(o) if req.echo_only else o
                     completion_tokens[index] = len(o.token_ids)
                     first = index not in sent_text
                     prefix = self._prompt_text(out) if (req.echo and first) else ""
@@ -147,8 +156,8 @@ class OpenAIServingCompletion:
                     start_tok = sent_tokens.get(index, 0)
                     end = sendable_end(o.text, start_text, o.finish_reason is not None, holdback)
                     delta = o.text[start_text:end]
-                    new_tokens = len(o.token_ids) > start_tok
-                    if not (delta or prefix or o.finish_reason is not None or (new_tokens and req.logprobs is not None)):
+                    new_logprobs = len(o.token_ids) > start_tok and req.logprobs is not None
+                    if not (delta or prefix or o.finish_reason is not None or new_logprobs):
                         continue
                     if first:
                         offsets[index] = TextOffsets(self.serving.tokenizer, params, out.prompt_token_ids, len(prefix))
@@ -167,7 +176,8 @@ class OpenAIServingCompletion:
                         )
                     )
                 if choices:
-                    yield sse_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=choices))
+                    chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=choices)
+                    yield sse_event(chunk)
             if req.include_usage:
                 p, c = sum(prompt_tokens.values()), sum(completion_tokens.values())
                 usage = UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
