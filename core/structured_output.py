@@ -49,6 +49,10 @@ class StructuredOutputsParams:
     """Not a constraint: the constraint applies only once the output holds these token ids in a
     row, free generation before (a reasoning model's end-of-thinking marker, e.g. ``</think>``:
     the server sets it when its reasoning parser expects the model to think first)."""
+    opened_by: int | None = None
+    """With ``start_after``: the wait holds only for an output that opens with this token (a
+    thinking model's ``<think>``, which it may leave out); the first token is either this one
+    or one the constraint allows, and any other opening puts the whole output under it."""
 
     def __post_init__(self) -> None:
         given = [name for name in CONSTRAINTS if getattr(self, name) is not None and getattr(self, name) is not False]
@@ -81,6 +85,10 @@ class StructuredOutputsParams:
                     f"structured outputs: start_after must be a non-empty list of token ids, got {self.start_after!r}"
                 )
             self.start_after = list(self.start_after)
+        if self.opened_by is not None and (self.start_after is None or not isinstance(self.opened_by, int)
+                                           or isinstance(self.opened_by, bool) or self.opened_by < 0):
+            raise ValueError(f"structured outputs: opened_by must be a token id and needs start_after, "
+                             f"got {self.opened_by!r}")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -96,6 +104,52 @@ class StructuredOutputsParams:
             # one alternative per choice, each a JSON-escaped string literal (GBNF's escapes)
             return "grammar", "root ::= " + " | ".join(json.dumps(option) for option in self.choice)
         return "grammar", self.grammar  # type: ignore[return-value]
+
+
+def constrained_tail(params: StructuredOutputsParams, generated: list[int]) -> list[int] | None:
+    """The generated tokens under the constraint (from where it started), or None while it has
+    not started (``start_after``'s marker not generated yet; with ``opened_by``, no token yet)."""
+    if params.start_after is None or (params.opened_by is not None and generated[:1] not in ([], [params.opened_by])):
+        return generated
+    end = marker_end(generated, params.start_after)
+    return None if end is None else generated[end:]
+
+
+@dataclass(slots=True)
+class RequestGrammar:
+    """One request's matcher and whether its constraint has started."""
+
+    params: StructuredOutputsParams
+    matcher: Any
+    waits: bool  # not started: its start_after marker is not generated yet
+    gated: bool  # before the first token with opened_by: that token, or one the grammar allows
+
+    @property
+    def masks(self) -> bool:
+        """The grammar filters the next token."""
+        return not self.waits or self.gated
+
+    @property
+    def active(self) -> bool:
+        return not self.waits
+
+    def follow(self, token_id: int, output: list[int]) -> bool:
+        """After ``token_id`` was sampled (``output`` ends with it): advance the matcher if the
+        constraint applies. False, the matcher unchanged, if the token does not fit it."""
+        if self.gated:
+            self.gated = False
+            if token_id == self.params.opened_by:
+                return True  # thinking: the constraint waits for the end marker
+            self.waits = False
+        elif self.waits:
+            marker = self.params.start_after
+            self.waits = output[-len(marker) :] != marker
+            return True
+        return self.matcher.is_terminated() or self.matcher.accept_token(token_id)
+
+    def is_complete(self) -> bool:
+        """The tokens under the constraint form a whole string of the grammar (EOS may end it)."""
+        return self.active and (self.matcher.is_terminated() or self.matcher.is_completed())
 
 
 def marker_end(token_ids: list[int], marker: list[int]) -> int | None:
@@ -146,7 +200,7 @@ class StructuredOutputs:
         self._compiler = xgr.GrammarCompiler(info)
         self._compiled: dict[tuple[str, str], Any] = {}
 
-    def start(self, req_id: str, params: StructuredOutputsParams, generated: list[int]) -> Any:
+    def start(self, req_id: str, params: StructuredOutputsParams, generated: list[int]) -> RequestGrammar | None:
         """A request's matcher (its grammar compiled once per distinct constraint), advanced
         past the tokens it already generated (a request resumed after preemption). None, with
         an error logged, if the grammar does not compile (``validate`` parsed it when the
@@ -167,24 +221,26 @@ class StructuredOutputs:
             logger.exception("request %s: its %s constraint did not compile; it runs unconstrained", req_id, key[0])
             return None
         matcher = self._xgr.GrammarMatcher(compiled)
-        if params.start_after is not None:
-            # the matcher follows the tokens after the marker only (none yet if it is not there)
-            end = marker_end(generated, params.start_after)
-            generated = generated[end:] if end is not None else []
-        for token_id in generated:
+        tail = constrained_tail(params, generated)
+        for token_id in tail or ():  # (the matcher follows the tokens under the constraint only)
             if not self.accept(req_id, matcher, token_id):
                 return None
-        return matcher
+        gated = params.opened_by is not None and not generated
+        return RequestGrammar(params, matcher, waits=tail is None, gated=gated)
 
-    def mask_logits(self, logits: "torch.Tensor", matchers: list[tuple[int, Any]]) -> "torch.Tensor":
-        """-inf in ``logits`` rows (one per (row, matcher)) for every token the grammar does not
-        allow next; returns the masked logits (a copy: the caller's stay as they were)."""
+    def mask_logits(self, logits: "torch.Tensor", grammars: list[tuple[int, RequestGrammar]]) -> "torch.Tensor":
+        """-inf in ``logits`` rows (one per (row, grammar)) for every token the grammar does not
+        allow next (a gated one's opened_by token stays allowed); returns the masked logits (a
+        copy: the caller's stay as they were)."""
         import torch
 
-        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for i, (_, matcher) in enumerate(matchers):
-            matcher.fill_next_token_bitmask(bitmask, i)
-        rows = torch.tensor([row for row, _ in matchers], dtype=torch.long, device=logits.device)
+        bitmask = self._xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
+        for i, (_, grammar) in enumerate(grammars):
+            grammar.matcher.fill_next_token_bitmask(bitmask, i)
+            if grammar.gated:
+                word, bit = divmod(grammar.params.opened_by, 32)
+                bitmask[i, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # (int32 words)
+        rows = torch.tensor([row for row, _ in grammars], dtype=torch.long, device=logits.device)
         masked = logits.index_select(0, rows).float()
         self._xgr.apply_token_bitmask_inplace(masked, bitmask.to(masked.device))
         return logits.index_copy(0, rows, masked.to(logits.dtype))
@@ -198,15 +254,3 @@ class StructuredOutputs:
         logger.warning("request %s: token %d does not fit its grammar; it runs unconstrained from here",
                        req_id, token_id)
         return False
-
-    @staticmethod
-    def advance(matcher: Any, token_id: int) -> bool:
-        """Advance a matcher by one sampled token; False, the matcher unchanged, if the token
-        does not fit (the caller then ends the request). After the grammar completed, EOS is
-        all it allows: ignored."""
-        return matcher.is_terminated() or matcher.accept_token(token_id)
-
-    @staticmethod
-    def is_complete(matcher: Any) -> bool:
-        """The tokens so far form a whole string of the grammar (EOS may end it here)."""
-        return matcher.is_terminated() or matcher.is_completed()

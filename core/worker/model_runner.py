@@ -29,7 +29,6 @@ import torch
 
 from halserve.attention_backends.base import AttentionMetadata
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from halserve.structured_output import marker_end
 from halserve.worker.backend_selection import select_attention_backend
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.models.loader import ModelInfo
     from halserve.platforms.base import Platform
     from halserve.sampling_params import SamplingParams
+    from halserve.structured_output import RequestGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,7 @@ class CachedRequestState:
     num_computed_tokens: int
     # prompt_logprobs asked and the prompt not yet all scored: entries for prompt tokens 1.. so far
     prompt_logprobs: list | None = None
-    grammar: object | None = None  # structured outputs: the request's xgrammar matcher
-    grammar_waits: bool = False  # the matcher starts after its start_after marker, not yet generated
+    grammar: "RequestGrammar | None" = None  # structured outputs: the request's matcher and its state
 
     @property
     def num_tokens(self) -> int:
@@ -315,10 +314,8 @@ class ModelRunner:
 
             self._structured = StructuredOutputs(load_tokenizer(self.config, self.info), self.info.vocab_size)
         # (a request resumed after preemption replays the tokens it generated)
-        params = state.sampling_params.structured_outputs
-        state.grammar = self._structured.start(state.req_id, params, state.output_token_ids)
-        state.grammar_waits = (params.start_after is not None
-                               and marker_end(state.output_token_ids, params.start_after) is None)
+        state.grammar = self._structured.start(state.req_id, state.sampling_params.structured_outputs,
+                                               state.output_token_ids)
 
     def _score_prompt(self, step: "StepInputs", hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens this step's chunks cover, for requests that asked for
@@ -341,7 +338,7 @@ class ModelRunner:
         min_tokens_waived: set[str] = set()
         if logits is not None:
             rows = [step.states[r] for r in step.sample_rows]
-            constrained = [(j, s.grammar) for j, s in enumerate(rows) if s.grammar is not None and not s.grammar_waits]
+            constrained = [(j, s.grammar) for j, s in enumerate(rows) if s.grammar is not None and s.grammar.masks]
             if constrained:
                 logits = self._structured.mask_logits(logits, constrained)
             out = self.sampler.sample(logits, self._sampling_metadata(rows, logits.device))
@@ -356,18 +353,15 @@ class ModelRunner:
                 if not has_token[j]:
                     no_token_stops[state.req_id] = self._no_token_stop(state, None)
                     continue
-                grammar_active = state.grammar is not None and not state.grammar_waits
-                if grammar_active and not self._structured.advance(state.grammar, tok):
+                state.output_token_ids.append(tok)
+                if state.grammar is not None and not state.grammar.follow(tok, state.output_token_ids):
+                    state.output_token_ids.pop()
                     no_token_stops[state.req_id] = self._no_token_stop(state, tok)  # (its mask allowed it)
                     continue
                 sampled_token_ids[r] = [tok]
-                state.output_token_ids.append(tok)
                 logprobs[r] = out.logprobs[j]
                 if waived[j]:
                     min_tokens_waived.add(state.req_id)
-                if state.grammar is not None and state.grammar_waits:
-                    marker = state.sampling_params.structured_outputs.start_after
-                    state.grammar_waits = state.output_token_ids[-len(marker):] != marker
         for r, state in enumerate(step.states):
             state.num_computed_tokens = int(step.seq_lens[r])
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
@@ -379,11 +373,11 @@ class ModelRunner:
         sampled token its grammar refused; None: its constraints left no token). None when
         its structured output is complete, so ending is what EOS would have done; otherwise
         why, logged as a warning: its constraints contradict each other."""
-        grammar = state.grammar if not state.grammar_waits else None
+        grammar = state.grammar if state.grammar is not None and state.grammar.active else None
         params = state.sampling_params
         if rejected is not None:
             reason = f"the sampled token {rejected} does not fit the request's structured outputs grammar"
-        elif grammar is not None and self._structured.is_complete(grammar):
+        elif grammar is not None and grammar.is_complete():
             logger.info("request %s: its structured output is complete but its other constraints forbid EOS; "
                         "it ends here", state.req_id)
             return None

@@ -184,6 +184,15 @@ def test_structured_outputs_start_after_a_marker_across_preemption(llama_path):
     assert free_tokens > 0, "some tokens before the marker: generation there was free"
     with pytest.raises(ValueError, match="start_after must be a non-empty list of token ids"):
         SamplingParams(structured_outputs={"regex": regex, "start_after": []})
+    # opened_by: the wait holds only for an output that opens with that token (what a resumed
+    # request replays into its matcher: the tail, or None while the constraint has not started)
+    from halserve.structured_output import StructuredOutputsParams, constrained_tail
+
+    gated = StructuredOutputsParams(regex=regex, start_after=[9], opened_by=7)
+    assert constrained_tail(gated, []) is None and constrained_tail(gated, [7, 3]) is None
+    assert constrained_tail(gated, [7, 3, 9, 4]) == [4] and constrained_tail(gated, [5, 9, 4]) == [5, 9, 4]
+    with pytest.raises(ValueError, match="opened_by must be a token id and needs start_after"):
+        StructuredOutputsParams(regex=regex, opened_by=7)
 
 
 def test_seeded_sampling_reproducible_across_runs_and_batches(llm):

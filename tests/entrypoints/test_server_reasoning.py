@@ -3,7 +3,7 @@ field, the rest to content; structured outputs and forced tool calls apply after
 
 The server runs a tiny random checkpoint whose tokenizer has <think> and </think> as tokens and
 a Qwen3-like chat template: the prompt opens a think block unless ``enable_thinking`` is false
-(then it ends with an empty, closed one). The random model is nudged to close its thinking with
+(then it ends with an empty, closed one) or ``open_think`` is false (then the model may open one). The random model is nudged to close its thinking with
 logit_bias on </think>; the raw text of the same seeded generation, read through
 /v1/completions on the rendered prompt, is what the parsed reply is checked against."""
 from __future__ import annotations
@@ -22,7 +22,8 @@ THINK_TEMPLATE = (
     "{% if message.get('reasoning_content') %}<think>{{ message['reasoning_content'] }}</think>{% endif %}"
     "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% elif open_think is not defined or open_think %}<think>\n{% endif %}"
     "{% endif %}"
 )
 MESSAGES = [{"role": "user", "content": "tell me about the quick brown fox"}]
@@ -139,10 +140,41 @@ def test_structured_output_applies_after_the_thinking(thinking_server, client):
     assert message["content"] in choices and message["reasoning"] is None
 
 
+def test_constraint_when_the_model_may_open_its_thinking(thinking_server, client):
+    """Qwen3's original template leaves opening the think block to the model: the first token
+    is <think> (then the constraint waits for </think>) or one the constraint allows (then it
+    applies from there). It must never wait for a </think> that is not coming."""
+    start, end = token_id(thinking_server, "<think>"), token_id(thinking_server, "</think>")
+    maybe = {"chat_template_kwargs": {"open_think": False}}
+    json_object = {"type": "json_object"}
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"enum": ["fox", "dog"]}}, "required": ["q"]}}}
+    for seed in range(3):  # no thinking: constrained from the first token
+        sampling = dict(max_tokens=60, temperature=1.0, seed=seed, logit_bias={str(start): -100.0})
+        reply = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, response_format=json_object,
+                                               extra_body=maybe, **sampling).choices[0]
+        message = reply.message.model_dump()
+        assert message["reasoning"] is None and message["content"].startswith("{"), message
+        if reply.finish_reason == "stop":
+            assert isinstance(json.loads(message["content"]), dict)
+        call = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, tools=[tool],
+                                              tool_choice="required", extra_body=maybe, **sampling).choices[0]
+        assert call.finish_reason == "tool_calls" and call.message.content is None
+        assert json.loads(call.message.tool_calls[0].function.arguments)["q"] in ("fox", "dog")
+    # the model opens its thinking (both tags pushed up: the grammar's gate lets <think> in as
+    # the first token, keeps </think> out of it, and after </think> the object follows)
+    reply = client.chat.completions.create(
+        model=SERVED_NAME, messages=MESSAGES, response_format=json_object, extra_body=maybe, max_tokens=60,
+        temperature=1.0, seed=0, logprobs=True, logit_bias={str(start): 100.0, str(end): 100.0}).choices[0]
+    tokens = [t.token for t in reply.logprobs.content]
+    assert tokens[0] == "<think>" and "</think>" in tokens, tokens
+    assert reply.finish_reason == "stop" and isinstance(json.loads(reply.message.content), dict)
+
+
 def test_forced_tool_call_after_the_thinking(thinking_server, client):
     end = token_id(thinking_server, "</think>")
     tool = {"type": "function", "function": {"name": "lookup", "parameters": {
-        "type": "object", "properties": {"q": {"type": "string", "maxLength": 8}}, "required": ["q"]}}}
+        "type": "object", "properties": {"q": {"enum": ["fox", "dog"]}}, "required": ["q"]}}}
     reply = client.chat.completions.create(
         model=SERVED_NAME, messages=MESSAGES, max_tokens=60, temperature=1.0, seed=2, logit_bias={str(end): 3.0},
         tools=[tool], tool_choice={"type": "function", "function": {"name": "lookup"}}).choices[0]

@@ -44,6 +44,7 @@ from halserve.entrypoints.openai.serving_engine import (
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.async_llm import RequestStream
     from halserve.outputs import CompletionOutput
+    from halserve.structured_output import StructuredOutputsParams
 
 
 def render_chat(
@@ -103,6 +104,17 @@ class OpenAIServingChat:
             )
         except ValueError as exc:
             raise BadRequestError(str(exc), param="messages") from None
+
+    def _after_thinking(self, constraint: "StructuredOutputsParams", start: ReplyStart | None) -> None:
+        """A thinking model's constraint applies after its thinking: from the end tag on (the
+        tag's tokens). Where the reply may or may not open with the start tag (one token), the
+        first token is that tag or one the constraint allows."""
+        serving = self.serving
+        if start is ReplyStart.REASONING:
+            constraint.start_after = list(serving.reasoning_end_ids)
+        elif start is ReplyStart.MAYBE and len(serving.reasoning_start_ids) == 1:
+            constraint.start_after = list(serving.reasoning_end_ids)
+            constraint.opened_by = serving.reasoning_start_ids[0]
 
     def _reply(self, req: ChatCompletionRequest, output: "CompletionOutput", start: ReplyStart | None
                ) -> tuple[ChatResponseMessage, str | None]:
@@ -166,8 +178,8 @@ class OpenAIServingChat:
         params = serving.sampling_params(req.sampling_kwargs())
         prompt_text, prompt_ids = await self.render(req)
         start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
-        if params.structured_outputs is not None and start not in (None, ReplyStart.CONTENT):
-            params.structured_outputs.start_after = list(serving.reasoning_end_ids)  # think first, then comply
+        if params.structured_outputs is not None:
+            self._after_thinking(params.structured_outputs, start)
         request_id = random_id("chatcmpl")
         streams = await serving.add_requests([prompt_ids], params, request_id, prompt_texts=[prompt_text])
         created = int(time.time())

@@ -62,10 +62,10 @@ class OpenAIServing:
         self.tool_parser = tool_parser  # tool_choice 'auto': the --tool-call-parser, None when not enabled
         self.tokenizer = engine.tokenizer
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
-        # the token ids of its end tag: a constrained reply's grammar starts after them
-        self.reasoning_end_ids = (
-            self.tokenizer.encode(self.reasoning_parser.end_tag, add_special_tokens=False)
-            if self.reasoning_parser else None
+        # the token ids of its tags: a constrained reply's grammar starts after the end tag's
+        self.reasoning_start_ids, self.reasoning_end_ids = (
+            [self.tokenizer.encode(tag, add_special_tokens=False) for tag in (parser.start_tag, parser.end_tag)]
+            if (parser := self.reasoning_parser) else (None, None)
         )
         self.created = int(time.time())
 
