@@ -19,6 +19,7 @@ from halserve.structured_output import CONSTRAINTS, StructuredOutputsParams
 SAMPLING_EPS = 1e-5
 # Upper bound of ``logprobs`` (top alternatives returned per token), as vLLM's default max_logprobs.
 MAX_LOGPROBS = 20
+_FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: logits are divided by the penalty
 
 # HF generation_config keys that become model defaults (vLLM reads the same ones);
 # the value is the SamplingParams field each one sets.
@@ -101,8 +102,12 @@ class SamplingParams:
             self.stop = []
         elif isinstance(stop, str):
             self.stop = [stop]
-        else:
+        elif isinstance(stop, (list, tuple)):
             self.stop = list(stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
@@ -153,8 +158,9 @@ class SamplingParams:
             if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         rp = self.repetition_penalty
-        if not isinstance(rp, (int, float)) or not rp > 0 or not math.isfinite(rp):
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = no penalty), got {rp!r}")
+        if not isinstance(rp, (int, float)) or not _FLOAT32_TINY <= rp <= 1 / _FLOAT32_TINY:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = no penalty) within float32's "
+                             f"range [{_FLOAT32_TINY:g}, {1 / _FLOAT32_TINY:g}], got {rp!r}")
         mt = self.max_tokens
         if mt is not None and (type(mt) is not int or mt < 1):
             raise ValueError(f"max_tokens must be an integer >= 1 or None (up to max_model_len), got {mt!r}")
@@ -186,6 +192,8 @@ class SamplingParams:
                 )
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
                 raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} in {self.logit_bias!r}")
+        if self.logit_bias:  # OpenAI's range, as the server clamps it: beyond it float32 logits overflow
+            self.logit_bias = {tid: min(100.0, max(-100.0, float(bias))) for tid, bias in self.logit_bias.items()}
         allowed = self.allowed_token_ids
         if allowed is not None:
             if not allowed:

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import sys
 import time
+from typing import Any
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -42,10 +46,44 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
     return rng.integers(low, vocab_size, size=(num_prompts, input_len)).tolist()
 
 
+def _usage_error(message: str) -> int:
+    print(f"halserve bench throughput: error: {message}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
     from halserve import LLM, SamplingParams
 
-    llm = LLM(
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            return _usage_error(f"--{name.replace('_', '-')} must be >= 1")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        return _usage_error("--temperature must be a finite number >= 0 (0 = greedy)")
+    if args.output_json:  # checked now, not after the run
+        folder = os.path.dirname(os.path.abspath(args.output_json))
+        if os.path.isdir(args.output_json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            return _usage_error(f"--output-json {args.output_json}: cannot write a file there")
+    from pydantic import ValidationError
+
+    from halserve.platforms import PlatformUnavailableError
+
+    try:
+        llm = _make_llm(LLM, args)
+    except ValidationError as exc:  # an engine setting out of range
+        return _usage_error("; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: "
+                                      f"{str(e['msg']).removeprefix('Value error, ')}" for e in exc.errors()))
+    except (ValueError, TypeError, PlatformUnavailableError) as exc:  # a bad model or platform
+        return _usage_error(str(exc))
+    limit = llm.llm_engine.model_info.max_model_len
+    if args.input_len + args.output_len > limit:
+        llm.llm_engine.shutdown()
+        return _usage_error(f"--input-len {args.input_len} + --output-len {args.output_len} exceed the model's "
+                            f"max_model_len {limit}")
+    return _measure(llm, args, SamplingParams)
+
+
+def _make_llm(llm_class: Any, args: argparse.Namespace) -> Any:
+    return llm_class(
         args.model,
         platform=args.platform,
         dtype=args.dtype,
@@ -58,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         attention_backend=args.attention_backend,
     )
+
+
+def _measure(llm: Any, args: argparse.Namespace, SamplingParams: Any) -> int:  # noqa: N803
     vocab = llm.llm_engine.model_info.vocab_size
     prompts = [{"prompt_token_ids": p} for p in random_prompts(args.num_prompts, args.input_len, vocab, args.seed)]
     params = SamplingParams(

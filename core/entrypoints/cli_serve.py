@@ -215,14 +215,27 @@ def check_features(config: Any, platform: Any) -> list[str]:
 
 
 def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file or an inline template (as vLLM accepts), compiled here so a
+    broken one stops the start instead of failing every chat request."""
     if value is None:
         return None
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{%" in value or "{{" in value:
-        return value  # an inline template, as vLLM accepts
-    raise StartupError(f"--chat-template {value}: no such file", EXIT_USAGE)
+            template = f.read()
+    elif "{%" in value or "{{" in value:
+        template = value
+    else:
+        raise StartupError(f"--chat-template {value}: no such file", EXIT_USAGE)
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)  # (the environment transformers renders it in)
+    except TemplateError as exc:
+        where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+        message = f"--chat-template {value:.80}: not a valid Jinja template: {exc}{where}"
+        raise StartupError(message, EXIT_USAGE) from None
+    return template
 
 
 def prepare(args: argparse.Namespace) -> tuple[Any, list[str], str, str | None]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from typing import Any, Sequence
 
 from halserve.config import EngineConfig
@@ -70,11 +71,21 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+            raise ValueError(
+                f"prompts must be a string, a prompt dict, or a list of strings, token-id lists or prompt dicts; "
+                f"got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (str, bytes, dict)) or not isinstance(sampling_params, Iterable):
+            raise ValueError(
+                f"sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                f"got {type(sampling_params).__name__}"
+            )
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
@@ -100,13 +111,16 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = _conversations(messages)
         tokenizer = self.get_tokenizer()
         prompts = []
         for conv in conversations:
-            ids = tokenizer.apply_chat_template(
-                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True
-            )
+            try:
+                ids = tokenizer.apply_chat_template(
+                    conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True
+                )
+            except Exception as exc:  # noqa: BLE001 - jinja's syntax and template errors
+                raise ValueError(f"the chat template could not render the messages: {exc}") from None
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
@@ -134,3 +148,19 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids if i in finished]
+
+
+def _conversations(messages: Any) -> list[list[dict]]:
+    """``messages`` as a list of conversations; ValueError naming the expected shape."""
+    def is_conversation(value: Any) -> bool:
+        return (isinstance(value, list) and bool(value)
+                and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value))
+
+    if is_conversation(messages):
+        return [messages]
+    if isinstance(messages, list) and messages and all(is_conversation(c) for c in messages):
+        return messages
+    raise ValueError(
+        "messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} dicts) or a list of "
+        f"such conversations; got {messages!r:.80}"
+    )

@@ -128,6 +128,7 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     head_size = head_size_of(hf_config)
+    _check_tensor_parallel(config.tensor_parallel_size, num_heads, num_kv_heads, hf_config)
     windows = [w for w in layer_sliding_windows(hf_config) if w is not None]
     gen = _read_json(os.path.join(path, "generation_config.json"))
     eos = _as_list(gen.get("eos_token_id")) or _as_list(getattr(hf_config, "eos_token_id", None))
@@ -152,6 +153,27 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
         generation_defaults={k: gen[k] for k in GENERATION_DEFAULT_KEYS if k in gen},
         kv_cache_bytes_per_token=2 * hf_config.num_hidden_layers * num_kv_heads * head_size * elem_size,
     )
+
+
+def _check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int, hf_config: Any) -> None:
+    """Before any rank starts: the model must split evenly over ``tp`` ranks (a KV head may be
+    shared by several ranks)."""
+    if tp == 1:
+        return
+    problems = []
+    if num_heads % tp:
+        problems.append(f"{num_heads} attention heads")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        problems.append(f"{num_kv_heads} KV heads (nor do the ranks split evenly over them)")
+    intermediate = getattr(hf_config, "intermediate_size", None)
+    if isinstance(intermediate, int) and intermediate % tp:
+        problems.append(f"an intermediate size of {intermediate}")
+    if problems:
+        sizes = [d for d in range(1, num_heads + 1) if not num_heads % d
+                 and not (num_kv_heads % d and d % num_kv_heads)
+                 and not (isinstance(intermediate, int) and intermediate % d)]
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {' and '.join(problems)}; "
+                         f"sizes that fit: {', '.join(map(str, sizes))}")
 
 
 # -- weights ---------------------------------------------------------------------------

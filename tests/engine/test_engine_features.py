@@ -237,6 +237,10 @@ BAD_PARAMS = [
     dict(prompt_logprobs=-1),
     dict(logit_bias={-1: 1.0}),
     dict(allowed_token_ids=[]),
+    dict(stop=5),  # (these three were a TypeError or taken as a list of the dict's keys)
+    dict(stop={"a": 1}),
+    dict(stop_token_ids=5),
+    dict(repetition_penalty=1e-300),  # (float32 underflow: logits divided by 0)
 ]
 
 
@@ -267,6 +271,25 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm):
         assert not llm.llm_engine.has_unfinished_requests()
         assert llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert llm.llm_engine.get_stats().kv_cache_usage == 0.0
+    # the wrong kind of argument altogether: a ValueError saying what is expected
+    for args, message in (((None,), "prompts must be"), ((b"hi",), "got bytes"), ((good, {"max_tokens": 2}),
+                          "sampling_params must be"), ((good, "greedy"), "sampling_params must be")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(*args, use_tqdm=False)
+    for messages in ("hi", {"role": "user", "content": "hi"}, None, [[{"role": "user", "content": "hi"}], ["x"]]):
+        with pytest.raises(ValueError, match="messages must be a conversation"):
+            llm.chat(messages, use_tqdm=False)
+    with pytest.raises(ValueError, match="the chat template could not render"):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template="{% for %}", use_tqdm=False)
+    assert llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_logit_bias_beyond_100_is_clamped_not_overflowed(llm):
+    """A finite bias past float32's range used to make the logits inf/NaN (a stream of token 0)."""
+    prompt = {"prompt_token_ids": [4, 5, 6, 7]}
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logit_bias={9: 1e39})
+    assert params.logit_bias == {9: 100.0}
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == [9, 9, 9]
 
 
 def test_logit_bias_and_allowed_token_ids(llm):

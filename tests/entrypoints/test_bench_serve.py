@@ -1,4 +1,5 @@
-"""`halserve bench serve`: its statistics, and a short run against the test server."""
+"""`halserve bench serve` (its statistics, and a short run against the test server) and
+`halserve bench throughput`."""
 from __future__ import annotations
 
 import json
@@ -48,3 +49,28 @@ def test_bench_serve_against_the_server(server, checkpoint, tmp_path, endpoint):
     if endpoint == "/v1/completions":
         assert data["total_input_tokens"] == 48
     assert data["mean_ttft_ms"] > 0 and data["mean_tpot_ms"] > 0
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--num-prompts", "-1"], "--num-prompts must be >= 1"),
+    (["--temperature", "nan"], "--temperature must be a finite number"),
+    (["--output-json", "/"], "--output-json /: cannot write a file there"),
+    (["--block-size", "3"], "--block-size: block_size must be a power of two"),
+    (["--input-len", "100", "--output-len", "100"], "exceed the model's max_model_len 128"),
+])
+def test_bench_throughput_usage_errors_exit_2(checkpoint, flags, expected):
+    """Bad values are a one-line error and exit 2 (not a traceback, nor found after the run)."""
+    proc = subprocess.run([sys.executable, "-m", "halserve.entrypoints.cli", "bench", "throughput", "--model",
+                           checkpoint, "--platform", "cpu", "--max-model-len", "128", *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_bench_throughput_runs_and_writes_its_figures(checkpoint, tmp_path):
+    out = tmp_path / "figures.json"
+    proc = subprocess.run([sys.executable, "-m", "halserve.entrypoints.cli", "bench", "throughput", "--model",
+                           checkpoint, "--platform", "cpu", "--num-prompts", "4", "--input-len", "8", "--output-len",
+                           "4", "--output-json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(out.read_text())
+    assert figures["num_requests"] == 4 and figures["num_output_tokens"] == 16 and figures["requests_per_s"] > 0

@@ -44,6 +44,7 @@ def test_unavailable_platform_fails_fast_with_the_probe_reason(checkpoint):
         (["--block-size", "3"], "power of two"),
         (["--dtype", "int3"], "dtype"),
         (["--chat-template", "/no/such/file.jinja"], "no such file"),
+        (["--chat-template", "{{ bad jinja {% for %}"], "not a valid Jinja template: expected token"),
         (["--kv-cache-memory", "lots"], "invalid size"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),

@@ -3,8 +3,8 @@ field, the rest to content; structured outputs and forced tool calls apply after
 
 The server runs a tiny random checkpoint whose tokenizer has <think> and </think> as tokens and
 a Qwen3-like chat template: the prompt opens a think block unless ``enable_thinking`` is false
-(then it ends with an empty, closed one) or ``open_think`` is false (then the model may open one). The random model is nudged to close its thinking with
-logit_bias on </think>; the raw text of the same seeded generation, read through
+(then it ends with an empty, closed one) or ``open_think`` is false (then the model may open
+one). The random model is nudged to close its thinking with logit_bias on </think>; the raw text of the same seeded generation, read through
 /v1/completions on the rendered prompt, is what the parsed reply is checked against."""
 from __future__ import annotations
 

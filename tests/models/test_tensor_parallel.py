@@ -59,3 +59,16 @@ def test_two_ranks_match_one(tmp_path):
     got = torch.load(out_file)
     assert got.shape == want.shape == (sum(map(len, PROMPTS)) + len(PROMPTS), 301)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_rank_counts_that_do_not_split_the_model_are_refused_before_any_rank_starts(tmp_path):
+    from halserve.config import EngineConfig
+    from halserve.models.loader import get_model_info
+    from halserve.platforms.cpu import CpuPlatform
+
+    path = make_checkpoint(str(tmp_path), "llama")  # 4 heads, 2 KV heads, intermediate size 128
+    for tp in (3, 8):
+        with pytest.raises(ValueError, match=f"tensor_parallel_size {tp} does not divide .* sizes that fit: 1, 2, 4$"):
+            get_model_info(EngineConfig(model=path, tensor_parallel_size=tp), CpuPlatform())
+    info = get_model_info(EngineConfig(model=path, tensor_parallel_size=4), CpuPlatform())  # a KV head per 2 ranks
+    assert info.num_kv_heads == 2

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from halserve import __version__
 from halserve.entrypoints.openai.errors import (
@@ -76,6 +77,8 @@ def guarded(route: Any) -> Any:
             return await route(*args, **kwargs)
         except OpenAIError:
             raise
+        except ClientDisconnect:  # the client left while sending its body: nobody to answer
+            return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - a bug: report it, keep the connection
             logger.exception("internal error while serving a request")
             return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500)
