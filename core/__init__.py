@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "halserve.entrypoints.llm",
     "SamplingParams": "halserve.sampling_params",
+    "PoolingParams": "halserve.pooling_params",
+    "EmbeddingRequestOutput": "halserve.outputs",
     "RequestOutput": "halserve.outputs",
     "CompletionOutput": "halserve.outputs",
     "LLMEngine": "halserve.engine.llm_engine",
@@ -24,7 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
     from halserve.engine.llm_engine import LLMEngine
     from halserve.entrypoints.llm import LLM
-    from halserve.outputs import CompletionOutput, RequestOutput
+    from halserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from halserve.pooling_params import PoolingParams
     from halserve.sampling_params import SamplingParams
 
 

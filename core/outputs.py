@@ -60,3 +60,19 @@ class RequestOutput:
     # prompt_logprobs asked: None for the first prompt token, then one dict per prompt token
     # (the token and the top alternatives); None when not asked
     prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)
+    embedding: list[float] | None = None  # an embedding request's (pooling params set), once finished
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from halserve.pooling_params import PoolingParams
 from halserve.structured_output import CONSTRAINTS, StructuredOutputsParams
 
 # Temperatures below this are greedy (argmax), as in vLLM.
@@ -89,6 +90,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, any JSON object, a regex, a choice of strings or
     an EBNF grammar (a dict of StructuredOutputsParams' fields is accepted too); needs xgrammar."""
+    pooling: PoolingParams | None = None
+    """Set by ``LLM.embed`` and /v1/embeddings: return the prompt's embedding (the one token
+    generated to end the request is not part of the result)."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True

@@ -259,7 +259,7 @@ class Scheduler:
                     if self._check_stop(request, waive_min_tokens):
                         break
             sample_logprobs = logprobs[i] if i is not None and i < len(logprobs) else None
-            prompt_logprobs = model_runner_output.prompt_logprobs
+            prompt_logprobs, pooled = model_runner_output.prompt_logprobs, model_runner_output.pooled
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
@@ -269,6 +269,7 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
                     prompt_logprobs=prompt_logprobs[i] if i is not None and i < len(prompt_logprobs) else None,
+                    pooled=pooled[i] if i is not None and i < len(pooled) else None,
                 )
             )
             if request.is_finished:

@@ -93,6 +93,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.check_token_ids(self.vocab_size)
+        if params.pooling is not None:
+            params.pooling.check(self.info.hidden_size)
+            if params.n != 1 or params.structured_outputs is not None:
+                raise ValueError("an embedding request takes n=1 and no structured outputs")
         if params.structured_outputs is not None:
             from halserve.structured_output import validate
 
@@ -167,6 +171,7 @@ class _ParentState:
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     prompt_logprobs: list | None = None  # [None, {token: Logprob}, ...] once the prompt is scored
+    embedding: list[float] | None = None  # an embedding request's, once computed
 
 
 class OutputProcessor:
@@ -246,6 +251,8 @@ class OutputProcessor:
             if out.prompt_logprobs is not None and parent.prompt_logprobs is None:  # (n > 1: each child sends it)
                 # vLLM's shape: None for the first prompt token (nothing scores it), then one dict per token
                 parent.prompt_logprobs = [None] + [self._logprob_dict(entry) for entry in out.prompt_logprobs]
+            if out.pooled is not None:
+                parent.embedding = out.pooled
             new_ids = list(out.new_token_ids)
             if new_ids and parent.first_token_time is None:
                 parent.first_token_time = now
@@ -305,4 +312,5 @@ class OutputProcessor:
             finished=all(s.finished for s in parent.samples.values()),
             num_cached_tokens=parent.num_cached_tokens,
             prompt_logprobs=parent.prompt_logprobs,
+            embedding=parent.embedding,
         )

@@ -6,7 +6,8 @@ from collections.abc import Iterable
 from typing import Any, Sequence
 
 from halserve.config import EngineConfig
-from halserve.outputs import RequestOutput
+from halserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from halserve.pooling_params import PoolingParams
 from halserve.sampling_params import SamplingParams
 
 
@@ -126,6 +127,18 @@ class LLM:
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def embed(
+        self,
+        prompts: str | dict | Sequence[str | dict | list[int]],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (the final hidden state at the prompt's last token,
+        normalized unless ``pooling_params`` says otherwise), in input order."""
+        params = embedding_params(pooling_params or PoolingParams())
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [embedding_output(out) for out in outputs]
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
@@ -164,3 +177,17 @@ def _conversations(messages: Any) -> list[list[dict]]:
         "messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} dicts) or a list of "
         f"such conversations; got {messages!r:.80}"
     )
+
+
+def embedding_params(pooling: PoolingParams) -> SamplingParams:
+    """An embedding request's sampling params: one greedy token ends it (and is dropped)."""
+    return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, pooling=pooling)
+
+
+def embedding_output(out: RequestOutput) -> EmbeddingRequestOutput:
+    if out.embedding is None:
+        raise RuntimeError(
+            f"request {out.request_id} finished without an embedding: this platform's model runner does not pool"
+        )
+    return EmbeddingRequestOutput(request_id=out.request_id, prompt_token_ids=out.prompt_token_ids,
+                                  outputs=EmbeddingOutput(out.embedding))

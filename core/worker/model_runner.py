@@ -70,6 +70,7 @@ class CachedRequestState:
     # prompt_logprobs asked and the prompt not yet all scored: entries for prompt tokens 1.. so far
     prompt_logprobs: list | None = None
     grammar: "RequestGrammar | None" = None  # structured outputs: the request's matcher and its state
+    pooled: list[float] | None = None  # an embedding request's embedding, until sent with its token
 
     @property
     def num_tokens(self) -> int:
@@ -305,7 +306,16 @@ class ModelRunner:
             self._score_prompt(step, hidden)
         if not step.sample_rows:
             return None
-        return self.model.compute_logits(hidden.index_select(0, step.logits_indices.to(dev)))
+        last = hidden.index_select(0, step.logits_indices.to(dev))
+        pooling = [j for j, r in enumerate(step.sample_rows) if step.states[r].sampling_params.pooling is not None]
+        if pooling:  # embedding requests: the final hidden state at their prompt's last token
+            from halserve.pooling_params import pool
+
+            rows = [step.states[step.sample_rows[j]] for j in pooling]
+            vectors = pool(last[torch.tensor(pooling, device=dev)], [s.sampling_params.pooling for s in rows])
+            for state, vector in zip(rows, vectors):
+                state.pooled = vector
+        return self.model.compute_logits(last)
 
     def _start_grammar(self, state: CachedRequestState) -> None:
         if self._structured is None:
@@ -334,6 +344,7 @@ class ModelRunner:
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs: list = [None] * num_reqs
         prompt_logprobs: list = [None] * num_reqs
+        pooled: list = [None] * num_reqs
         no_token_stops: dict[str, str | None] = {}
         min_tokens_waived: set[str] = set()
         if logits is not None:
@@ -350,6 +361,8 @@ class ModelRunner:
                 state = step.states[r]
                 if state.prompt_logprobs is not None:  # the prompt is all scored: send it with the first token
                     prompt_logprobs[r], state.prompt_logprobs = state.prompt_logprobs, None
+                if state.pooled is not None:
+                    pooled[r], state.pooled = state.pooled, None
                 if not has_token[j]:
                     no_token_stops[state.req_id] = self._no_token_stop(state, None)
                     continue
@@ -365,7 +378,7 @@ class ModelRunner:
         for r, state in enumerate(step.states):
             state.num_computed_tokens = int(step.seq_lens[r])
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs, no_token_stops=no_token_stops,
+                                 prompt_logprobs=prompt_logprobs, pooled=pooled, no_token_stops=no_token_stops,
                                  min_tokens_waived=min_tokens_waived)
 
     def _no_token_stop(self, state: CachedRequestState, rejected: int | None) -> str | None:

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: the FastAPI app and running it under uvicorn.
 
-Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET
+Routes: POST /v1/completions, /v1/chat/completions, /v1/embeddings, /tokenize, /detokenize; GET
 /v1/models, /v1/models/{model}, /health (and HEAD), /version, /metrics. Request bodies are
 parsed here (not by FastAPI) so malformed JSON and wrong types are OpenAI-shaped 400s, and a
 body over ``max_body_bytes`` is a 413 before it is all read.
@@ -33,6 +33,7 @@ from halserve.entrypoints.openai.protocol import CompletionRequest
 from halserve.entrypoints.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from halserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from halserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from halserve.entrypoints.openai.serving_embeddings import EmbeddingRequest, OpenAIServingEmbedding
 from halserve.entrypoints.openai.serving_engine import OpenAIServing
 from halserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
@@ -137,6 +138,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     completion = OpenAIServingCompletion(serving)
     chat = OpenAIServingChat(serving)
     tokenization = OpenAIServingTokenization(serving)
+    embedding = OpenAIServingEmbedding(serving)
 
     async def body(model: type, raw_request: Request) -> Any:
         return parse_body(model, await read_body(raw_request, max_body_bytes))
@@ -150,6 +152,11 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     @guarded
     async def create_chat_completion(raw_request: Request) -> Response:
         return await chat.create(await body(ChatCompletionRequest, raw_request), raw_request)
+
+    @app.post("/v1/embeddings")
+    @guarded
+    async def create_embedding(raw_request: Request) -> Response:
+        return await embedding.create(await body(EmbeddingRequest, raw_request), raw_request)
 
     @app.get("/v1/models")
     async def show_models() -> JSONResponse:
