@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,59 +29,14 @@ import torch
 from halserve.attention_backends.base import AttentionMetadata
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from halserve.worker.backend_selection import select_attention_backend
+from halserve.worker.runner_state import CachedRequestState, StepInputs, no_token_stop_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
     from halserve.models.loader import ModelInfo
     from halserve.platforms.base import Platform
-    from halserve.sampling_params import SamplingParams
-    from halserve.structured_output import RequestGrammar
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One step's flattened inputs, on the host; the runner moves them to the device."""
-
-    req_ids: list[str]  # batch order
-    states: list["CachedRequestState"]
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    common: AttentionMetadata  # host tensors
-    seq_lens: np.ndarray  # [R] context length after this step
-    sample_rows: list[int]  # requests that sample a token this step
-    logits_indices: torch.Tensor  # [len(sample_rows)] their last token in the batch
-    # prompt_logprobs: rows of the batch whose logits score the prompt token after them
-    prompt_indices: list[int] = dataclasses.field(default_factory=list)  # [P] token index in the batch
-    prompt_targets: list[int] = dataclasses.field(default_factory=list)  # [P] the prompt token it scores
-    prompt_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (request row, count), in order
-
-
-@dataclass(slots=True)
-class CachedRequestState:
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: "SamplingParams"
-    block_ids: list[int]
-    num_computed_tokens: int
-    # prompt_logprobs asked and the prompt not yet all scored: entries for prompt tokens 1.. so far
-    prompt_logprobs: list | None = None
-    grammar: "RequestGrammar | None" = None  # structured outputs: the request's matcher and its state
-    pooled: list[float] | None = None  # an embedding request's embedding, until sent with its token
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_slice(self, start: int, stop: int) -> list[int]:
-        num_prompt = len(self.prompt_token_ids)
-        if stop <= num_prompt:
-            return self.prompt_token_ids[start:stop]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : stop - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
 
 
 class ModelRunner:
@@ -364,12 +318,12 @@ class ModelRunner:
                 if state.pooled is not None:
                     pooled[r], state.pooled = state.pooled, None
                 if not has_token[j]:
-                    no_token_stops[state.req_id] = self._no_token_stop(state, None)
+                    no_token_stops[state.req_id] = no_token_stop_reason(state, None)
                     continue
                 state.output_token_ids.append(tok)
                 if state.grammar is not None and not state.grammar.follow(tok, state.output_token_ids):
                     state.output_token_ids.pop()
-                    no_token_stops[state.req_id] = self._no_token_stop(state, tok)  # (its mask allowed it)
+                    no_token_stops[state.req_id] = no_token_stop_reason(state, tok)  # (its mask allowed it)
                     continue
                 sampled_token_ids[r] = [tok]
                 logprobs[r] = out.logprobs[j]
@@ -380,29 +334,6 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs, pooled=pooled, no_token_stops=no_token_stops,
                                  min_tokens_waived=min_tokens_waived)
-
-    def _no_token_stop(self, state: CachedRequestState, rejected: int | None) -> str | None:
-        """The stop_reason of a request that ends without a token this step (``rejected``: the
-        sampled token its grammar refused; None: its constraints left no token). None when
-        its structured output is complete, so ending is what EOS would have done; otherwise
-        why, logged as a warning: its constraints contradict each other."""
-        grammar = state.grammar if state.grammar is not None and state.grammar.active else None
-        params = state.sampling_params
-        if rejected is not None:
-            reason = f"the sampled token {rejected} does not fit the request's structured outputs grammar"
-        elif grammar is not None and grammar.is_complete():
-            logger.info("request %s: its structured output is complete but its other constraints forbid EOS; "
-                        "it ends here", state.req_id)
-            return None
-        else:
-            # (min_tokens is never the cause: it gives way to stop tokens, see Sampler)
-            constraints = [name for name, active in (("structured outputs", grammar is not None),
-                                                     ("allowed_token_ids", params.allowed_token_ids is not None))
-                           if active]
-            reason = (f"the request's constraints leave no token to generate ({' with '.join(constraints)})"
-                      if constraints else "no token can be sampled: its logits are -inf or NaN")
-        logger.warning("request %s: %s; it ends here", state.req_id, reason)
-        return reason
 
     def _sampling_metadata(self, rows: list[CachedRequestState], device: torch.device):
         from halserve.sampling import SamplingMetadata
