@@ -34,12 +34,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.sampling_params import SamplingParams
 
 
-def normalize_prompts(prompt: Any) -> list[str | list[int]]:
-    """The request's ``prompt`` as a list of prompts (each a string or token ids)."""
+def normalize_prompts(prompt: Any, field: str = "prompt") -> list[str | list[int]]:
+    """The request's ``prompt`` (or embeddings' ``input``) as a list of prompts (each a string
+    or token ids)."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise BadRequestError("prompt must not be empty", param="prompt")
+        raise BadRequestError(f"{field} must not be empty", param=field)
     if isinstance(prompt[0], int):
         return [list(prompt)]
     return list(prompt)

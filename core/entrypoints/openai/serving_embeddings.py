@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 from fastapi import Request
@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from halserve.entrypoints.openai.errors import BadRequestError
 from halserve.entrypoints.openai.protocol import OpenAIModel, UsageInfo, random_id
+from halserve.entrypoints.openai.serving_completions import normalize_prompts
 from halserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing
 
 
@@ -45,16 +46,6 @@ class EmbeddingResponse(BaseModel):
     usage: UsageInfo
 
 
-def _inputs(value: Any) -> list[str | list[int]]:
-    if isinstance(value, str):
-        return [value]
-    if not value:
-        raise BadRequestError("input must not be empty", param="input")
-    if isinstance(value[0], int):
-        return [list(value)]
-    return list(value)
-
-
 class OpenAIServingEmbedding:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
@@ -70,7 +61,7 @@ class OpenAIServingEmbedding:
         except ValueError as exc:
             raise BadRequestError(str(exc), param="dimensions") from None
         request_id = random_id("embd")
-        streams = await serving.add_requests(_inputs(req.input), params, request_id)
+        streams = await serving.add_requests(normalize_prompts(req.input, "input"), params, request_id)
         try:
             finals = await serving.collect(streams, raw_request)
         except ClientDisconnected:
