@@ -55,7 +55,9 @@ class StructuredOutputsParams:
     or one the constraint allows, and any other opening puts the whole output under it."""
 
     def __post_init__(self) -> None:
-        given = [name for name in CONSTRAINTS if getattr(self, name) is not None and getattr(self, name) is not False]
+        # (json_object=False is "not given"; json=False is the schema that matches nothing)
+        given = [name for name in CONSTRAINTS
+                 if getattr(self, name) is not None and not (name == "json_object" and self.json_object is False)]
         if len(given) != 1:
             raise ValueError(
                 "structured outputs take exactly one of json, json_object, regex, choice, grammar; "

@@ -106,6 +106,9 @@ class InputProcessor:
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), self._check_ids(prompt_token_ids)
         max_len = self.info.max_model_len
+        if len(ids) >= max_len and params.pooling is not None:
+            raise ValueError(f"the input has {len(ids)} tokens but an embedding input may have at most "
+                             f"max_model_len - 1 = {max_len - 1}; shorten it")
         if len(ids) >= max_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but the model's maximum context length (max_model_len) "

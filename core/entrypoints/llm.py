@@ -130,12 +130,18 @@ class LLM:
     def embed(
         self,
         prompts: str | dict | Sequence[str | dict | list[int]],
-        pooling_params: PoolingParams | None = None,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (the final hidden state at the prompt's last token,
         normalized unless ``pooling_params`` says otherwise), in input order."""
-        params = embedding_params(pooling_params or PoolingParams())
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params: SamplingParams | list[SamplingParams] = embedding_params(pooling_params or PoolingParams())
+        elif isinstance(pooling_params, (list, tuple)) and all(isinstance(p, PoolingParams) for p in pooling_params):
+            params = [embedding_params(p) for p in pooling_params]
+        else:
+            raise ValueError(f"pooling_params must be a PoolingParams or a list of them (one per prompt), "
+                             f"got {type(pooling_params).__name__}")
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
         return [embedding_output(out) for out in outputs]
 

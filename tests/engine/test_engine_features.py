@@ -193,6 +193,8 @@ def test_structured_outputs_start_after_a_marker_across_preemption(llama_path):
     assert constrained_tail(gated, [7, 3, 9, 4]) == [4] and constrained_tail(gated, [5, 9, 4]) == [5, 9, 4]
     with pytest.raises(ValueError, match="opened_by must be a token id and needs start_after"):
         StructuredOutputsParams(regex=regex, opened_by=7)
+    with pytest.raises(ValueError, match="json must be a JSON schema"):  # (false is given, not "none")
+        StructuredOutputsParams(json=False)
 
 
 def test_seeded_sampling_reproducible_across_runs_and_batches(llm):

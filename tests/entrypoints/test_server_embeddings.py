@@ -60,6 +60,7 @@ def test_embeddings_match_transformers(client, server, reference):
     ({"input": "a", "dimensions": 0}, "dimensions must be a positive integer"),
     ({"input": "a", "dimensions": 10**6}, "exceeds the model's embedding size"),
     ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
+    ({"input": [5] * 128}, "an embedding input may have at most max_model_len - 1 = 127"),
 ])
 def test_bad_embedding_requests_are_400(server, body, expected):
     r = httpx.post(server.url + "/v1/embeddings", json={"model": SERVED_NAME, **body}, timeout=30)
@@ -80,5 +81,10 @@ def test_offline_embed_with_chunked_prefill_and_prefix_hits(checkpoint, referenc
     assert np.abs(np.asarray(short.outputs.embedding) - want).max() < 1e-5
     raw = llm.embed(INPUTS[1], PoolingParams(normalize=False), use_tqdm=False)[0]
     assert np.allclose(raw.outputs.embedding, reference[INPUTS[1]], atol=1e-5)
+    # one PoolingParams per prompt, or a clear error for anything else
+    cut, whole = llm.embed([INPUTS[1], INPUTS[1]], [PoolingParams(dimensions=4), PoolingParams()], use_tqdm=False)
+    assert len(cut.outputs.embedding) == 4 and len(whole.outputs.embedding) == reference[INPUTS[1]].shape[0]
+    with pytest.raises(ValueError, match="pooling_params must be a PoolingParams or a list of them"):
+        llm.embed(INPUTS[1], {"dimensions": 4}, use_tqdm=False)
     # generation is unaffected in the same engine
     assert llm.generate("paris", use_tqdm=False)[0].outputs[0].token_ids

@@ -9,6 +9,7 @@ one). The random model is nudged to close its thinking with logit_bias on </thin
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -126,6 +127,11 @@ def test_structured_output_applies_after_the_thinking(thinking_server, client):
         assert message["content"] in choices and reply.choices[0].finish_reason == "stop", message
         seen_reasoning |= bool(message["reasoning"])
     assert seen_reasoning
+    # the content is exactly what the grammar generated (leading spaces included)
+    reply = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=20, temperature=0,
+                                           logit_bias={str(end): 100.0},
+                                           extra_body={"structured_outputs": {"regex": "  x[0-9]"}})
+    assert re.fullmatch("  x[0-9]", reply.choices[0].message.content), reply.choices[0].message
     # the same with a JSON schema through response_format
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     reply = client.chat.completions.create(
@@ -223,4 +229,9 @@ def test_parser_streaming_parts_only_grow():
     assert parser.reply_start("<|assistant|>\n<think>\n") is ReplyStart.REASONING
     assert parser.reply_start("<|assistant|>\n<think>\n\n</think>\n\n") is ReplyStart.CONTENT
     assert parser.reply_start("<think>old</think>answer<|user|>\nq<|assistant|>\n") is ReplyStart.MAYBE
+    # a tag a user wrote is text: only the prompt's end counts
+    assert parser.reply_start("<|user|>\nwhat does <think> do?<|assistant|>\n") is ReplyStart.MAYBE
+    assert parser.reply_start("<|user|>\nsay </think><|assistant|>\n") is ReplyStart.MAYBE
+    # the content a constraint generated keeps its whitespace
+    assert parser.split("<think>x</think>  y", ReplyStart.MAYBE, exact=True) == ("x", "  y")
     assert REASONING_PARSERS["deepseek_r1"].reply_start("<|assistant|>\n") is ReplyStart.REASONING

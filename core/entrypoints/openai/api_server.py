@@ -158,11 +158,11 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     async def create_embedding(raw_request: Request) -> Response:
         return await embedding.create(await body(EmbeddingRequest, raw_request), raw_request)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def show_models() -> JSONResponse:
         return JSONResponse(tokenization.models().model_dump())
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def show_model(model_id: str) -> JSONResponse:
         name = serving.check_model(model_id or None)  # (an unknown name is a 404)
         (card,) = [card for card in tokenization.models().data if card.id == name]

@@ -163,6 +163,11 @@ class SamplingRequest(OpenAIModel):
         return False
 
     @property
+    def constrained(self) -> bool:
+        """A structured output (or a forced tool call) generates the reply."""
+        return output_constraint(self) is not None
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 

@@ -35,16 +35,21 @@ class ThinkTagParser:
     end_tag: str = "</think>"
 
     def reply_start(self, prompt: str) -> ReplyStart:
-        opened, closed = prompt.rfind(self.start_tag), prompt.rfind(self.end_tag)
-        if opened > closed:
+        """Only the prompt's end counts (a tag a user wrote in a message is text)."""
+        tail = prompt.rstrip()
+        if tail.endswith(self.start_tag):
             return ReplyStart.REASONING
-        if closed >= 0 and not prompt[closed + len(self.end_tag) :].strip():
-            return ReplyStart.CONTENT
+        if tail.endswith(self.end_tag):
+            body = tail[: -len(self.end_tag)].rstrip()
+            if body.endswith(self.start_tag):  # an empty think block: thinking is off
+                return ReplyStart.CONTENT
         return self.default
 
-    def split(self, text: str, start: ReplyStart, final: bool = True) -> tuple[str | None, str | None]:
+    def split(self, text: str, start: ReplyStart, final: bool = True, exact: bool = False
+              ) -> tuple[str | None, str | None]:
         """``(reasoning, content)`` of a reply's text. While streaming (``final`` false) what may
-        still turn into a tag is held back, so each call's parts extend the previous call's."""
+        still turn into a tag is held back, so each call's parts extend the previous call's.
+        The content's leading whitespace is dropped unless ``exact`` (a constraint generated it)."""
         if start is ReplyStart.CONTENT:
             return None, text
         body = text.lstrip()
@@ -60,8 +65,8 @@ class ThinkTagParser:
             if not final:
                 body = body[: len(body) - _partial_suffix(body, self.end_tag)]
             return body or None, None
-        content = body[end + len(self.end_tag) :].lstrip()
-        return body[:end] or None, content or None
+        content = body[end + len(self.end_tag) :]
+        return body[:end] or None, (content if exact else content.lstrip()) or None
 
 
 REASONING_PARSERS: dict[str, ThinkTagParser] = {

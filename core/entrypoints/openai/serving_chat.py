@@ -126,7 +126,7 @@ class OpenAIServingChat:
         text, finish = output.text, output.finish_reason
         reasoning = None
         if start is not None:
-            reasoning, text = self.serving.reasoning_parser.split(text, start)
+            reasoning, text = self.serving.reasoning_parser.split(text, start, exact=req.constrained)
         calls: list[tuple[str, str]] = []
         named = isinstance(req.tool_choice, dict) and req.calls_tools
         if text is None:
@@ -265,7 +265,7 @@ class OpenAIServingChat:
                     delta, thought = o.text[sent_text[o.index] : end], ""
                     if start is not None:
                         # (each split of the sendable text extends the previous one's parts)
-                        reasoning, content = parser.split(o.text[:end], start, final)
+                        reasoning, content = parser.split(o.text[:end], start, final, exact=req.constrained)
                         sent_r, sent_c = sent_parts.get(o.index, (0, 0))
                         thought, delta = (reasoning or "")[sent_r:], (content or "")[sent_c:]
                         sent_parts[o.index] = (sent_r + len(thought), sent_c + len(delta))
