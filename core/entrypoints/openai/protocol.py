@@ -162,9 +162,10 @@ class SamplingRequest(OpenAIModel):
         """tool_choice forces tool calls (chat only)."""
         return False
 
-    @property
+    @functools.cached_property
     def constrained(self) -> bool:
-        """A structured output (or a forced tool call) generates the reply."""
+        """A structured output (or a forced tool call) generates the reply (asked per streamed
+        chunk: computed once)."""
         return output_constraint(self) is not None
 
     @property
