@@ -79,6 +79,16 @@ class _RequestState:
     prompt_text: str | None = None
 
 
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated, tokenized request not yet queued (``AsyncLLM.prepare_request``)."""
+
+    request_id: str
+    prompt_text: str | None
+    core_requests: list
+    arrival_time: float
+
+
 class RequestStream:
     """The outputs of one request (cumulative ``RequestOutput``s), as an async iterator.
 
@@ -244,6 +254,17 @@ class AsyncLLM:
         Raises ``ValueError`` (bad input: the caller's fault, a 400) before anything is
         queued, and ``EngineDeadError`` when the engine cannot take requests.
         """
+        return await self.submit(await self.prepare_request(prompt, params, request_id, prompt_text))
+
+    async def prepare_request(
+        self,
+        prompt: "str | list[int] | dict",
+        params: "SamplingParams",
+        request_id: str | None = None,
+        prompt_text: str | None = None,
+    ) -> "PreparedRequest":
+        """``add_request``'s first half: validate and tokenize, queue nothing (a batch checks
+        every prompt before it queues any)."""
         self._check_alive()
         self.start()
         request_id = request_id or f"req-{next(self._ids)}"
@@ -259,11 +280,16 @@ class AsyncLLM:
             )
         else:
             text, core_requests = self.input_processor.process(request_id, prompt, params, arrival)
+        return PreparedRequest(request_id, prompt_text if prompt_text is not None else text, core_requests, arrival)
+
+    async def submit(self, prepared: "PreparedRequest") -> RequestStream:
+        """``add_request``'s second half: queue a prepared request; returns its stream."""
+        request_id, prompt_text, core_requests, arrival = (
+            prepared.request_id, prepared.prompt_text, prepared.core_requests, prepared.arrival_time
+        )
         self._check_alive()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight; use a unique id")
-        if prompt_text is None:
-            prompt_text = text
         stream = RequestStream(request_id, self)
         state = _RequestState(
             request_id=request_id,

@@ -10,7 +10,7 @@ import httpx
 import psutil
 import pytest
 
-from server_utils import SERVED_NAME, ServerProcess, server_args
+from server_utils import SERVED_NAME, VOCAB_SIZE, ServerProcess, server_args
 
 PROMPTS = ["the quick brown fox", "tell me about paris", "hello world model", "once upon a time", "red green blue"]
 
@@ -173,3 +173,14 @@ def test_sigterm_under_load_exits_zero_quickly(checkpoint, tmp_path):
     assert elapsed < 10
     assert len(finish_reasons) == 16 and "abort" in finish_reasons
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_batch_with_a_bad_prompt_queues_nothing(server):
+    """Every prompt of a batch is checked before any is queued: a bad last prompt is a 400
+    naming it, and none of the good ones before it ran (no prompt tokens counted)."""
+    before = wait_idle(server.url)
+    body = {"model": SERVED_NAME, "prompt": [[5, 6, 7]] * 20 + [[5, VOCAB_SIZE]], "max_tokens": 8}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[20]", r.text
+    after = wait_idle(server.url)
+    assert after["halserve:prompt_tokens_total"] == before["halserve:prompt_tokens_total"]

@@ -110,19 +110,27 @@ class OpenAIServing:
         request_id: str,
         prompt_texts: Sequence[str | None] | None = None,
     ) -> list[RequestStream]:
-        """Queue one engine request per prompt; any invalid prompt aborts the others and
-        is a 400, so nothing is streamed for a partly invalid batch."""
+        """Queue one engine request per prompt. Every prompt is checked before any is queued:
+        an invalid one is a 400 and nothing runs (one the engine refuses when queued, e.g. it
+        can never fit in the KV cache, aborts those queued before it)."""
         streams: list[RequestStream] = []
+        done = 0  # prompts prepared, then prompts queued
         try:
+            prepared = []
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 text = prompt_texts[i] if prompt_texts is not None else None
-                streams.append(await self.engine.add_request(prompt, params.clone(), rid, prompt_text=text))
+                prepared.append(await self.engine.prepare_request(prompt, params.clone(), rid, prompt_text=text))
+                done += 1
+            done = 0
+            for request in prepared:
+                streams.append(await self.engine.submit(request))
+                done += 1
         except BaseException as exc:
             for stream in streams:
                 stream.close()
             if isinstance(exc, ValueError):
-                param = "prompt" if len(prompts) == 1 else f"prompt[{len(streams)}]"
+                param = "prompt" if len(prompts) == 1 else f"prompt[{done}]"
                 raise BadRequestError(str(exc), param=param if "prompt" in str(exc).lower() else None) from None
             if isinstance(exc, EngineDeadError):
                 raise OpenAIError(str(exc), status_code=503, code="engine_dead") from None
