@@ -85,7 +85,7 @@ class PreparedRequest:
 
     request_id: str
     prompt_text: str | None
-    core_requests: list
+    core_requests: list["EngineCoreRequest"]
     arrival_time: float
 
 
