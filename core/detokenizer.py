@@ -35,6 +35,9 @@ class IncrementalDetokenizer:
         self.output_text = ""  # text so far (cut at a matched stop string)
         self.output_token_ids: list[int] = []
         self.stop_string: str | None = None  # the stop string that ended the text, once matched
+        # where each output token's text starts in output_text (logprobs' text_offset): a token
+        # that adds no text (a skipped special token, part of a split character) takes zero width
+        self.token_offsets: list[int] | None = [] if params.logprobs is not None else None
         self._skip_special = params.skip_special_tokens
         # Fast tokenizers: decode through the Rust tokenizer directly (their decode() is
         # that plus an optional cleanup we never apply, and they ignore
@@ -52,6 +55,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_text: str | None = None  # decode(ids[prefix:read]), cached until offsets move
+        self._pending_text: str | None = None  # decode(ids[prefix:]) while it emitted nothing yet
         self._stop_check_offset = 0  # stop strings must end at or after this character
         self._last_output_offset = 0  # characters already handed out by get_next_output_text
 
@@ -61,18 +65,24 @@ class IncrementalDetokenizer:
             return self._backend.decode(ids, skip_special_tokens=self._skip_special)
         return self.tokenizer.decode(ids, **self._decode_kwargs)
 
-    def _decode_next(self) -> str:
-        """Text completed by the tokens appended since the last emitted text ('' if none)."""
+    def _decode_next(self) -> tuple[str, int]:
+        """Text completed by the tokens appended since the last emitted text ('' if none), and
+        where in it the last token's own text starts (after text the tokens before it left
+        pending, e.g. a stray byte's U+FFFD)."""
         if self._prefix_text is None:
             self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
+        pending, self._pending_text = self._pending_text, new_text
         if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
-            return ""  # a skipped special token, or an incomplete UTF-8 character: wait
+            return "", 0  # a skipped special token, or an incomplete UTF-8 character: wait
+        lead = 0
+        if pending is not None and len(pending) > len(self._prefix_text) and new_text.startswith(pending):
+            lead = len(pending) - len(self._prefix_text)
         delta = new_text[len(self._prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self._prefix_text = None
-        return delta
+        self._prefix_text = self._pending_text = None
+        return delta, lead
 
     # ------------------------------------------------------------------ per step
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
@@ -94,16 +104,22 @@ class IncrementalDetokenizer:
             new_token_ids = new_token_ids[:-1]
 
         min_tokens = params.min_tokens
+        offsets = self.token_offsets
         for token_id in new_token_ids:
             self._ids.append(token_id)
             self.output_token_ids.append(token_id)
-            self.output_text += self._decode_next()
+            delta, lead = self._decode_next()
+            if offsets is not None:
+                offsets.append(len(self.output_text) + lead)
+            self.output_text += delta
             # Stop strings completed within the first min_tokens tokens do not count.
             if len(self.output_token_ids) <= min_tokens:
                 self._stop_check_offset = len(self.output_text)
         if skipped is not None:
             self._ids.append(skipped)
             self.output_token_ids.append(skipped)
+            if offsets is not None:
+                offsets.append(len(self.output_text))
 
         if not params.stop or len(self.output_token_ids) <= min_tokens:
             return None

@@ -31,6 +31,9 @@ class CompletionOutput:
     logprobs: SampleLogprobsDicts | None  # per generated token; None when not asked
     finish_reason: FinishReason | None = None  # None while still running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS/length
+    # with logprobs: where each token's text starts in ``text`` (capped at its length once a
+    # stop string cut it); None otherwise
+    text_offsets: list[int] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

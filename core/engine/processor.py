@@ -305,6 +305,7 @@ class OutputProcessor:
                     logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
                     finish_reason=sample.finish_reason,
                     stop_reason=sample.stop_reason,
+                    text_offsets=_text_offsets(sample.detokenizer, len(text)),
                 )
             )
         return RequestOutput(
@@ -317,3 +318,8 @@ class OutputProcessor:
             prompt_logprobs=parent.prompt_logprobs,
             embedding=parent.embedding,
         )
+
+
+def _text_offsets(detokenizer: Any, text_length: int) -> list[int] | None:
+    offsets = detokenizer.token_offsets if detokenizer is not None else None
+    return None if offsets is None else [min(o, text_length) for o in offsets]

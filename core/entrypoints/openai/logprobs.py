@@ -13,7 +13,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.sampling_params import SamplingParams
 
 Decode = Callable[[int], str]
-_REPLACEMENT_CHAR = "\ufffd"  # what an incomplete UTF-8 character decodes to
 
 
 def token_id_text(token_id: int) -> str:
@@ -51,102 +50,42 @@ def _append_legacy(result: CompletionLogProbs, token_ids: Any, entries: Any, dec
         result.text_offset.append(offset)
 
 
-class TextOffsets:
-    """Legacy ``text_offset``: where each token's text starts in the choice's text.
+def prompt_text_offsets(tokenizer: Any, request: "RequestOutput", params: "SamplingParams") -> list[int]:
+    """``text_offset`` of an echoed prompt's tokens: decoded as the engine's detokenizer
+    decodes output. The echoed text is the prompt string, which holds no special token the
+    tokenizer added (a BOS: zero width), or for a prompt given as token ids
+    ``tokenizer.decode(ids)``, which keeps them."""
+    from halserve.detokenizer import IncrementalDetokenizer
+    from halserve.sampling_params import SamplingParams
 
-    Offsets come from decoding the tokens the way the engine's detokenizer does (a
-    sliding window with a few tokens of left context, ``skip_special_tokens`` honoured,
-    see ``halserve.detokenizer``), so they index the text the engine produced rather
-    than summing token strings. A token that adds no text takes zero width: a BOS that
-    is not echoed, a skipped special token, the leading bytes of a character split over
-    tokens; offsets never pass the text's end (a matched stop string cuts it, a stop
-    token's own text is left out). One per choice, fed in order (a stream feeds each
-    chunk's new tokens); ``base`` is where its text starts in the choice's text: after
-    the echoed prompt.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        params: "SamplingParams",
-        context_ids: list[int],
-        base: int = 0,
-        skip_special_tokens: bool | None = None,
-    ) -> None:
-        from halserve.detokenizer import INITIAL_CONTEXT_TOKENS
-
-        self._tokenizer = tokenizer
-        self._params = params
-        # decoded as the detokenizer does: a fast tokenizer's Rust decoder, else decode()
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._skip_special = params.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
-        self._decode_kwargs: dict[str, Any] = {
-            "skip_special_tokens": self._skip_special,
-            "clean_up_tokenization_spaces": False,
-        }
-        if not params.spaces_between_special_tokens:
-            self._decode_kwargs["spaces_between_special_tokens"] = False
-        self.base = base
-        # as the detokenizer: decode(ids[prefix:read]) is text already counted in length
-        self._ids = list(context_ids[-INITIAL_CONTEXT_TOKENS:])
-        self._prefix = 0
-        self._read = len(self._ids)
-        self._prefix_text: str | None = None  # decoded on first use (most requests ask no logprobs)
-        self._window_text = ""  # decode(ids[prefix:])
-        self._length = 0  # characters of text the tokens so far completed
-
-    def _decode(self, ids: list[int]) -> str:
-        if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=self._skip_special)
-        return self._tokenizer.decode(ids, **self._decode_kwargs)
-
-    def extend(self, token_ids: list[int], text_length: int) -> list[int]:
-        """Offsets of the next ``token_ids``, none past ``text_length`` (the length of the
-        text the tokens so far turned into)."""
-        if self._prefix_text is None:
-            self._prefix_text = self._window_text = self._decode(self._ids)
-        offsets = []
-        for token_id in token_ids:
-            before = self._window_text
-            self._ids.append(token_id)
-            new_text = self._window_text = self._decode(self._ids[self._prefix :])
-            complete = len(new_text) > len(self._prefix_text) and not new_text.endswith(_REPLACEMENT_CHAR)
-            start = self._length
-            if complete and len(before) > len(self._prefix_text) and new_text.startswith(before):
-                # text held back before this token (a stray byte's U+FFFD) comes first
-                start += len(before) - len(self._prefix_text)
-            offsets.append(self.base + min(start, text_length))
-            if complete:
-                self._length += len(new_text) - len(self._prefix_text)
-                self._prefix, self._read = self._read, len(self._ids)
-                self._prefix_text = self._window_text = self._decode(self._ids[self._prefix :])
-        return offsets
-
-    def prompt(self, request: "RequestOutput") -> list[int]:
-        """Offsets of the echoed prompt's tokens in the text before ``base``. That text is
-        the prompt string, which holds no special token the tokenizer added (a BOS), or
-        for a prompt given as token ids ``tokenizer.decode(ids)``, which keeps them."""
-        offsets = TextOffsets(self._tokenizer, self._params, [], skip_special_tokens=request.prompt is not None)
-        return offsets.extend(request.prompt_token_ids, self.base)
+    decode_params = SamplingParams(skip_special_tokens=request.prompt is not None, logprobs=0,
+                                   spaces_between_special_tokens=params.spaces_between_special_tokens)
+    detokenizer = IncrementalDetokenizer(tokenizer, [], decode_params)
+    detokenizer.update(list(request.prompt_token_ids))
+    return detokenizer.token_offsets or []
 
 
 def completion_logprobs(
     output: "CompletionOutput",
     start: int,
     decode: Decode,
-    offsets: TextOffsets,
+    base: int = 0,
     echoed: "RequestOutput | None" = None,
+    echoed_offsets: list[int] | None = None,
 ) -> CompletionLogProbs | None:
-    """Logprobs of ``output.token_ids[start:]``, ``offsets`` having seen the tokens before
-    them. ``echoed``: the request whose prompt is echoed in front of them (echo with
-    logprobs), scored by its ``prompt_logprobs``."""
+    """Logprobs of ``output.token_ids[start:]``; their text offsets are the engine's
+    (``CompletionOutput.text_offsets``) moved by ``base``, where the choice's own text starts
+    (after an echoed prompt). ``echoed``: the request whose prompt is echoed in front of them
+    (echo with logprobs), scored by its ``prompt_logprobs``, at ``echoed_offsets``."""
     if output.logprobs is None:
         return None
     result = CompletionLogProbs()
     if echoed is not None and echoed.prompt_logprobs is not None:
-        _append_legacy(result, echoed.prompt_token_ids, echoed.prompt_logprobs, decode, offsets.prompt(echoed))
+        offsets = [min(o, base) for o in echoed_offsets or [0] * len(echoed.prompt_token_ids)]
+        _append_legacy(result, echoed.prompt_token_ids, echoed.prompt_logprobs, decode, offsets)
     token_ids = output.token_ids[start:]
-    _append_legacy(result, token_ids, output.logprobs[start:], decode, offsets.extend(token_ids, len(output.text)))
+    own = output.text_offsets[start:] if output.text_offsets is not None else [0] * len(token_ids)
+    _append_legacy(result, token_ids, output.logprobs[start:], decode, [base + o for o in own])
     return result
 
 

@@ -10,7 +10,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halserve.entrypoints.openai.errors import BadRequestError
-from halserve.entrypoints.openai.logprobs import TextOffsets, completion_logprobs, prompt_logprobs, token_decoder
+from halserve.entrypoints.openai.logprobs import (
+    completion_logprobs,
+    prompt_logprobs,
+    prompt_text_offsets,
+    token_decoder,
+)
 from halserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -49,7 +54,7 @@ def normalize_prompts(prompt: Any, field: str = "prompt") -> list[str | list[int
 def prompt_only(output: "CompletionOutput") -> "CompletionOutput":
     """A finished choice as echo with max_tokens 0 returns it: without the token generated."""
     return dataclasses.replace(output, text="", token_ids=[], logprobs=[] if output.logprobs is not None else None,
-                               cumulative_logprob=None, finish_reason="length", stop_reason=None)
+                               text_offsets=[], cumulative_logprob=None, finish_reason="length", stop_reason=None)
 
 
 class OpenAIServingCompletion:
@@ -75,6 +80,13 @@ class OpenAIServingCompletion:
             return Response(status_code=499)
         return JSONResponse(self._response(req, params, finals, request_id, model, created).model_dump())
 
+    def _echoed(self, req: CompletionRequest, params: "SamplingParams", out: "RequestOutput"
+                ) -> tuple["RequestOutput | None", list[int] | None]:
+        """The echoed prompt and its tokens' text offsets, for logprobs (None, None: no echo)."""
+        if not req.echo or req.logprobs is None:
+            return None, None
+        return out, prompt_text_offsets(self.serving.tokenizer, out, params)
+
     def _prompt_text(self, out: "RequestOutput") -> str:
         if out.prompt is not None:
             return out.prompt
@@ -97,15 +109,15 @@ class OpenAIServingCompletion:
             prompt_tokens += len(final.prompt_token_ids)
             prefix = self._prompt_text(final) if req.echo else ""
             scored_prompt = prompt_logprobs(final, decode) if req.prompt_logprobs is not None else None
+            echoed = self._echoed(req, params, final)
             for o in final.outputs:
                 o = prompt_only(o) if req.echo_only else o
                 completion_tokens += len(o.token_ids)
-                offsets = TextOffsets(self.serving.tokenizer, params, final.prompt_token_ids, base=len(prefix))
                 choices.append(
                     CompletionResponseChoice(
                         index=i * n + o.index,
                         text=prefix + o.text,
-                        logprobs=completion_logprobs(o, 0, decode, offsets, final if req.echo else None),
+                        logprobs=completion_logprobs(o, 0, decode, len(prefix), *echoed),
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
                         prompt_logprobs=scored_prompt,
@@ -137,7 +149,7 @@ class OpenAIServingCompletion:
         n, holdback = params.n, params.output_text_buffer_length
         sent_text: dict[int, int] = {}  # choice index -> characters of text sent
         sent_tokens: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
-        offsets: dict[int, TextOffsets] = {}  # choice index -> its tokens' text offsets for logprobs
+        bases: dict[int, int] = {}  # choice index -> where its own text starts (after an echoed prompt)
         finished: set[int] = set()
         prompt_tokens: dict[int, int] = {}
         completion_tokens: dict[int, int] = {}
@@ -161,8 +173,9 @@ class OpenAIServingCompletion:
                     if not (delta or prefix or o.finish_reason is not None or new_logprobs):
                         continue
                     if first:
-                        offsets[index] = TextOffsets(self.serving.tokenizer, params, out.prompt_token_ids, len(prefix))
-                    logprobs = completion_logprobs(o, start_tok, decode, offsets[index], out if prefix else None)
+                        bases[index] = len(prefix)
+                    echoed = self._echoed(req, params, out) if prefix else (None, None)
+                    logprobs = completion_logprobs(o, start_tok, decode, bases[index], *echoed)
                     sent_text[index] = end
                     sent_tokens[index] = len(o.token_ids)
                     if o.finish_reason is not None:
