@@ -196,7 +196,7 @@ class SamplingParams:
                 )
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
                 raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} in {self.logit_bias!r}")
-        if self.logit_bias:  # OpenAI's range, as the server clamps it: beyond it float32 logits overflow
+        if self.logit_bias:  # OpenAI's range (vLLM's server clamps to it too): beyond it float32 logits overflow
             self.logit_bias = {tid: min(100.0, max(-100.0, float(bias))) for tid, bias in self.logit_bias.items()}
         allowed = self.allowed_token_ids
         if allowed is not None:

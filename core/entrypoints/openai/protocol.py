@@ -153,8 +153,8 @@ class SamplingRequest(OpenAIModel):
         if structured is not None:
             kwargs["structured_outputs"] = structured
         if self.logit_bias:
-            # OpenAI's range: biases outside [-100, 100] are clamped (as vLLM does)
-            kwargs["logit_bias"] = {int(key): min(100.0, max(-100.0, bias)) for key, bias in self.logit_bias.items()}
+            # (SamplingParams clamps the biases to OpenAI's [-100, 100], as vLLM does)
+            kwargs["logit_bias"] = {int(key): bias for key, bias in self.logit_bias.items()}
         return kwargs
 
     @property
