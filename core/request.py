@@ -22,7 +22,10 @@ from typing import TYPE_CHECKING, NewType
 from halserve.kv_cache.hashing import BlockHash
 
 if TYPE_CHECKING:  # pragma: no cover
+    from concurrent.futures import Future
+
     from halserve.sampling_params import SamplingParams
+    from halserve.structured_output import RequestGrammar
 
 RequestId = NewType("RequestId", str)
 
@@ -70,8 +73,13 @@ class Request:
     """Chained hashes of the request's full blocks, in order; extended as tokens arrive."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended it, or why its constraints left no token to
-    generate (``ModelRunnerOutput.no_token_stops``); None for eos, length or abort."""
+    generate (``ModelRunnerOutput.no_token_req_ids``); None for eos, length or abort."""
     num_preemptions: int = 0
+    grammar_future: "Future | None" = None
+    """Structured outputs: its grammar compiling in the background; None once compiled (or never
+    asked). The scheduler admits the request only then."""
+    grammar: "RequestGrammar | None" = None
+    """Structured outputs: its matcher, from when it is first scheduled (kept across preemption)."""
     _all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

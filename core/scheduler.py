@@ -16,9 +16,11 @@ from halserve.engine_core_output import EngineCoreOutput
 from halserve.kv_cache.manager import KVCacheManager, cdiv
 from halserve.request import Request, RequestId, RequestStatus
 from halserve.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from halserve.structured_output import no_token_stop_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
+    from halserve.structured_output import StructuredOutputManager
 
 
 @dataclass(slots=True)
@@ -43,6 +45,7 @@ class Scheduler:
         block_size: int,
         num_blocks: int,
         enable_prefix_caching: bool = True,
+        structured_outputs: "StructuredOutputManager | None" = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -66,6 +69,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self.num_preemptions = 0  # cumulative
+        self.structured_outputs = structured_outputs  # compiles grammars; None: constrained requests refused
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int) -> Scheduler:
@@ -107,6 +111,10 @@ class Scheduler:
                 f"({num_usable} usable blocks of {self.block_size}); lower max_tokens or shorten the prompt, "
                 "or raise num_kv_blocks / kv_cache_memory"
             )
+        if getattr(request.sampling_params, "structured_outputs", None) is not None:
+            if self.structured_outputs is None:
+                raise ValueError(f"request {req_id!r} asks for structured outputs, which this engine does not serve")
+            self.structured_outputs.submit(request)
         request.status = RequestStatus.WAITING
         self.requests[req_id] = request
         self._priority[req_id] = next(self._arrivals)
@@ -178,16 +186,21 @@ class Scheduler:
             token_budget -= num_new_tokens
             index += 1
 
-        # 2. waiting requests
-        while not num_preempted and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        # 2. waiting requests (one whose grammar is still compiling keeps its place, skipped)
+        num_skipped = 0
+        while (not num_preempted and len(self.waiting) > num_skipped and token_budget > 0
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[num_skipped]
+            if self.structured_outputs is not None and not self.structured_outputs.is_ready(request):
+                num_skipped += 1
+                continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_computed, token_budget)
             new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
             if new_block_ids is None:
                 assert self.running, f"{request.request_id} does not fit an empty KV cache (add_request should refuse it)"
                 break
-            self.waiting.popleft()
+            del self.waiting[num_skipped]
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
@@ -214,7 +227,29 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=finished_req_ids,
             num_preempted=num_preempted,
+            **self._grammar_bitmask(num_scheduled_tokens),
         )
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block until a waiting request's grammar compiles, at most ``timeout`` seconds (for an
+        engine whose every unfinished request waits for one: ``schedule`` gave nothing)."""
+        if self.structured_outputs is not None:
+            self.structured_outputs.wait(self.waiting, timeout)
+
+    def _grammar_bitmask(self, num_scheduled_tokens: dict[str, int]) -> dict:
+        """The SchedulerOutput fields for the requests that sample this step under a grammar."""
+        if self.structured_outputs is None:
+            return {}
+        req_ids, grammars = [], []
+        for req_id, num_tokens in num_scheduled_tokens.items():
+            request = self.requests[RequestId(req_id)]
+            grammar = request.grammar
+            if grammar is not None and grammar.masks and request.num_computed_tokens + num_tokens >= request.num_tokens:
+                req_ids.append(req_id)
+                grammars.append(grammar)
+        if not grammars:
+            return {}
+        return {"grammar_req_ids": req_ids, "grammar_bitmask": self.structured_outputs.grammar_bitmask(grammars)}
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop its K/V, restart it from scratch later (its outputs
@@ -247,18 +282,24 @@ class Scheduler:
             i = position.get(req_id)
             sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
             new_token_ids: list[int] = []
-            if req_id in model_runner_output.no_token_stops:  # its constraints left nothing to sample
+            if req_id in model_runner_output.no_token_req_ids:  # its constraints left nothing to sample
                 request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = model_runner_output.no_token_stops[req_id]
+                request.stop_reason = no_token_stop_reason(req_id, request.sampling_params, request.grammar, None)
             else:
                 assert sampled, f"{req_id} completed its prefill/decode but the model runner sampled no token"
                 waive_min_tokens = req_id in model_runner_output.min_tokens_waived
                 for token_id in sampled:
+                    if request.grammar is not None and not request.grammar.follow(token_id, request.output_token_ids):
+                        # (its mask allowed it: the grammar and the mask disagree)
+                        request.status = RequestStatus.FINISHED_STOPPED
+                        request.stop_reason = no_token_stop_reason(req_id, request.sampling_params, request.grammar,
+                                                                   token_id)
+                        break
                     request.append_output_token_id(token_id)
                     new_token_ids.append(token_id)
                     if self._check_stop(request, waive_min_tokens):
                         break
-            sample_logprobs = logprobs[i] if i is not None and i < len(logprobs) else None
+            sample_logprobs = logprobs[i] if i is not None and i < len(logprobs) and new_token_ids else None
             prompt_logprobs, pooled = model_runner_output.prompt_logprobs, model_runner_output.pooled
             outputs.append(
                 EngineCoreOutput(

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from halserve.sampling_params import SamplingParams
 
 
@@ -43,6 +45,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int  # sum of num_scheduled_tokens
     finished_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted since the last step: drop state
     num_preempted: int = 0  # preemptions made while building this step (metrics)
+    # structured outputs: the requests that sample this step under a grammar, and their
+    # allowed next tokens, one row each (bit t of a row: token t allowed), [k, ceil(vocab / 32)] int32
+    grammar_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: "torch.Tensor | None" = None
 
     @property
     def is_empty(self) -> bool:
@@ -70,10 +76,9 @@ class ModelRunnerOutput:
     prompt_logprobs: list[list[SampleLogprobs] | None] = field(default_factory=list)
     # per request: an embedding request's embedding, with its (only) token; None otherwise
     pooled: list[list[float] | None] = field(default_factory=list)
-    # requests whose constraints (a grammar, with allowed_token_ids) left no token to
-    # sample: they sampled nothing ([] above) and end here, finish_reason "stop"; req_id ->
-    # stop_reason: why, or None when their structured output was complete (a normal end)
-    no_token_stops: dict[str, str | None] = field(default_factory=dict)
+    # requests whose constraints (a grammar, allowed_token_ids) left no token to sample:
+    # they sampled nothing ([] above) and end here, finish_reason "stop" (the scheduler says why)
+    no_token_req_ids: set[str] = field(default_factory=set)
     # requests that sampled a stop token before min_tokens because the other constraints
     # allowed nothing else (a complete structured output): it ends them as after min_tokens
     min_tokens_waived: set[str] = field(default_factory=set)

@@ -3,12 +3,16 @@ a list of strings, or an EBNF grammar (vLLM's ``StructuredOutputsParams``), thro
 
 The request carries a ``StructuredOutputsParams``; the frontend parses its grammar when the
 request is added (a bad schema or regex is a ``ValueError`` there, never in the step loop).
-The model runner compiles it against the tokenizer (``StructuredOutputs``, cached per
-grammar), keeps one matcher per request, masks the logits of every token the grammar does
-not allow before sampling, and advances the matcher with each sampled token. Once the grammar
-is complete only EOS is allowed, so the request ends as a normal stop (min_tokens gives way).
-A step where the grammar and the request's other constraints (allowed_token_ids) leave no
-token ends the request there without one: finish_reason "stop", the stop_reason says why.
+The engine core compiles it against the tokenizer in a background thread
+(``StructuredOutputManager``, cached per grammar) while the scheduler runs the other
+requests: the request is admitted once its grammar is ready. The core keeps one matcher per
+request; each step it sends the workers the allowed-token bitmask of every request that
+samples under a grammar (``SchedulerOutput.grammar_bitmask``), the workers mask those logits
+before sampling (``apply_grammar_bitmask``), and the core advances the matcher with each
+sampled token. Once the grammar is complete only EOS is allowed, so the request ends as a
+normal stop (min_tokens gives way). A step where the grammar and the request's other
+constraints (allowed_token_ids) leave no token ends the request there without one:
+finish_reason "stop", the stop_reason says why (``no_token_stop_reason``).
 
 xgrammar is an optional dependency (``pip install "halserve[structured-outputs]"``).
 """
@@ -16,12 +20,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import concurrent.futures
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+    from halserve.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -108,15 +118,6 @@ class StructuredOutputsParams:
         return "grammar", self.grammar  # type: ignore[return-value]
 
 
-def constrained_tail(params: StructuredOutputsParams, generated: list[int]) -> list[int] | None:
-    """The generated tokens under the constraint (from where it started), or None while it has
-    not started (``start_after``'s marker not generated yet; with ``opened_by``, no token yet)."""
-    if params.start_after is None or (params.opened_by is not None and generated[:1] not in ([], [params.opened_by])):
-        return generated
-    end = marker_end(generated, params.start_after)
-    return None if end is None else generated[end:]
-
-
 @dataclass(slots=True)
 class RequestGrammar:
     """One request's matcher and whether its constraint has started."""
@@ -135,9 +136,9 @@ class RequestGrammar:
     def active(self) -> bool:
         return not self.waits
 
-    def follow(self, token_id: int, output: list[int]) -> bool:
-        """After ``token_id`` was sampled (``output`` ends with it): advance the matcher if the
-        constraint applies. False, the matcher unchanged, if the token does not fit it."""
+    def follow(self, token_id: int, previous: list[int]) -> bool:
+        """After ``token_id`` was sampled (``previous``: the output before it): advance the
+        matcher if the constraint applies. False, the matcher unchanged, if the token does not fit it."""
         if self.gated:
             self.gated = False
             if token_id == self.params.opened_by:
@@ -145,22 +146,13 @@ class RequestGrammar:
             self.waits = False
         elif self.waits:
             marker = self.params.start_after
-            self.waits = output[-len(marker) :] != marker
+            self.waits = [*previous[max(0, len(previous) - len(marker) + 1) :], token_id] != marker
             return True
         return self.matcher.is_terminated() or self.matcher.accept_token(token_id)
 
     def is_complete(self) -> bool:
         """The tokens under the constraint form a whole string of the grammar (EOS may end it)."""
         return self.active and (self.matcher.is_terminated() or self.matcher.is_completed())
-
-
-def marker_end(token_ids: list[int], marker: list[int]) -> int | None:
-    """The index just past the first occurrence of ``marker`` in ``token_ids`` (None: absent)."""
-    n = len(marker)
-    for i in range(len(token_ids) - n + 1):
-        if token_ids[i : i + n] == marker:
-            return i + n
-    return None
 
 
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
@@ -191,68 +183,130 @@ def validate(params: StructuredOutputsParams) -> None:
         raise ValueError(f"structured outputs: invalid {kind}: {message}") from None
 
 
-class StructuredOutputs:
-    """The model runner's side: compiled grammars (cached) and the logits mask of a step."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        xgr = _xgrammar()
-        self._xgr = xgr
+
+class StructuredOutputManager:
+    """The engine core's side: grammars compiled in a background thread, each request's matcher,
+    and the token bitmask of the requests that sample in a step.
+
+    A request enters the scheduler with its compile submitted (``submit``); the scheduler
+    admits it once ``is_ready`` (a slow compile never holds up the other requests' steps),
+    builds each step's bitmask here (``grammar_bitmask``) for the workers to apply to the
+    logits, and advances the matcher with every sampled token (``RequestGrammar.follow``).
+    Compiled grammars are cached by constraint (xgrammar's cache, bounded)."""
+
+    CACHE_LIMIT_BYTES = 1 << 30
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
+        self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgr.GrammarCompiler(info)
-        self._compiled: dict[tuple[str, str], Any] = {}
+        self._compiler: Any = None  # built by the first compile, in the compile thread
+        self._pool: ThreadPoolExecutor | None = None
 
-    def start(self, req_id: str, params: StructuredOutputsParams, generated: list[int]) -> RequestGrammar | None:
-        """A request's matcher (its grammar compiled once per distinct constraint), advanced
-        past the tokens it already generated (a request resumed after preemption). None, with
-        an error logged, if the grammar does not compile (``validate`` parsed it when the
-        request was added, so this is not expected): a step never fails for one request."""
-        key = params.key
+    def submit(self, request: "Request") -> None:
+        """Start compiling the grammar of ``request`` (``grammar_future``). The result is the
+        compiled grammar, or None (an error logged) if it does not compile (``validate``
+        parsed it when the request was added, so this is not expected: it runs unconstrained)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="halserve-grammar")
+        request.grammar_future = self._pool.submit(self._compile, request.sampling_params.structured_outputs.key)
+
+    def is_ready(self, request: "Request") -> bool:
+        """Whether ``request`` may run: it has no grammar to wait for. The first call after its
+        compile finished gives it its matcher (``request.grammar``)."""
+        future = request.grammar_future
+        if future is None:
+            return True
+        if not future.done():
+            return False
+        request.grammar = self.start(request.sampling_params.structured_outputs, future.result())
+        request.grammar_future = None
+        return True
+
+    @staticmethod
+    def wait(requests: "Iterable[Request]", timeout: float) -> None:
+        """Block until one of ``requests``' grammars compiles, at most ``timeout`` seconds."""
+        pending = [r.grammar_future for r in requests if r.grammar_future is not None]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _compile(self, key: tuple[str, str]) -> Any:
         try:
-            compiled = self._compiled.get(key)
-            if compiled is None:
-                kind, spec = key
-                if kind == "json":
-                    compiled = self._compiler.compile_json_schema(spec, any_whitespace=False)
-                elif kind == "regex":
-                    compiled = self._compiler.compile_regex(spec)
-                else:
-                    compiled = self._compiler.compile_grammar(spec)
-                self._compiled[key] = compiled
+            if self._compiler is None:
+                xgr = _xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
+                threads = max(1, (os.cpu_count() or 2) // 2)  # (the model's step runs beside it)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=threads,
+                                                     cache_limit_bytes=self.CACHE_LIMIT_BYTES)
+            kind, spec = key
+            if kind == "json":
+                return self._compiler.compile_json_schema(spec, any_whitespace=False)
+            if kind == "regex":
+                return self._compiler.compile_regex(spec)
+            return self._compiler.compile_grammar(spec)
         except Exception:  # noqa: BLE001 - keep the engine serving
-            logger.exception("request %s: its %s constraint did not compile; it runs unconstrained", req_id, key[0])
+            logger.exception("a %s constraint did not compile; its requests run unconstrained", key[0])
             return None
-        matcher = self._xgr.GrammarMatcher(compiled)
-        tail = constrained_tail(params, generated)
-        for token_id in tail or ():  # (the matcher follows the tokens under the constraint only)
-            if not self.accept(req_id, matcher, token_id):
-                return None
-        gated = params.opened_by is not None and not generated
-        return RequestGrammar(params, matcher, waits=tail is None, gated=gated)
 
-    def mask_logits(self, logits: "torch.Tensor", grammars: list[tuple[int, RequestGrammar]]) -> "torch.Tensor":
-        """-inf in ``logits`` rows (one per (row, grammar)) for every token the grammar does not
-        allow next (a gated one's opened_by token stays allowed); returns the masked logits (a
-        copy: the caller's stay as they were)."""
-        import torch
+    @staticmethod
+    def start(params: StructuredOutputsParams, compiled: Any) -> RequestGrammar | None:
+        """A new request's matcher over its compiled grammar; None if it did not compile."""
+        if compiled is None:
+            return None
+        matcher = _xgrammar().GrammarMatcher(compiled)
+        return RequestGrammar(params, matcher, waits=params.start_after is not None, gated=params.opened_by is not None)
 
-        bitmask = self._xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
-        for i, (_, grammar) in enumerate(grammars):
+    def grammar_bitmask(self, grammars: list[RequestGrammar]) -> "torch.Tensor":
+        """[len(grammars), ceil(vocab / 32)] int32: bit t of a row says token t may come next
+        (a gated grammar's ``opened_by`` token stays allowed)."""
+        xgr = _xgrammar()
+        bitmask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
+        for i, grammar in enumerate(grammars):
             grammar.matcher.fill_next_token_bitmask(bitmask, i)
             if grammar.gated:
                 word, bit = divmod(grammar.params.opened_by, 32)
                 bitmask[i, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # (int32 words)
-        rows = torch.tensor([row for row, _ in grammars], dtype=torch.long, device=logits.device)
-        masked = logits.index_select(0, rows).float()
-        self._xgr.apply_token_bitmask_inplace(masked, bitmask.to(masked.device))
-        return logits.index_copy(0, rows, masked.to(logits.dtype))
+        return bitmask
 
-    @staticmethod
-    def accept(req_id: str, matcher: Any, token_id: int) -> bool:
-        """Advance a matcher by one sampled token; False if the token does not fit (the caller
-        drops the matcher). After the grammar completed, EOS is all it allows: ignored."""
-        if matcher.is_terminated() or matcher.accept_token(token_id):
-            return True
-        logger.warning("request %s: token %d does not fit its grammar; it runs unconstrained from here",
-                       req_id, token_id)
-        return False
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def apply_grammar_bitmask(logits: "torch.Tensor", rows: "torch.Tensor", bitmask: "torch.Tensor") -> "torch.Tensor":
+    """-inf in ``logits`` [R, V] rows ``rows`` [k] for every token the matching ``bitmask`` row
+    [k, ceil(V' / 32)] int32 does not allow (tokens past its V' are not allowed); returns the
+    masked logits (a copy: the caller's stay as they were). Plain torch: any device."""
+    import torch
+
+    bitmask = bitmask.to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [k, words * 32]
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    masked = logits.index_select(0, rows).masked_fill(~allowed[:, :vocab], float("-inf"))
+    return logits.index_copy(0, rows, masked)
+
+
+def no_token_stop_reason(req_id: str, params: Any, grammar: RequestGrammar | None, rejected: int | None) -> str | None:
+    """The stop_reason of a request that ends without a token this step (``rejected``: the
+    sampled token its grammar refused; None: its constraints left no token). None when
+    its structured output is complete, so ending is what EOS would have done; otherwise
+    why, logged as a warning: its constraints contradict each other."""
+    grammar = grammar if grammar is not None and grammar.active else None
+    if rejected is not None:
+        reason = f"the sampled token {rejected} does not fit the request's structured outputs grammar"
+    elif grammar is not None and grammar.is_complete():
+        logger.info("request %s: its structured output is complete but its other constraints forbid EOS; "
+                    "it ends here", req_id)
+        return None
+    else:
+        # (min_tokens is never the cause: it gives way to stop tokens, see Sampler)
+        allowed_ids = getattr(params, "allowed_token_ids", None) is not None
+        constraints = [name for name, active in (("structured outputs", grammar is not None),
+                                                 ("allowed_token_ids", allowed_ids)) if active]
+        reason = (f"the request's constraints leave no token to generate ({' with '.join(constraints)})"
+                  if constraints else "no token can be sampled: its logits are -inf or NaN")
+    logger.warning("request %s: %s; it ends here", req_id, reason)
+    return reason

@@ -16,11 +16,14 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
+    GRAMMAR_POLL_S = 0.05  # how long a step with nothing to run waits for a grammar (then new requests)
+
     def __init__(self, config: EngineConfig) -> None:
         from halserve.models.loader import get_model_info
         from halserve.platforms import resolve_platform
         from halserve.plugins import get_plugin_manager
         from halserve.scheduler import Scheduler
+        from halserve.structured_output import StructuredOutputManager
 
         start = time.perf_counter()
         manager = get_plugin_manager()
@@ -51,6 +54,7 @@ class EngineCore:
             block_size=config.block_size,
             num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
+            structured_outputs=StructuredOutputManager(self._load_tokenizer, self.model_info.vocab_size),
         )
         self.num_steps = 0
         logger.info(
@@ -81,9 +85,17 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)  # (an empty one drops finished requests)
+        if scheduler_output.is_empty:  # every unfinished request waits for its grammar to compile
+            self.scheduler.wait_for_grammars(timeout=self.GRAMMAR_POLL_S)
+            return []
         self.num_steps += 1
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _load_tokenizer(self):
+        from halserve.engine.llm_engine import load_tokenizer
+
+        return load_tokenizer(self.config, self.model_info)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         from halserve.request import RequestStatus
@@ -99,6 +111,9 @@ class EngineCore:
         return EngineStats(**dataclasses.asdict(self.scheduler.get_stats()), num_steps=self.num_steps)
 
     def shutdown(self) -> None:
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None and scheduler.structured_outputs is not None:
+            scheduler.structured_outputs.shutdown()
         executor, self.executor = getattr(self, "executor", None), None
         if executor is not None:
             executor.shutdown()

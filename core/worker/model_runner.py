@@ -29,7 +29,7 @@ import torch
 from halserve.attention_backends.base import AttentionMetadata
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from halserve.worker.backend_selection import select_attention_backend
-from halserve.worker.runner_state import CachedRequestState, StepInputs, no_token_stop_reason
+from halserve.worker.runner_state import CachedRequestState, StepInputs
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
@@ -54,7 +54,6 @@ class ModelRunner:
         from halserve.sampling import Sampler
 
         self.sampler = Sampler()
-        self._structured = None  # StructuredOutputs, built at the first constrained request
 
     # -- setup -----------------------------------------------------------------------
     def load_model(self) -> None:
@@ -148,8 +147,6 @@ class ModelRunner:
                 prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
                 else None,
             )
-            if new.sampling_params.structured_outputs is not None:
-                self._start_grammar(self.requests[new.req_id])
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -166,7 +163,7 @@ class ModelRunner:
             step = self._prepare_inputs(out)
             # The forward runs even when nothing samples (a prefill chunk): it writes the KV cache.
             logits = self._forward(step)
-            return self._sample(step, logits if step.sample_rows else None)
+            return self._sample(step, logits if step.sample_rows else None, out)
 
     def _prepare_inputs(self, out: SchedulerOutput) -> "StepInputs":
         """Host-side (numpy/CPU tensors) flattened inputs of one step."""
@@ -258,28 +255,19 @@ class ModelRunner:
             hidden = self.model(step.input_ids.to(dev, non_blocking=True), step.positions.to(dev, non_blocking=True))
         if step.prompt_indices:
             self._score_prompt(step, hidden)
+        from halserve.worker.pooler import accumulate_prompt_rows, pool
+
+        # embedding requests: MEAN/CLS fold in this step's prompt rows (prefill may be chunked)
+        accumulate_prompt_rows(step.states, step.common.query_start_loc_cpu, step.seq_lens, hidden)
         if not step.sample_rows:
             return None
         last = hidden.index_select(0, step.logits_indices.to(dev))
         pooling = [j for j, r in enumerate(step.sample_rows) if step.states[r].sampling_params.pooling is not None]
-        if pooling:  # embedding requests: the final hidden state at their prompt's last token
-            from halserve.pooling_params import pool
-
+        if pooling:  # embedding requests that reach their prompt's last token: pool it (LAST) or what was kept
             rows = [step.states[step.sample_rows[j]] for j in pooling]
-            vectors = pool(last[torch.tensor(pooling, device=dev)], [s.sampling_params.pooling for s in rows])
-            for state, vector in zip(rows, vectors):
+            for state, vector in zip(rows, pool(last[torch.tensor(pooling, device=dev)], rows)):
                 state.pooled = vector
         return self.model.compute_logits(last)
-
-    def _start_grammar(self, state: CachedRequestState) -> None:
-        if self._structured is None:
-            from halserve.engine.llm_engine import load_tokenizer
-            from halserve.structured_output import StructuredOutputs
-
-            self._structured = StructuredOutputs(load_tokenizer(self.config, self.info), self.info.vocab_size)
-        # (a request resumed after preemption replays the tokens it generated)
-        state.grammar = self._structured.start(state.req_id, state.sampling_params.structured_outputs,
-                                               state.output_token_ids)
 
     def _score_prompt(self, step: "StepInputs", hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens this step's chunks cover, for requests that asked for
@@ -293,19 +281,24 @@ class ModelRunner:
             step.states[r].prompt_logprobs.extend(entries[start : start + count])
             start += count
 
-    def _sample(self, step: "StepInputs", logits: torch.Tensor | None) -> ModelRunnerOutput:
+    def _sample(self, step: "StepInputs", logits: torch.Tensor | None,
+                scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         num_reqs = len(step.states)
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs: list = [None] * num_reqs
         prompt_logprobs: list = [None] * num_reqs
         pooled: list = [None] * num_reqs
-        no_token_stops: dict[str, str | None] = {}
+        no_token_req_ids: set[str] = set()
         min_tokens_waived: set[str] = set()
         if logits is not None:
             rows = [step.states[r] for r in step.sample_rows]
-            constrained = [(j, s.grammar) for j, s in enumerate(rows) if s.grammar is not None and s.grammar.masks]
-            if constrained:
-                logits = self._structured.mask_logits(logits, constrained)
+            bitmask = scheduler_output.grammar_bitmask
+            if bitmask is not None:  # structured outputs: the scheduler's allowed next tokens
+                from halserve.structured_output import apply_grammar_bitmask
+
+                row_of = {s.req_id: j for j, s in enumerate(rows)}
+                grammar_rows = [row_of[i] for i in scheduler_output.grammar_req_ids]
+                logits = apply_grammar_bitmask(logits, torch.tensor(grammar_rows, device=logits.device), bitmask)
             out = self.sampler.sample(logits, self._sampling_metadata(rows, logits.device))
             tokens = out.sampled_token_ids.tolist()
             has_token = out.has_token.tolist()
@@ -318,13 +311,9 @@ class ModelRunner:
                 if state.pooled is not None:
                     pooled[r], state.pooled = state.pooled, None
                 if not has_token[j]:
-                    no_token_stops[state.req_id] = no_token_stop_reason(state, None)
+                    no_token_req_ids.add(state.req_id)
                     continue
                 state.output_token_ids.append(tok)
-                if state.grammar is not None and not state.grammar.follow(tok, state.output_token_ids):
-                    state.output_token_ids.pop()
-                    no_token_stops[state.req_id] = no_token_stop_reason(state, tok)  # (its mask allowed it)
-                    continue
                 sampled_token_ids[r] = [tok]
                 logprobs[r] = out.logprobs[j]
                 if waived[j]:
@@ -332,7 +321,7 @@ class ModelRunner:
         for r, state in enumerate(step.states):
             state.num_computed_tokens = int(step.seq_lens[r])
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs, pooled=pooled, no_token_stops=no_token_stops,
+                                 prompt_logprobs=prompt_logprobs, pooled=pooled, no_token_req_ids=no_token_req_ids,
                                  min_tokens_waived=min_tokens_waived)
 
     def _sampling_metadata(self, rows: list[CachedRequestState], device: torch.device):

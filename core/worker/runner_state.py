@@ -1,5 +1,5 @@
 """The model runner's per-request state between steps and the flattened inputs of one step
-(``model_runner``), and why a request ends without a token."""
+(``model_runner``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +14,7 @@ from halserve.attention_backends.base import AttentionMetadata
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.sampling_params import SamplingParams
-    from halserve.structured_output import RequestGrammar
+    from halserve.worker.pooler import PromptPool
 
 logger = logging.getLogger("halserve.worker.model_runner")
 
@@ -47,8 +47,8 @@ class CachedRequestState:
     num_computed_tokens: int
     # prompt_logprobs asked and the prompt not yet all scored: entries for prompt tokens 1.. so far
     prompt_logprobs: list | None = None
-    grammar: "RequestGrammar | None" = None  # structured outputs: the request's matcher and its state
     pooled: list[float] | None = None  # an embedding request's embedding, until sent with its token
+    prompt_pool: "PromptPool | None" = None  # a MEAN/CLS embedding request's prompt rows pooled so far
 
     @property
     def num_tokens(self) -> int:
@@ -61,27 +61,3 @@ class CachedRequestState:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : stop - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
-
-
-def no_token_stop_reason(state: CachedRequestState, rejected: int | None) -> str | None:
-    """The stop_reason of a request that ends without a token this step (``rejected``: the
-    sampled token its grammar refused; None: its constraints left no token). None when
-    its structured output is complete, so ending is what EOS would have done; otherwise
-    why, logged as a warning: its constraints contradict each other."""
-    grammar = state.grammar if state.grammar is not None and state.grammar.active else None
-    params = state.sampling_params
-    if rejected is not None:
-        reason = f"the sampled token {rejected} does not fit the request's structured outputs grammar"
-    elif grammar is not None and grammar.is_complete():
-        logger.info("request %s: its structured output is complete but its other constraints forbid EOS; "
-                    "it ends here", state.req_id)
-        return None
-    else:
-        # (min_tokens is never the cause: it gives way to stop tokens, see Sampler)
-        constraints = [name for name, active in (("structured outputs", grammar is not None),
-                                                 ("allowed_token_ids", params.allowed_token_ids is not None))
-                       if active]
-        reason = (f"the request's constraints leave no token to generate ({' with '.join(constraints)})"
-                  if constraints else "no token can be sampled: its logits are -inf or NaN")
-    logger.warning("request %s: %s; it ends here", state.req_id, reason)
-    return reason

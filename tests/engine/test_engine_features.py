@@ -184,13 +184,33 @@ def test_structured_outputs_start_after_a_marker_across_preemption(llama_path):
     assert free_tokens > 0, "some tokens before the marker: generation there was free"
     with pytest.raises(ValueError, match="start_after must be a non-empty list of token ids"):
         SamplingParams(structured_outputs={"regex": regex, "start_after": []})
-    # opened_by: the wait holds only for an output that opens with that token (what a resumed
-    # request replays into its matcher: the tail, or None while the constraint has not started)
-    from halserve.structured_output import StructuredOutputsParams, constrained_tail
+    # opened_by: the wait holds only for an output that opens with that token; the matcher
+    # sees the tokens after the marker, or all of them when the output opens otherwise
+    from halserve.structured_output import RequestGrammar, StructuredOutputsParams
+
+    class Matcher:  # records what the grammar is fed
+        def __init__(self):
+            self.fed = []
+
+        def is_terminated(self):
+            return False
+
+        def accept_token(self, token_id):
+            self.fed.append(token_id)
+            return True
+
+    def fed(params, tokens):
+        grammar = RequestGrammar(params, Matcher(), waits=params.start_after is not None,
+                                 gated=params.opened_by is not None)
+        for i, token_id in enumerate(tokens):
+            assert grammar.follow(token_id, tokens[:i])
+        return grammar.matcher.fed, grammar.active
 
     gated = StructuredOutputsParams(regex=regex, start_after=[9], opened_by=7)
-    assert constrained_tail(gated, []) is None and constrained_tail(gated, [7, 3]) is None
-    assert constrained_tail(gated, [7, 3, 9, 4]) == [4] and constrained_tail(gated, [5, 9, 4]) == [5, 9, 4]
+    assert fed(gated, []) == ([], False) and fed(gated, [7, 3]) == ([], False)
+    assert fed(gated, [7, 3, 9, 4]) == ([4], True) and fed(gated, [5, 9, 4]) == ([5, 9, 4], True)
+    two = StructuredOutputsParams(regex=regex, start_after=[3, 9])
+    assert fed(two, [9, 3, 3, 9, 9, 4]) == ([9, 4], True) and fed(two, [3, 3, 4, 9]) == ([], False)
     with pytest.raises(ValueError, match="opened_by must be a token id and needs start_after"):
         StructuredOutputsParams(regex=regex, opened_by=7)
     with pytest.raises(ValueError, match="json must be a JSON schema"):  # (false is given, not "none")
