@@ -13,6 +13,7 @@ _LAZY = {
     "LLM": "halserve.entrypoints.llm",
     "SamplingParams": "halserve.sampling_params",
     "PoolingParams": "halserve.pooling_params",
+    "PoolerConfig": "halserve.pooler_config",
     "EmbeddingRequestOutput": "halserve.outputs",
     "RequestOutput": "halserve.outputs",
     "CompletionOutput": "halserve.outputs",
@@ -27,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.llm_engine import LLMEngine
     from halserve.entrypoints.llm import LLM
     from halserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from halserve.pooler_config import PoolerConfig
     from halserve.pooling_params import PoolingParams
     from halserve.sampling_params import SamplingParams
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from halserve.attention_backends.base import KV_CACHE_DTYPES
+from halserve.pooler_config import PoolerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
@@ -44,6 +45,9 @@ class EngineConfig(BaseModel):
     attention_backend: str | None = None
     """Force one attention backend by name (``HALSERVE_ATTENTION_BACKEND`` also does)."""
     trust_remote_code: bool = False
+    pooler_config: PoolerConfig | None = None
+    """Embedding pooling (``pooling_type``: LAST, MEAN, CLS; ``normalize``) over the checkpoint's
+    sentence-transformers defaults; a dict or JSON string is accepted (vLLM's ``pooler_config``)."""
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -60,6 +64,11 @@ class EngineConfig(BaseModel):
         if value not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {value!r} is not supported; use one of {', '.join(KV_CACHE_DTYPES)}")
         return value
+
+    @field_validator("pooler_config", mode="before")
+    @classmethod
+    def _pooler_config(cls, value: object) -> object:
+        return None if value is None else PoolerConfig.parse(value)
 
     @field_validator("block_size")
     @classmethod

@@ -1,41 +1,64 @@
-"""Embeddings (vLLM's ``PoolingParams``): a request that returns the model's last hidden state
-of its prompt's last token instead of generating (``LLM.embed``, ``POST /v1/embeddings``).
+"""Embeddings (vLLM's ``PoolingParams``): a request that returns a pooled final hidden state of
+its prompt instead of generating (``LLM.embed``, ``POST /v1/embeddings``).
 
-Last-token pooling is what decoder embedding models use (Qwen3-Embedding, gte-Qwen2,
-e5-mistral): the engine runs the prompt as an ordinary request that stops after one token,
-and the model runner keeps the final-norm hidden state at the last prompt position.
+The engine runs the prompt as an ordinary request that stops after one token; the model
+runner pools the final-norm hidden states of the prompt (``halserve.worker.pooler``):
+
+    LAST  the last prompt token's (decoder embedding models: Qwen3-Embedding, gte-Qwen2, e5-mistral)
+    MEAN  the average over every prompt token (most sentence-transformers models)
+    CLS   the first prompt token's (BERT-style models)
+
+A request leaves ``pooling_type`` and ``normalize`` unset to take the model's defaults
+(``halserve.pooler_config``: the checkpoint's sentence-transformers files or ``--pooler-config``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.pooler_config import PoolerConfig
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # vLLM's names
+# Types that read every prompt position, so a request of one never starts from a prefix-cache hit.
+WHOLE_PROMPT_POOLING_TYPES = ("MEAN", "CLS")
 
 
 @dataclass(slots=True)
 class PoolingParams:
-    normalize: bool = True
-    """Scale the embedding to unit L2 norm (cosine similarity becomes a dot product)."""
+    normalize: bool | None = None
+    """Scale the embedding to unit L2 norm (cosine similarity becomes a dot product);
+    None: the model's default (True unless its sentence-transformers config has no Normalize)."""
     dimensions: int | None = None
     """Keep only the first this many dimensions (Matryoshka models), normalized after the cut."""
+    pooling_type: str | None = None
+    """LAST, MEAN or CLS; None: the model's (its pooler config), which the engine fills in."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.normalize, bool):
+        if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
         if self.dimensions is not None and (type(self.dimensions) is not int or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
 
     def check(self, hidden_size: int) -> None:
         if self.dimensions is not None and self.dimensions > hidden_size:
             raise ValueError(f"dimensions {self.dimensions} exceeds the model's embedding size {hidden_size}")
 
+    def with_defaults(self, config: "PoolerConfig") -> "PoolingParams":
+        """These params with the fields left unset taken from the model's pooler config
+        (``self`` when nothing is unset). Called by the engine when the request is added."""
+        if self.normalize is not None and self.pooling_type is not None:
+            return self
+        return replace(
+            self,
+            normalize=config.normalize if self.normalize is None else self.normalize,
+            pooling_type=config.pooling_type if self.pooling_type is None else self.pooling_type,
+        )
 
-def pool(rows, params: list[PoolingParams]) -> list[list[float]]:
-    """Embeddings from last-token hidden states ``rows`` [R, hidden], one per params."""
-    import torch
-
-    out = []
-    for row, p in zip(rows.float(), params):
-        vec = row[: p.dimensions] if p.dimensions is not None else row
-        if p.normalize:
-            vec = torch.nn.functional.normalize(vec, dim=0)
-        out.append(vec.cpu().tolist())
-    return out
+    @property
+    def reads_whole_prompt(self) -> bool:
+        """Whether pooling needs the hidden state of every prompt position (MEAN, CLS): the
+        KV-cache manager then gives the request no prefix-cache hit, whose tokens would be skipped."""
+        return self.pooling_type in WHOLE_PROMPT_POOLING_TYPES

@@ -25,6 +25,9 @@ writes into ``tmp_dir`` (created if needed; returned as a str):
 ``sliding_window`` turns the window on (Qwen2/3: for layers >= ``max_window_layers``,
 default 0 = every layer). ``overrides`` go to the HF config (``attention_bias=True``,
 ``mlp_bias=True``, ``rope_theta=...``, ``max_window_layers=1``, ...).
+
+``with_sentence_transformers_config(path, tmp_dir, pooling_mode, normalize)`` copies a checkpoint
+and adds sentence-transformers' ``modules.json`` and ``1_Pooling/config.json`` (embedding defaults).
 """
 from __future__ import annotations
 
@@ -181,3 +184,27 @@ def make_checkpoint(tmp_dir, arch: str = "llama", *, vocab_size: int = 512, hidd
 def read_config(path: str) -> dict:
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         return json.load(f)
+
+
+def with_sentence_transformers_config(path: str, tmp_dir, pooling_mode: str, normalize: bool) -> str:
+    """A copy of checkpoint ``path`` in ``tmp_dir`` with sentence-transformers files: ``modules.json``
+    (Transformer, Pooling in ``1_Pooling``, and Normalize when ``normalize``) and
+    ``1_Pooling/config.json`` whose only true flag is ``pooling_mode`` (e.g. ``"pooling_mode_mean_tokens"``)."""
+    import shutil
+
+    out = os.fspath(tmp_dir)
+    shutil.copytree(path, out, dirs_exist_ok=True)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    flags = ["pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
+             "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken"]
+    pooling = {"word_embedding_dimension": read_config(path)["hidden_size"],
+               **{flag: flag == pooling_mode for flag in flags}, "include_prompt": True}
+    os.makedirs(os.path.join(out, "1_Pooling"), exist_ok=True)
+    with open(os.path.join(out, "modules.json"), "w", encoding="utf-8") as f:
+        json.dump(modules, f)
+    with open(os.path.join(out, "1_Pooling", "config.json"), "w", encoding="utf-8") as f:
+        json.dump(pooling, f)
+    return out

@@ -87,10 +87,17 @@ class LLMEngine:
 
 def apply_model_defaults(params: SamplingParams, model_info: Any) -> SamplingParams:
     """The checkpoint's generation_config defaults for fields the user left unset (vLLM's
-    ``generation_config="auto"``)."""
+    ``generation_config="auto"``), and for an embedding request the model's pooling defaults
+    (``halserve.pooler_config``) for the pooling params it left unset."""
     defaults = getattr(model_info, "generation_defaults", None)
-    if not defaults:
+    pooler_config = getattr(model_info, "pooler_config", None)
+    pooling = params.pooling
+    if pooling is not None and pooler_config is not None:
+        pooling = pooling.with_defaults(pooler_config)
+    if not defaults and pooling is params.pooling:
         return params
     params = params.clone()
-    params.update_from_generation_config(defaults)
+    if defaults:
+        params.update_from_generation_config(defaults)
+    params.pooling = pooling
     return params

@@ -31,6 +31,16 @@ def parse_bytes(text: str) -> int:
     return int(value * 1024 ** " kmgt".index(unit or " "))
 
 
+def parse_pooler_config(text: str) -> Any:
+    """``'{"pooling_type": "MEAN", "normalize": false}'`` -> PoolerConfig (vLLM's --pooler-config)."""
+    from halserve.pooler_config import PoolerConfig
+
+    try:
+        return PoolerConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows a flag's default unless its help already says it or there is none."""
 
@@ -98,6 +108,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--quantization", "-q", default=None, help="quantization method (default: the checkpoint's, if any)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow custom code from the model repository")
     g.add_argument("--seed", type=int, default=0, help="random seed")
+    g.add_argument(
+        "--pooler-config", "--override-pooler-config", type=parse_pooler_config, default=None, metavar="JSON",
+        help="embeddings: pooling_type (LAST, MEAN, CLS) and/or normalize, e.g. "
+        "'{\"pooling_type\": \"MEAN\", \"normalize\": false}' (default: the checkpoint's sentence-transformers "
+        "config, else LAST and normalized; --override-pooler-config is vLLM's older name)",
+    )
 
     g = p.add_argument_group("platform and parallelism")
     g.add_argument("--platform", default=None, help="platform plugin, e.g. cpu, cuda, rocm (default: HALSERVE_PLATFORM or auto-detect)")
@@ -166,6 +182,7 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             kv_cache_dtype=args.kv_cache_dtype,
             attention_backend=args.attention_backend,
             trust_remote_code=args.trust_remote_code,
+            pooler_config=args.pooler_config,
         )
     except ValidationError as exc:
         lines = []

@@ -75,6 +75,9 @@ class KVCacheManager:
             return [], 0
         if getattr(request.sampling_params, "prompt_logprobs", None) is not None and not request.num_output_tokens:
             return [], 0  # its prompt logprobs need the logits of every prompt position
+        pooling = getattr(request.sampling_params, "pooling", None)
+        if pooling is not None and pooling.reads_whole_prompt:
+            return [], 0  # MEAN/CLS embeddings pool the hidden states of every prompt position
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

@@ -15,6 +15,8 @@ from typing import Any, Iterator
 
 import torch
 
+from halserve.pooler_config import resolve_pooler_config
+
 logger = logging.getLogger(__name__)
 
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenizer*", "*.jinja"]
@@ -42,6 +44,7 @@ class ModelInfo:
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     kv_cache_bytes_per_token: int = 0  # K and V of every layer, all ranks together
+    pooler_config: Any = None  # PoolerConfig, both fields set: the embedding defaults (halserve.pooler_config)
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> str:
@@ -132,6 +135,7 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
     windows = [w for w in layer_sliding_windows(hf_config) if w is not None]
     gen = _read_json(os.path.join(path, "generation_config.json"))
     eos = _as_list(gen.get("eos_token_id")) or _as_list(getattr(hf_config, "eos_token_id", None))
+    pooler_config = resolve_pooler_config(path, config.pooler_config)
     if config.kv_cache_dtype == "auto":
         elem_size = torch.empty((), dtype=dtype).element_size()
     else:
@@ -152,6 +156,7 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
         eos_token_ids=eos,
         generation_defaults={k: gen[k] for k in GENERATION_DEFAULT_KEYS if k in gen},
         kv_cache_bytes_per_token=2 * hf_config.num_hidden_layers * num_kv_heads * head_size * elem_size,
+        pooler_config=pooler_config,
     )
 
 

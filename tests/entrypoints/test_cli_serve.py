@@ -48,6 +48,10 @@ def test_unavailable_platform_fails_fast_with_the_probe_reason(checkpoint):
         (["--kv-cache-memory", "lots"], "invalid size"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
+        (["--pooler-config", '{"pooling_type": "MAX"}'], "pooling_type must be one of LAST, MEAN, CLS, got 'MAX'"),
+        (["--override-pooler-config", '{"normalize": 1}'], "normalize must be true or false, got 1"),
+        (["--pooler-config", '{"pooling": "MEAN"}'], "has no field 'pooling'; its fields are pooling_type, normalize"),
+        (["--pooler-config", "MEAN"], "pooler config must be a JSON object"),
     ],
 )
 def test_unsupported_or_invalid_flags_exit_2(checkpoint, flags, expected):

@@ -1,5 +1,6 @@
 """POST /v1/embeddings through the official client: the final hidden state at each input's
-last token (normalized), the same as transformers' and as the offline LLM.embed."""
+last token (normalized), the same as transformers' and as the offline LLM.embed; other pooling
+through --pooler-config (the engine side of pooling: tests/engine/test_pooling.py)."""
 from __future__ import annotations
 
 import base64
@@ -9,25 +10,31 @@ import numpy as np
 import pytest
 import torch
 
-from server_utils import SERVED_NAME, VOCAB_SIZE
+from server_utils import SERVED_NAME, VOCAB_SIZE, ServerProcess, server_args
 
 INPUTS = ["hello world, tell me about the quick brown fox", "paris"]
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint):
-    """transformers' last hidden state (after the final norm) at each input's last token."""
+def hidden_states(checkpoint):
+    """transformers' final hidden states (after the final norm) [len, hidden] of each input."""
     from transformers import AutoModel, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModel.from_pretrained(checkpoint, dtype=torch.float32)
 
-    def embed(text: str) -> np.ndarray:
+    def run(text: str) -> np.ndarray:
         ids = tokenizer(text, return_tensors="pt").input_ids
         with torch.no_grad():
-            return model(ids).last_hidden_state[0, -1].numpy()
+            return model(ids).last_hidden_state[0].numpy()
 
-    return {text: embed(text) for text in INPUTS}
+    return {text: run(text) for text in INPUTS}
+
+
+@pytest.fixture(scope="module")
+def reference(hidden_states):
+    """transformers' last hidden state (after the final norm) at each input's last token."""
+    return {text: hidden[-1] for text, hidden in hidden_states.items()}
 
 
 def test_embeddings_match_transformers(client, server, reference):
@@ -88,3 +95,36 @@ def test_offline_embed_with_chunked_prefill_and_prefix_hits(checkpoint, referenc
         llm.embed(INPUTS[1], {"dimensions": 4}, use_tqdm=False)
     # generation is unaffected in the same engine
     assert llm.generate("paris", use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_pooler_config_flag_sets_pooling_and_normalize(checkpoint, tmp_path_factory, hidden_states):
+    flag = '{"pooling_type": "MEAN", "normalize": false}'
+    log = str(tmp_path_factory.mktemp("pooler") / "server.log")
+    srv = ServerProcess(server_args(checkpoint, "--pooler-config", flag, "--max-num-batched-tokens", "8"),
+                        log).wait_ready()
+    try:
+        url = srv.url + "/v1/embeddings"
+        raw = httpx.post(url, json={"input": INPUTS, "encoding_format": "float"}, timeout=60).json()["data"]
+        normalized = httpx.post(url, json={"input": INPUTS[0], "normalize": True}, timeout=60).json()["data"]
+    finally:
+        srv.stop()
+    for text, item in zip(INPUTS, raw):  # (INPUTS[0] spans several 8-token chunks)
+        assert np.abs(np.asarray(item["embedding"]) - hidden_states[text].mean(axis=0)).max() < 1e-5
+    mean = hidden_states[INPUTS[0]].mean(axis=0)
+    assert np.abs(np.asarray(normalized[0]["embedding"]) - mean / np.linalg.norm(mean)).max() < 1e-5
+
+
+def test_unsupported_sentence_transformers_pooling_exits_2(checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    from model_factory import with_sentence_transformers_config
+    from server_utils import free_port
+
+    path = with_sentence_transformers_config(checkpoint, tmp_path, "pooling_mode_weightedmean_tokens", True)
+    proc = subprocess.run([sys.executable, "-m", "halserve.entrypoints.cli", "serve", path, "--platform", "cpu",
+                           "--host", "127.0.0.1", "--port", str(free_port())], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert "pooling_mode_weightedmean_tokens" in error and "--pooler-config" in error, proc.stderr
