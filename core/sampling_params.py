@@ -87,6 +87,16 @@ class SamplingParams:
     -100 bans a token in practice, 100 all but forces it. Not reflected in logprobs."""
     allowed_token_ids: list[int] | None = None
     """Only these token ids may be sampled (EOS too must be listed to end early)."""
+    bad_words: list[str] | None = None
+    """Words never to generate (vLLM's): each is tokenized as given (left-stripped) and with a
+    leading space; a token is banned at a step where it would complete one of these token
+    sequences (a one-token word is banned at every step). The ban is on token sequences, so
+    the same text spelt with other tokens is not caught. At most 128 sequences in all."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last k tokens of the tokenized prompt, k >= 1 and at most max_model_len;
+    -1 keeps as many as leave room for max_tokens (max_model_len - max_tokens, as recent vLLM;
+    max_model_len - 1 without max_tokens). None keeps it whole. A text prompt cut this way
+    comes back with ``prompt`` None (its text no longer matches ``prompt_token_ids``)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, any JSON object, a regex, a choice of strings or
     an EBNF grammar (a dict of StructuredOutputsParams' fields is accepted too); needs xgrammar."""
@@ -97,6 +107,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
 
+    # bad_words as token-id sequences, set by the InputProcessor (it has the tokenizer); read by
+    # the sampler. None until then, and for a request without bad_words.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     # Names of the fields the caller passed (model defaults never override them).
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
@@ -121,6 +134,10 @@ class SamplingParams:
             if isinstance(self.allowed_token_ids, (str, bytes)) or not hasattr(self.allowed_token_ids, "__iter__"):
                 raise ValueError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}")
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words) or None
         if isinstance(self.structured_outputs, dict):
             known = {f.name for f in fields(StructuredOutputsParams)}
             unknown = sorted(set(self.structured_outputs) - known)
@@ -208,6 +225,12 @@ class SamplingParams:
                     raise ValueError(
                         f"allowed_token_ids must be non-negative integer token ids, got {tid!r} in {allowed!r}"
                     )
+        for word in self.bad_words or ():
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must be non-blank strings, got {word!r} in {self.bad_words!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (type(k) is not int or (k < 1 and k != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for max_model_len, got {k!r}")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """ValueError if a token id named by logit_bias or allowed_token_ids is past the
@@ -248,6 +271,8 @@ class SamplingParams:
             new.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             new.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            new.bad_words = list(self.bad_words)  # (bad_words_token_ids is shared: never changed in place)
         return new
 
     def update_from_generation_config(

@@ -303,9 +303,9 @@ def no_token_stop_reason(req_id: str, params: Any, grammar: RequestGrammar | Non
         return None
     else:
         # (min_tokens is never the cause: it gives way to stop tokens, see Sampler)
-        allowed_ids = getattr(params, "allowed_token_ids", None) is not None
         constraints = [name for name, active in (("structured outputs", grammar is not None),
-                                                 ("allowed_token_ids", allowed_ids)) if active]
+                                                 ("allowed_token_ids", getattr(params, "allowed_token_ids", None)),
+                                                 ("bad_words", getattr(params, "bad_words", None))) if active]
         reason = (f"the request's constraints leave no token to generate ({' with '.join(constraints)})"
                   if constraints else "no token can be sampled: its logits are -inf or NaN")
     logger.warning("request %s: %s; it ends here", req_id, reason)

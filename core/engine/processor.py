@@ -19,6 +19,9 @@ PromptType = str | list[int] | dict
 
 # A text prompt over this many characters per token of the context is checked from its start first.
 _CHARS_PER_TOKEN_BOUND = 16
+# bad_words: token sequences a request may ban; each is matched against the end of its output
+# at every step, on the host.
+MAX_BAD_WORDS = 128
 
 
 def check_text_length(tokenizer: Any, prompt: str, max_len: int) -> None:
@@ -34,6 +37,31 @@ def check_text_length(tokenizer: Any, prompt: str, max_len: int) -> None:
             )
 
 
+def tokenize_bad_words(tokenizer: Any, words: list[str], vocab_size: int) -> list[list[int]]:
+    """The bad_words as token sequences: each word left-stripped, tokenized without special tokens
+    as it starts a text ("fox") and with a leading space as it follows a word (" fox"), both
+    kept unless equal. (vLLM keeps the spaced form only when it has as many tokens as the other,
+    so a "fox" of two tokens would leave a one-token " fox" unbanned.) ValueError for a word with
+    no token, more than ``MAX_BAD_WORDS`` sequences, or a token past the model's vocabulary."""
+    sequences: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise ValueError(f"bad_words entry {word!r} tokenizes to no token; remove it")
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for seq in (plain, spaced):
+            if seq and seq not in sequences:
+                sequences.append(seq)
+        if len(sequences) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words tokenize to more than {MAX_BAD_WORDS} token sequences "
+                             f"({len(words)} words, each with and without a leading space); give fewer words")
+    invalid = sorted({tid for seq in sequences for tid in seq if not 0 <= tid < vocab_size})
+    if invalid:
+        raise ValueError(f"bad_words tokenize to token ids {invalid}, past the model's vocabulary of {vocab_size} "
+                         f"tokens (ids must be in [0, {vocab_size - 1}]); remove the words that hold them")
+    return sequences
+
+
 def child_request_id(parent_id: str, index: int, n: int) -> str:
     return parent_id if n == 1 else f"{index}_{parent_id}"
 
@@ -44,8 +72,9 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = model_info.vocab_size
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids); ValueError for anything malformed."""
+    def tokenize(self, prompt: PromptType, check_length: bool = True) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids); ValueError for anything malformed. ``check_length``
+        False: a text far longer than the context is tokenized whole (it is to be truncated)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
@@ -58,7 +87,8 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty; give at least one character or token")
-            check_text_length(self.tokenizer, prompt, self.info.max_model_len)
+            if check_length:
+                check_text_length(self.tokenizer, prompt, self.info.max_model_len)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(prompt)
@@ -81,6 +111,21 @@ class InputProcessor:
             out.append(tok)
         return out
 
+    def _num_tokens_to_keep(self, params: SamplingParams) -> int | None:
+        """truncate_prompt_tokens resolved: None (keep all) or how many of the prompt's last
+        tokens to keep. -1 keeps as many as leave room for max_tokens (vLLM's max_model_len -
+        max_tokens; at least one token's room: a request always generates one)."""
+        k, max_len = params.truncate_prompt_tokens, self.info.max_model_len
+        if k == -1:
+            k = max_len - (params.max_tokens or 1)
+            if k < 1:
+                raise ValueError(f"truncate_prompt_tokens=-1 keeps max_model_len - max_tokens = {max_len} - "
+                                 f"{params.max_tokens} = {k} prompt tokens; ask for fewer than {max_len} tokens")
+        elif k is not None and k > max_len:
+            raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_len}); "
+                             "select a smaller truncation size")
+        return k
+
     def process(
         self,
         request_id: str,
@@ -101,11 +146,21 @@ class InputProcessor:
             from halserve.structured_output import validate
 
             validate(params.structured_outputs)
+        if params.bad_words:
+            params = params.clone()  # (the caller's params stay as given)
+            params.bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words, self.vocab_size)
+        keep = self._num_tokens_to_keep(params)
         if prompt_token_ids is None:
-            text, ids = self.tokenize(prompt)
+            text, ids = self.tokenize(prompt, check_length=keep is None)
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), self._check_ids(prompt_token_ids)
+        if keep is not None and len(ids) > keep:
+            text, ids = None, ids[-keep:]  # (the text would no longer match the tokens)
         max_len = self.info.max_model_len
+        if len(ids) >= max_len and keep is not None:
+            raise ValueError(f"truncate_prompt_tokens={params.truncate_prompt_tokens} keeps {len(ids)} tokens but a "
+                             f"prompt may have at most max_model_len - 1 = {max_len - 1} (the request generates "
+                             f"at least one token); keep at most {max_len - 1}, or pass -1")
         if len(ids) >= max_len and params.pooling is not None:
             raise ValueError(f"the input has {len(ids)} tokens but an embedding input may have at most "
                              f"max_model_len - 1 = {max_len - 1}; shorten it")

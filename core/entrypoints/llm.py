@@ -16,7 +16,8 @@ class LLM:
 
     Args mirror vLLM's: ``num_kv_blocks`` fixes the KV cache size exactly (vLLM's
     ``num_gpu_blocks_override``); otherwise it is sized from ``kv_cache_memory`` bytes or
-    from free memory. Any other ``EngineConfig`` field may be passed as a keyword.
+    from free memory. Any other ``EngineConfig`` field may be passed as a keyword, e.g.
+    ``pooler_config={"pooling_type": "MEAN", "normalize": False}`` (embeddings, as vLLM's).
     """
 
     def __init__(
@@ -132,13 +133,18 @@ class LLM:
         prompts: str | dict | Sequence[str | dict | list[int]],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt (the final hidden state at the prompt's last token,
-        normalized unless ``pooling_params`` says otherwise), in input order."""
+        """One embedding per prompt, in input order: the prompt's final hidden states pooled
+        as the model's pooler config says (LAST, MEAN or CLS; the checkpoint's
+        sentence-transformers files or ``LLM(..., pooler_config=...)``), normalized unless it
+        or ``pooling_params`` says otherwise. ``truncate_prompt_tokens``: embed only each prompt's
+        last k tokens (-1: as many as fit), as ``SamplingParams.truncate_prompt_tokens``."""
+        keep = truncate_prompt_tokens
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params: SamplingParams | list[SamplingParams] = embedding_params(pooling_params or PoolingParams())
+            params: SamplingParams | list[SamplingParams] = embedding_params(pooling_params or PoolingParams(), keep)
         elif isinstance(pooling_params, (list, tuple)) and all(isinstance(p, PoolingParams) for p in pooling_params):
-            params = [embedding_params(p) for p in pooling_params]
+            params = [embedding_params(p, keep) for p in pooling_params]
         else:
             raise ValueError(f"pooling_params must be a PoolingParams or a list of them (one per prompt), "
                              f"got {type(pooling_params).__name__}")
@@ -185,9 +191,10 @@ def _conversations(messages: Any) -> list[list[dict]]:
     )
 
 
-def embedding_params(pooling: PoolingParams) -> SamplingParams:
+def embedding_params(pooling: PoolingParams, truncate_prompt_tokens: int | None = None) -> SamplingParams:
     """An embedding request's sampling params: one greedy token ends it (and is dropped)."""
-    return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, pooling=pooling)
+    return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, pooling=pooling,
+                          truncate_prompt_tokens=truncate_prompt_tokens)
 
 
 def embedding_output(out: RequestOutput) -> EmbeddingRequestOutput:

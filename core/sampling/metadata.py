@@ -64,6 +64,10 @@ class SamplingMetadata:
     bias_values: torch.Tensor | None = None  # [B] f32
     # allowed_token_ids: True where a row may not sample the token (all False in rows without a list).
     disallowed: torch.Tensor | None = None  # [R, V] bool
+    # bad_words: (row, token) pairs whose logit is -inf this step (tokens that would complete a banned
+    # sequence); None when no row's output ends in a banned prefix.
+    banned_rows: torch.Tensor | None = None  # [W] int64
+    banned_token_ids: torch.Tensor | None = None  # [W] int64
     # Logprobs: per row the number of top alternatives asked (None = no logprobs).
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None  # None when no row asks
@@ -91,7 +95,7 @@ class SamplingMetadata:
         Row ``i`` of every argument describes the request in row ``i`` of the logits:
         ``params[i]`` its sampling params; ``prompt_token_ids[i]`` its prompt (read only
         when it uses repetition_penalty); ``output_token_ids[i]`` the tokens it generated
-        before this step (penalties, min_tokens, and the seeded noise stream).
+        before this step (penalties, min_tokens, bad_words and the seeded noise stream).
         ``eos_token_ids``: the EOS ids masked (besides stop_token_ids) while a request has
         fewer than min_tokens outputs, unless it has ignore_eos; either one collection of
         ids shared by every row (the model's, e.g. ``{2}``) or one collection per row.
@@ -109,7 +113,7 @@ class SamplingMetadata:
 
         greedy: list[bool] = []
         num_logprobs: list[int | None] = []
-        uses_filter = uses_penalty = uses_min_tokens = uses_token_lists = False
+        uses_filter = uses_penalty = uses_min_tokens = uses_token_lists = uses_bad_words = False
         for p, out in zip(params, output_token_ids):
             is_greedy = p.temperature < SAMPLING_EPS
             greedy.append(is_greedy)
@@ -122,6 +126,8 @@ class SamplingMetadata:
                 uses_min_tokens = True
             if p.logit_bias or p.allowed_token_ids is not None:
                 uses_token_lists = True
+            if p.bad_words_token_ids:
+                uses_bad_words = True
 
         all_greedy = all(greedy)
         meta = cls(num_reqs=num_reqs, vocab_size=vocab_size, all_greedy=all_greedy, all_random=not any(greedy))
@@ -137,6 +143,8 @@ class SamplingMetadata:
             meta._build_min_tokens(params, output_token_ids, eos_token_ids, device)
         if uses_token_lists:
             meta._build_token_lists(params, device)
+        if uses_bad_words:
+            meta._build_bad_words(params, output_token_ids, device)
         return meta
 
     def _build_random(
@@ -237,6 +245,29 @@ class SamplingMetadata:
             disallowed[torch.tensor(restricted, dtype=torch.int64, device=device)] = True
             rows, token_ids = (torch.tensor(col, dtype=torch.int64, device=device) for col in zip(*allowed))
             self.disallowed = disallowed.index_put_((rows, token_ids), torch.tensor(False, device=device))
+
+    def _build_bad_words(
+        self, params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]], device: torch.device
+    ) -> None:
+        """vLLM's rule: a banned sequence bans its last token where the output ends with the rest
+        of it (a one-token sequence: always). On the host: O(total banned tokens) per row."""
+        rows: list[int] = []
+        token_ids: list[int] = []
+        for row, p in enumerate(params):
+            if not p.bad_words_token_ids:
+                continue
+            out = output_token_ids[row]
+            out = out if isinstance(out, list) else list(out)
+            for seq in p.bad_words_token_ids:
+                prefix = len(seq) - 1
+                if prefix > len(out) or not 0 <= seq[-1] < self.vocab_size:
+                    continue
+                if prefix == 0 or out[-prefix:] == seq[:-1]:
+                    rows.append(row)
+                    token_ids.append(seq[-1])
+        if rows:
+            self.banned_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            self.banned_token_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
 
 
 def _eos_per_row(

@@ -35,7 +35,7 @@ def apply_penalties(
 
 
 def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """-inf at each (rows[i], token_ids[i]): stop tokens of requests below min_tokens."""
+    """-inf at each (rows[i], token_ids[i]): bad_words, and stop tokens of requests below min_tokens."""
     return logits.index_put((rows, token_ids), torch.tensor(_NEG_INF, device=logits.device))
 
 

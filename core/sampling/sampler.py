@@ -25,8 +25,8 @@ class SamplerOutput:
 
     sampled_token_ids: torch.Tensor  # [R] int64 on the logits' device; arbitrary where has_token is False
     logprobs: list[SampleLogprobs | None]  # per row, when its params asked for logprobs
-    # [R] bool: False where the hard constraints (allowed_token_ids, min_tokens, the caller's
-    # grammar mask) leave no token at all; such a row's token must not be used
+    # [R] bool: False where the hard constraints (allowed_token_ids, bad_words, min_tokens, the
+    # caller's grammar mask) leave no token at all; such a row's token must not be used
     has_token: torch.Tensor
     # [R] bool: True where stop tokens were all the other constraints left, so min_tokens let
     # one be sampled (its request is to end there); None when no row is under min_tokens
@@ -36,12 +36,12 @@ class SamplerOutput:
 class Sampler:
     """Called by the model runner once per step, on the logits' device.
 
-    Order (as vLLM): logprobs from the raw logits; allowed_token_ids; logit_bias;
+    Order (as vLLM): logprobs from the raw logits; allowed_token_ids; bad_words; logit_bias;
     penalties; min_tokens masking;
     then greedy rows take the argmax, random rows go through temperature, min_p, top_k,
     top_p and an exponential-race (Gumbel) draw.
 
-    Hard constraints (-inf logits: allowed_token_ids, min_tokens, a grammar) can leave a row
+    Hard constraints (-inf logits: allowed_token_ids, bad_words, min_tokens, a grammar) can leave a row
     nothing: min_tokens gives way when only stop tokens are left (a complete structured
     output ends rather than break its grammar); a row left with no token at all is reported
     in ``SamplerOutput.has_token`` (logit_bias is soft: -100 leaves a token sampleable).
@@ -71,6 +71,9 @@ class Sampler:
 
         if meta.disallowed is not None:
             logits = logits.masked_fill(meta.disallowed, float("-inf"))
+        if meta.banned_rows is not None:
+            assert meta.banned_token_ids is not None
+            logits = mask_tokens(logits, meta.banned_rows, meta.banned_token_ids)
         if meta.bias_rows is not None:
             assert meta.bias_token_ids is not None and meta.bias_values is not None
             logits = add_logit_bias(logits, meta.bias_rows, meta.bias_token_ids, meta.bias_values)

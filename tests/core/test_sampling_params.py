@@ -44,6 +44,12 @@ from halserve.sampling_params import SamplingParams, SamplingType
         ({"allowed_token_ids": []}, "must not be empty"),
         ({"allowed_token_ids": [3, -1]}, "allowed_token_ids must be non-negative"),
         ({"allowed_token_ids": 7}, "allowed_token_ids must be a list"),
+        ({"bad_words": "fox"}, "bad_words must be a list of strings"),
+        ({"bad_words": ["fox", " "]}, "bad_words must be non-blank strings"),
+        ({"bad_words": ["fox", 3]}, "bad_words must be non-blank strings"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an integer >= 1, or -1"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be an integer >= 1, or -1"),
+        ({"truncate_prompt_tokens": 2.0}, "truncate_prompt_tokens must be an integer >= 1, or -1"),
 
     ],
 )
@@ -79,6 +85,9 @@ def test_n_greedy_message_says_to_raise_temperature():
         {"logprobs": 20},
         {"seed": -7},
         {"n": 4, "temperature": 0.8},
+        {"truncate_prompt_tokens": -1},
+        {"truncate_prompt_tokens": 1},
+        {"bad_words": ["fox", " the dog "]},
     ],
 )
 def test_valid_edge_cases(kwargs):
@@ -162,6 +171,17 @@ def test_clone_copies_token_lists():
     copy.allowed_token_ids.append(9)
     assert params.logit_bias == {3: 2.0} and params.allowed_token_ids == [1, 2]
     assert SamplingParams(logit_bias={}).logit_bias is None  # an empty dict biases nothing
+
+
+def test_bad_words_are_copied_and_their_token_ids_travel_with_the_params():
+    params = SamplingParams(bad_words=("fox",))
+    assert params.bad_words == ["fox"] and params.bad_words_token_ids is None  # (set by the InputProcessor)
+    params.bad_words_token_ids = [[5], [6, 7]]
+    copy = params.clone()
+    copy.bad_words.append("dog")
+    assert params.bad_words == ["fox"] and copy.bad_words_token_ids == [[5], [6, 7]]
+    assert pickle.loads(pickle.dumps(params)).bad_words_token_ids == [[5], [6, 7]]  # (to worker processes)
+    assert SamplingParams(bad_words=[]).bad_words is None
 
 
 @pytest.mark.parametrize(

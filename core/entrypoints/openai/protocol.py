@@ -38,6 +38,8 @@ _SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
     "prompt_logprobs",
     "ignore_eos",
     "include_stop_str_in_output",
@@ -118,6 +120,8 @@ class SamplingRequest(OpenAIModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
     structured_outputs: dict[str, Any] | None = None

@@ -99,7 +99,8 @@ class OpenAIServingChat:
                     req.add_generation_prompt,
                     req.continue_final_message,
                     req.template_kwargs(),
-                    serving.max_model_len,
+                    # (a prompt to be truncated may be longer than the context: it is tokenized whole)
+                    serving.max_model_len if req.truncate_prompt_tokens is None else None,
                 ),
             )
         except ValueError as exc:

@@ -1,5 +1,6 @@
-"""POST /v1/embeddings (OpenAI's): one embedding per input, the final hidden state at the
-input's last token (``halserve.pooling_params``), as float lists or base64 float32."""
+"""POST /v1/embeddings (OpenAI's): one embedding per input, the final hidden states of the input
+pooled as the model's pooler config says (LAST, MEAN or CLS: ``halserve.pooling_params``), as
+float lists or base64 float32."""
 from __future__ import annotations
 
 import base64
@@ -27,8 +28,9 @@ class EmbeddingRequest(OpenAIModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
-    # vLLM extra
-    normalize: bool = True
+    truncate_prompt_tokens: int | None = None  # vLLM extra: embed each input's last k tokens (-1: as many as fit)
+    # vLLM extra (None: the model's default, see halserve.pooler_config)
+    normalize: bool | None = None
 
 
 class EmbeddingData(BaseModel):
@@ -57,9 +59,11 @@ class OpenAIServingEmbedding:
         serving = self.serving
         model = serving.check_model(req.model)
         try:
-            params = embedding_params(PoolingParams(normalize=req.normalize, dimensions=req.dimensions))
+            params = embedding_params(PoolingParams(normalize=req.normalize, dimensions=req.dimensions),
+                                      req.truncate_prompt_tokens)
         except ValueError as exc:
-            raise BadRequestError(str(exc), param="dimensions") from None
+            field = "truncate_prompt_tokens" if str(exc).startswith("truncate_prompt_tokens") else "dimensions"
+            raise BadRequestError(str(exc), param=field) from None
         request_id = random_id("embd")
         streams = await serving.add_requests(normalize_prompts(req.input, "input"), params, request_id)
         try:

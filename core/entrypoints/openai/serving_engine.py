@@ -130,8 +130,12 @@ class OpenAIServing:
             for stream in streams:
                 stream.close()
             if isinstance(exc, ValueError):
+                from halserve.sampling_params import FIELD_NAMES
+
                 param = "prompt" if len(prompts) == 1 else f"prompt[{done}]"
-                raise BadRequestError(str(exc), param=param if "prompt" in str(exc).lower() else None) from None
+                field = str(exc).split(" ", 1)[0].split("=", 1)[0]  # (a message about a field starts with it)
+                param = field if field in FIELD_NAMES else param if "prompt" in str(exc).lower() else None
+                raise BadRequestError(str(exc), param=param) from None
             if isinstance(exc, EngineDeadError):
                 raise OpenAIError(str(exc), status_code=503, code="engine_dead") from None
             raise
