@@ -18,11 +18,12 @@ xgrammar is an optional dependency (``pip install "halserve[structured-outputs]"
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
 import re
-import concurrent.futures
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -208,7 +209,8 @@ class StructuredOutputManager:
         compiled grammar, or None (an error logged) if it does not compile (``validate``
         parsed it when the request was added, so this is not expected: it runs unconstrained)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="halserve-grammar")
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="halserve-grammar",
+                                            initializer=_lower_thread_priority)
         request.grammar_future = self._pool.submit(self._compile, request.sampling_params.structured_outputs.key)
 
     def is_ready(self, request: "Request") -> bool:
@@ -271,6 +273,15 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower_thread_priority() -> None:
+    """The compile thread yields the CPU to the model's step threads (Linux: a thread has its
+    own nice value); where that is not possible it runs at normal priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def apply_grammar_bitmask(logits: "torch.Tensor", rows: "torch.Tensor", bitmask: "torch.Tensor") -> "torch.Tensor":
