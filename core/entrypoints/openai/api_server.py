@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: the FastAPI app and running it under uvicorn.
 
-Routes: POST /v1/completions, /v1/chat/completions, /v1/embeddings, /tokenize, /detokenize; GET
-/v1/models, /v1/models/{model}, /health (and HEAD), /version, /metrics. Request bodies are
+Routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /tokenize,
+/detokenize; GET /v1/models, /v1/models/{model}, /health (and HEAD), /version, /metrics. Request bodies are
 parsed here (not by FastAPI) so malformed JSON and wrong types are OpenAI-shaped 400s, and a
 body over ``max_body_bytes`` is a 413 before it is all read.
 """
@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 
 from halserve import __version__
 from halserve.entrypoints.openai.errors import (
+    NotFoundError,
     OpenAIError,
     error_body,
     error_response,
@@ -30,11 +31,13 @@ from halserve.entrypoints.openai.errors import (
 from halserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from halserve.entrypoints.openai.protocol import CompletionRequest
+from halserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from halserve.entrypoints.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from halserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from halserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from halserve.entrypoints.openai.serving_embeddings import EmbeddingRequest, OpenAIServingEmbedding
 from halserve.entrypoints.openai.serving_engine import OpenAIServing
+from halserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from halserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -137,6 +140,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     install_error_handlers(app)
     completion = OpenAIServingCompletion(serving)
     chat = OpenAIServingChat(serving)
+    responses = OpenAIServingResponses(serving, chat)
     tokenization = OpenAIServingTokenization(serving)
     embedding = OpenAIServingEmbedding(serving)
 
@@ -152,6 +156,16 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     @guarded
     async def create_chat_completion(raw_request: Request) -> Response:
         return await chat.create(await body(ChatCompletionRequest, raw_request), raw_request)
+
+    @app.post("/v1/responses")
+    @guarded
+    async def create_response(raw_request: Request) -> Response:
+        return await responses.create(await body(ResponsesRequest, raw_request), raw_request)
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str) -> JSONResponse:
+        raise NotFoundError(f"Response with id {response_id!r} not found: this server does not store responses",
+                            param="response_id")
 
     @app.post("/v1/embeddings")
     @guarded
