@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "halserve.entrypoints.llm",
     "SamplingParams": "halserve.sampling_params",
+    "BeamSearchParams": "halserve.beam_search",
     "PoolingParams": "halserve.pooling_params",
     "PoolerConfig": "halserve.pooler_config",
     "EmbeddingRequestOutput": "halserve.outputs",
@@ -19,14 +20,17 @@ _LAZY = {
     "CompletionOutput": "halserve.outputs",
     "LLMEngine": "halserve.engine.llm_engine",
     "EngineConfig": "halserve.config",
+    "LoRARequest": "halserve.lora.request",
 }
 
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from halserve.beam_search import BeamSearchParams
     from halserve.config import EngineConfig
     from halserve.engine.llm_engine import LLMEngine
     from halserve.entrypoints.llm import LLM
+    from halserve.lora.request import LoRARequest
     from halserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
     from halserve.pooler_config import PoolerConfig
     from halserve.pooling_params import PoolingParams

@@ -1,12 +1,13 @@
 """User-facing engine configuration (what `LLM(...)` and `halserve serve` flags set)."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from halserve.attention_backends.base import KV_CACHE_DTYPES
 from halserve.pooler_config import PoolerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MAX_CPU_LORAS = 8
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -48,6 +49,14 @@ class EngineConfig(BaseModel):
     pooler_config: PoolerConfig | None = None
     """Embedding pooling (``pooling_type``: LAST, MEAN, CLS; ``normalize``) over the checkpoint's
     sentence-transformers defaults; a dict or JSON string is accepted (vLLM's ``pooler_config``)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters in PEFT's format, chosen per request (``lora_request``)."""
+    max_loras: int = Field(default=1, ge=1)
+    """Most distinct adapters running at once (one step holds at most this many)."""
+    max_lora_rank: int = Field(default=16, ge=1)
+    """Adapters of a higher rank r are refused."""
+    max_cpu_loras: int | None = Field(default=None, ge=1)
+    """Adapters each worker keeps loaded (LRU); None: ``max(max_loras, DEFAULT_MAX_CPU_LORAS)``."""
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -69,6 +78,17 @@ class EngineConfig(BaseModel):
     @classmethod
     def _pooler_config(cls, value: object) -> object:
         return None if value is None else PoolerConfig.parse(value)
+
+    @model_validator(mode="after")
+    def _lora_limits(self) -> "EngineConfig":
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                             "every running adapter stays loaded")
+        return self
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_cpu_loras or max(self.max_loras, DEFAULT_MAX_CPU_LORAS)
 
     @field_validator("block_size")
     @classmethod

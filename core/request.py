@@ -24,6 +24,7 @@ from halserve.kv_cache.hashing import BlockHash
 if TYPE_CHECKING:  # pragma: no cover
     from concurrent.futures import Future
 
+    from halserve.lora.request import LoRARequest
     from halserve.sampling_params import SamplingParams
     from halserve.structured_output import RequestGrammar
 
@@ -80,6 +81,8 @@ class Request:
     asked). The scheduler admits the request only then."""
     grammar: "RequestGrammar | None" = None
     """Structured outputs: its matcher, from when it is first scheduled (kept across preemption)."""
+    lora_request: "LoRARequest | None" = None
+    """The LoRA adapter it runs with; None: the base model."""
     _all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +92,11 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """prompt + outputs. Read-only view by convention (do not mutate)."""
         return self._all_token_ids
+
+    @property
+    def block_hash_extra_keys(self) -> tuple | None:
+        """What besides token ids tells its K/V apart in the prefix cache (its adapter)."""
+        return None if self.lora_request is None else self.lora_request.block_hash_key
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from halserve.engine_core_output import EngineCoreOutput
 from halserve.kv_cache.manager import KVCacheManager, cdiv
+from halserve.lora.admission import Admission, LoRAAdmission
 from halserve.request import Request, RequestId, RequestStatus
 from halserve.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from halserve.structured_output import no_token_stop_reason
@@ -46,6 +47,7 @@ class Scheduler:
         num_blocks: int,
         enable_prefix_caching: bool = True,
         structured_outputs: "StructuredOutputManager | None" = None,
+        max_loras: int | None = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -70,6 +72,8 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self.num_preemptions = 0  # cumulative
         self.structured_outputs = structured_outputs  # compiles grammars; None: constrained requests refused
+        # at most max_loras adapters among running requests; None: LoRA off (adapter requests refused)
+        self.lora_admission = None if max_loras is None else LoRAAdmission(max_loras, max_overtakes=max_num_seqs)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int) -> Scheduler:
@@ -82,6 +86,7 @@ class Scheduler:
             block_size=config.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
 
     # -- requests in ------------------------------------------------------------------
@@ -115,6 +120,9 @@ class Scheduler:
             if self.structured_outputs is None:
                 raise ValueError(f"request {req_id!r} asks for structured outputs, which this engine does not serve")
             self.structured_outputs.submit(request)
+        if request.lora_request is not None and self.lora_admission is None:
+            raise ValueError(f"request {req_id!r} asks for LoRA adapter {request.lora_request.lora_name!r} but LoRA "
+                             "is not enabled; start the engine with enable_lora=True (--enable-lora)")
         request.status = RequestStatus.WAITING
         self.requests[req_id] = request
         self._priority[req_id] = next(self._arrivals)
@@ -156,7 +164,8 @@ class Scheduler:
            admit waiting requests FCFS while budget, ``max_num_seqs`` and free blocks allow;
            each starts after its longest prefix-cache hit and gets a (possibly partial)
            prefill chunk. The first one that cannot get blocks stops admission (no
-           overtaking), so large requests are not starved.
+           overtaking), so large requests are not starved. With LoRA, one whose adapter would
+           exceed ``max_loras`` is passed over, a bounded number of times (``lora/admission.py``).
         A request never waits forever: ``add_request`` guarantees each fits an empty cache,
         and the earliest running request can always preempt all the others.
         """
@@ -188,11 +197,19 @@ class Scheduler:
 
         # 2. waiting requests (one whose grammar is still compiling keeps its place, skipped)
         num_skipped = 0
+        lora_admission = self.lora_admission
+        if lora_admission is not None:
+            lora_admission.begin_step(self.running)
         while (not num_preempted and len(self.waiting) > num_skipped and token_budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[num_skipped]
             if self.structured_outputs is not None and not self.structured_outputs.is_ready(request):
                 num_skipped += 1
+                continue
+            if lora_admission is not None and (verdict := lora_admission.check(request)) is not Admission.ADMIT:
+                if verdict is Admission.STOP:
+                    break
+                num_skipped += 1  # its adapter would be one too many this step
                 continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_computed, token_budget)
@@ -201,6 +218,8 @@ class Scheduler:
                 assert self.running, f"{request.request_id} does not fit an empty KV cache (add_request should refuse it)"
                 break
             del self.waiting[num_skipped]
+            if lora_admission is not None:
+                lora_admission.admitted(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
@@ -214,6 +233,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_computed,
+                    lora_request=request.lora_request,
                 )
             )
             num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -345,6 +365,8 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._priority[request.request_id]
         self._finished_req_ids.add(request.request_id)
+        if self.lora_admission is not None:
+            self.lora_admission.forget(request.request_id)
 
     # -- queries and stats ------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

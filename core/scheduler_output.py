@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from halserve.lora.request import LoRARequest
     from halserve.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class NewRequestData:
     sampling_params: "SamplingParams"
     block_ids: list[int]  # the request's whole block table so far
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit), before this step
+    lora_request: "LoRARequest | None" = None  # its LoRA adapter; None: the base model
 
 
 @dataclass

@@ -28,6 +28,10 @@ default 0 = every layer). ``overrides`` go to the HF config (``attention_bias=Tr
 
 ``with_sentence_transformers_config(path, tmp_dir, pooling_mode, normalize)`` copies a checkpoint
 and adds sentence-transformers' ``modules.json`` and ``1_Pooling/config.json`` (embedding defaults).
+
+``with_vocab_size(path, tmp_dir, vocab_size)`` copies a checkpoint whose model then knows only its
+first ``vocab_size`` tokens (e.g. 3: ``<pad>``, ``<s>``, ``</s>``), small enough for exhaustive
+searches; the tokenizer stays whole.
 """
 from __future__ import annotations
 
@@ -207,4 +211,27 @@ def with_sentence_transformers_config(path: str, tmp_dir, pooling_mode: str, nor
         json.dump(modules, f)
     with open(os.path.join(out, "1_Pooling", "config.json"), "w", encoding="utf-8") as f:
         json.dump(pooling, f)
+    return out
+
+
+def with_vocab_size(path: str, tmp_dir, vocab_size: int) -> str:
+    """A copy of (single-file) checkpoint ``path`` in ``tmp_dir`` whose embedding and lm_head keep
+    their first ``vocab_size`` rows and whose config says so. The tokenizer is kept whole: prompts
+    are given as token ids below ``vocab_size``, and every id the model can produce decodes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = os.fspath(tmp_dir)
+    shutil.copytree(path, out, dirs_exist_ok=True)
+    config = read_config(path)
+    old_size = config["vocab_size"]
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    for name, tensor in weights.items():
+        if ("embed_tokens" in name or "lm_head" in name) and tensor.shape[0] == old_size:
+            weights[name] = tensor[:vocab_size].contiguous()
+    save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    config["vocab_size"] = vocab_size
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
     return out

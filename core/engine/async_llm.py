@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import itertools
 import logging
 import queue
@@ -33,7 +34,11 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 from halserve.engine.types import EngineStats
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Sequence
+
+    from halserve.beam_search import BeamSearchOutput, BeamSearchParams
     from halserve.engine.types import EngineCoreRequest
+    from halserve.lora.request import LoRARequest
     from halserve.outputs import RequestOutput
     from halserve.sampling_params import SamplingParams
 
@@ -248,13 +253,14 @@ class AsyncLLM:
         params: "SamplingParams",
         request_id: str | None = None,
         prompt_text: str | None = None,
+        lora_request: "LoRARequest | None" = None,
     ) -> RequestStream:
         """Validate, tokenize and queue one request; returns its stream.
 
         Raises ``ValueError`` (bad input: the caller's fault, a 400) before anything is
         queued, and ``EngineDeadError`` when the engine cannot take requests.
         """
-        return await self.submit(await self.prepare_request(prompt, params, request_id, prompt_text))
+        return await self.submit(await self.prepare_request(prompt, params, request_id, prompt_text, lora_request))
 
     async def prepare_request(
         self,
@@ -262,6 +268,7 @@ class AsyncLLM:
         params: "SamplingParams",
         request_id: str | None = None,
         prompt_text: str | None = None,
+        lora_request: "LoRARequest | None" = None,
     ) -> "PreparedRequest":
         """``add_request``'s first half: validate and tokenize, queue nothing (a batch checks
         every prompt before it queues any)."""
@@ -274,12 +281,13 @@ class AsyncLLM:
 
         arrival = time.time()
         params = apply_model_defaults(params, self.model_info)
+        process = functools.partial(self.input_processor.process, lora_request=lora_request)
         if _prompt_size(prompt) > _INLINE_PROMPT_LIMIT:
             text, core_requests = await asyncio.get_running_loop().run_in_executor(
-                self.tokenizer_pool, self.input_processor.process, request_id, prompt, params, arrival
+                self.tokenizer_pool, process, request_id, prompt, params, arrival
             )
         else:
-            text, core_requests = self.input_processor.process(request_id, prompt, params, arrival)
+            text, core_requests = process(request_id, prompt, params, arrival)
         return PreparedRequest(request_id, prompt_text if prompt_text is not None else text, core_requests, arrival)
 
     async def submit(self, prepared: "PreparedRequest") -> RequestStream:
@@ -328,18 +336,88 @@ class AsyncLLM:
         prompt: "str | list[int] | dict",
         params: "SamplingParams",
         request_id: str | None = None,
+        lora_request: "LoRARequest | None" = None,
     ) -> AsyncIterator["RequestOutput"]:
-        """Stream cumulative ``RequestOutput``s of one request until it finishes.
+        """Stream cumulative ``RequestOutput``s of one request until it finishes (with the LoRA
+        adapter ``lora_request``, if given).
 
         Bad input raises ``ValueError`` before the first output. Cancelling the consuming
         task (or closing this generator early) aborts the request and frees its blocks.
         """
-        stream = await self.add_request(prompt, params, request_id)
+        stream = await self.add_request(prompt, params, request_id, lora_request=lora_request)
         try:
             async for output in stream:
                 yield output
         finally:
             stream.close()
+
+    async def beam_search(
+        self,
+        prompts: "Sequence[str | list[int] | dict]",
+        params: "BeamSearchParams",
+        request_id: str | None = None,
+    ) -> list["BeamSearchOutput"]:
+        """vLLM's beam search (``halserve.beam_search``) over ``prompts``, in lockstep: each step
+        submits one one-token request per live beam of every prompt, all at once. Bad input
+        raises ``ValueError`` (a prompt the engine refuses: at the first step). Cancelling the
+        caller aborts the step's requests."""
+        from halserve.beam_search import BeamSearch, first_token_logprobs, run_beam_search_async, step_sampling_params
+
+        self._check_alive()
+        self.start()
+        request_id = request_id or f"beam-{next(self._ids)}"
+        info = self.model_info
+        searches = []
+        for prompt in prompts:
+            if _prompt_size(prompt) > _INLINE_PROMPT_LIMIT:
+                _, ids = await asyncio.get_running_loop().run_in_executor(
+                    self.tokenizer_pool, self.input_processor.tokenize, prompt
+                )
+            else:
+                _, ids = self.input_processor.tokenize(prompt)
+            searches.append(BeamSearch(ids, params, info.eos_token_ids, info.max_model_len))
+        step_params = step_sampling_params(params)
+        step_ids = itertools.count()
+
+        async def run_one(tokens: list[int]) -> Any:
+            stream = await self.add_request({"prompt_token_ids": tokens}, step_params, f"{request_id}-{next(step_ids)}")
+            try:
+                final = None
+                async for final in stream:
+                    pass
+            finally:
+                stream.close()
+            assert final is not None
+            return first_token_logprobs(final)
+
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return await run_beam_search_async(searches, run_one, decode)
+
+    async def run_in_engine(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(engine_core)`` in the engine thread (the only one that may touch the core), between
+        steps; its result, or its exception raised here."""
+        self._check_alive()
+        self.start()
+        ack: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending_acks.add(ack)
+        self._input.put(("call", (fn, ack)))
+        try:
+            result = await ack
+        finally:
+            self._pending_acks.discard(ack)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def add_lora(self, lora_request: "LoRARequest") -> bool:
+        """Load and validate a LoRA adapter on the workers (ValueError if it cannot be served)."""
+        return await self.run_in_engine(lambda core: core.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self.run_in_engine(lambda core: core.remove_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return await self.run_in_engine(lambda core: core.list_loras())
 
     def abort(self, request_id: str) -> None:
         """Abort a request by its id (unknown or finished ids are ignored)."""
@@ -416,6 +494,13 @@ class AsyncLLM:
                 return True
             if kind == "abort":
                 core.abort_requests(payload)
+            elif kind == "call":  # run_in_engine: the result, or the exception, goes back
+                fn, ack = payload
+                try:
+                    result = fn(core)
+                except Exception as exc:  # noqa: BLE001 - the caller's to handle
+                    result = exc
+                self._call_in_loop(_resolve, ack, result)
             elif kind == "add":
                 requests, ack = payload
                 error: BaseException | None = None

@@ -8,9 +8,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from halserve.config import EngineConfig
 from halserve.engine.types import EngineCoreRequest, EngineStats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +59,9 @@ class EngineCore:
             num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             structured_outputs=StructuredOutputManager(self._load_tokenizer, self.model_info.vocab_size),
+            max_loras=config.max_loras if config.enable_lora else None,
         )
+        self.loras: dict[int, "LoRARequest"] = {}  # adapters the workers validated, by lora_int_id
         self.num_steps = 0
         logger.info(
             "engine ready in %.1fs: platform %s, %s, %d KV blocks",
@@ -69,6 +75,8 @@ class EngineCore:
         """Queue a request; raises ValueError if it can never fit in the KV cache."""
         from halserve.request import Request
 
+        if req.lora_request is not None:
+            self.add_lora(req.lora_request)
         self.scheduler.add_request(
             Request(
                 request_id=req.request_id,
@@ -77,8 +85,36 @@ class EngineCore:
                 eos_token_ids=req.eos_token_ids,
                 arrival_time=req.arrival_time,
                 max_tokens=req.max_tokens,
+                lora_request=req.lora_request,
             )
         )
+
+    # -- LoRA adapters ---------------------------------------------------------------
+    def add_lora(self, lora: "LoRARequest") -> bool:
+        """Have every worker load and validate ``lora`` (once per adapter); ValueError, with the
+        engine unharmed, when it cannot be served. True if it was new."""
+        if not self.config.enable_lora:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} was requested but LoRA is not enabled; start the "
+                             "engine with enable_lora=True (--enable-lora)")
+        known = self.loras.get(lora.lora_int_id)
+        if known is not None:
+            if (known.lora_name, known.lora_path) != (lora.lora_name, lora.lora_path):
+                raise ValueError(f"lora_int_id {lora.lora_int_id} is already used by adapter {known.lora_name!r} "
+                                 f"({known.lora_path}); give adapter {lora.lora_name!r} its own lora_int_id")
+            return False
+        self.executor.collective_rpc("add_lora", lora)
+        self.loras[lora.lora_int_id] = lora
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (the workers drop it; a request still using it reloads it)."""
+        found = self.loras.pop(lora_id, None) is not None
+        if self.config.enable_lora:
+            self.executor.collective_rpc("remove_lora", lora_id)
+        return found
+
+    def list_loras(self) -> set[int]:
+        return set(self.loras)
 
     def step(self) -> list:
         """Schedule, run the model once, and return what each request produced."""

@@ -39,13 +39,16 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> None:
-        """Validate, tokenize and queue. Raises ValueError (and queues nothing) on bad input."""
+        """Validate, tokenize and queue. Raises ValueError (and queues nothing) on bad input.
+        ``lora_request``: a ``LoRARequest`` to run it with that adapter (needs enable_lora)."""
         request_id = str(request_id)
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
         params = apply_model_defaults(params, self.model_info)
-        text, children = self.input_processor.process(request_id, prompt, params, arrival_time)
+        text, children = self.input_processor.process(request_id, prompt, params, arrival_time,
+                                                      lora_request=lora_request)
         added = []
         try:
             for child in children:
@@ -69,6 +72,16 @@ class LLMEngine:
             request_ids = [request_ids]
         for rid in request_ids:
             self.core.abort_requests(self.output_processor.abort_request(rid))
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load and validate an adapter ahead of its first request (ValueError if it cannot be served)."""
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.core.list_loras()
 
     def has_unfinished_requests(self) -> bool:
         # The core is the source of truth: the output processor drops a parent as soon as

@@ -133,10 +133,16 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
+        lora_request: Any = None,
     ) -> tuple[str | None, list[EngineCoreRequest]]:
         """Validate and tokenize one request; returns (prompt text, one core request per sample)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if lora_request is not None:
+            from halserve.lora.request import LoRARequest
+
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a halserve.LoRARequest, got {type(lora_request).__name__}")
         params.check_token_ids(self.vocab_size)
         if params.pooling is not None:
             params.pooling.check(self.info.hidden_size)
@@ -198,6 +204,7 @@ class InputProcessor:
                     eos_token_ids=eos,
                     max_tokens=max_tokens,
                     arrival_time=arrival,
+                    lora_request=lora_request,
                 )
             )
         return text, children

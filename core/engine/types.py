@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from halserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.lora.request import LoRARequest
 
 
 @dataclass(slots=True)
@@ -18,6 +22,7 @@ class EngineCoreRequest:
     eos_token_ids: set[int]  # model eos ids; empty when ignore_eos
     max_tokens: int  # resolved: params.max_tokens or up to max_model_len
     arrival_time: float
+    lora_request: "LoRARequest | None" = None  # its LoRA adapter; None: the base model
 
 
 @dataclass(slots=True)

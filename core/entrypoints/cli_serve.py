@@ -41,6 +41,30 @@ def parse_pooler_config(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_lora_module(text: str) -> Any:
+    """``name=path`` or vLLM's JSON form -> LoRAModulePath (one --lora-modules entry)."""
+    from halserve.entrypoints.openai.serving_lora import LoRAModulePath
+
+    try:
+        return LoRAModulePath.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def load_lora_modules(args: argparse.Namespace, engine: Any, served: list[str]) -> Any:
+    """The served adapters, each loaded and validated now (ValueError: the engine is shut down)."""
+    from halserve.entrypoints.openai.serving_lora import LoRAModules, register_static_loras, runtime_updating_from_env
+
+    modules = LoRAModules(allow_runtime_updates=args.enable_lora and (
+        args.allow_runtime_lora_updating or runtime_updating_from_env()))
+    try:
+        register_static_loras(engine.engine_core, modules, list(args.lora_modules or []), served)
+    except BaseException:
+        engine.engine_core.shutdown()
+        raise
+    return modules
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows a flag's default unless its help already says it or there is none."""
 
@@ -136,6 +160,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV cache of shared prompt prefixes",
     )
+
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) by name")
+    g.add_argument(
+        "--lora-modules", nargs="+", action="extend", default=None, type=parse_lora_module, metavar="NAME=PATH",
+        help="adapters served as models: name=path, or JSON '{\"name\": ..., \"path\": ..., "
+        "\"base_model_name\": ...}'",
+    )
+    g.add_argument("--max-loras", type=int, default=1, help="most distinct adapters running at once")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank r accepted")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded (default: max(--max-loras, 8))")
+    g.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -183,6 +224,10 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             attention_backend=args.attention_backend,
             trust_remote_code=args.trust_remote_code,
             pooler_config=args.pooler_config,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
         )
     except ValidationError as exc:
         lines = []
@@ -273,6 +318,9 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], str, str | None]:
     except ValueError as exc:
         raise StartupError(str(exc), EXIT_USAGE) from None
     problems = check_features(config, platform)
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        flag = "--lora-modules" if args.lora_modules else "--allow-runtime-lora-updating"
+        problems.append(f"{flag} needs --enable-lora")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         problems.append("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
     if problems:
@@ -294,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         engine = AsyncLLM.from_config(config)
+        lora_modules = load_lora_modules(args, engine, served)
     except ValueError as exc:
         print(f"halserve serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -318,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     serving = OpenAIServing(
         engine, served, model_path=getattr(engine.model_info, "model_path", None) or model,
         chat_template=chat_template, tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, lora_modules=lora_modules,
     )
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("HALSERVE_API_KEY"):

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from halserve.config import EngineConfig
 from halserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from halserve.pooling_params import PoolingParams
 from halserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.beam_search import BeamSearchOutput, BeamSearchParams
+    from halserve.lora.request import LoRARequest
 
 
 class LLM:
@@ -65,20 +69,16 @@ class LLM:
         prompts: str | dict | Sequence[str | dict | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string, ``{"prompt_token_ids": [...]}`` or ``{"prompt": str}``.
         A bad prompt or parameter raises ValueError and leaves the engine usable.
+        ``lora_request``: one LoRA adapter for every prompt, or one (or None) per prompt
+        (needs ``enable_lora=True``).
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
-            raise ValueError(
-                f"prompts must be a string, a prompt dict, or a list of strings, token-id lists or prompt dicts; "
-                f"got {type(prompts).__name__}"
-            )
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -94,15 +94,50 @@ class LLM:
                 raise ValueError(
                     f"got {len(prompts)} prompts but {len(params_list)} sampling params; give one, or one per prompt"
                 )
+        loras = _per_prompt_loras(lora_request, len(prompts))
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
         try:
-            for rid, prompt, params in zip(ids, prompts, params_list):
-                engine.add_request(rid, prompt, params)
+            for rid, prompt, params, lora in zip(ids, prompts, params_list, loras):
+                engine.add_request(rid, prompt, params, lora_request=lora)
         except BaseException:
             engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: str | dict | Sequence[str | dict | list[int]],
+        params: "BeamSearchParams",
+    ) -> list["BeamSearchOutput"]:
+        """vLLM's beam search (``halserve.beam_search``): per prompt, in input order, a
+        ``BeamSearchOutput`` whose ``sequences`` are the ``params.beam_width`` best beams, best
+        first. Prompts are given as to ``generate``. Each step runs every live beam of every
+        prompt as one batch of one-token requests. Bad input raises ValueError."""
+        from halserve.beam_search import (
+            BeamSearch,
+            BeamSearchParams,
+            first_token_logprobs,
+            run_beam_search,
+            step_sampling_params,
+        )
+
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        engine = self.llm_engine
+        info = engine.model_info
+        searches = [
+            BeamSearch(engine.input_processor.tokenize(prompt)[1], params, info.eos_token_ids, info.max_model_len)
+            for prompt in _prompt_list(prompts)
+        ]
+        step_params = step_sampling_params(params)
+
+        def run_batch(token_lists: list[list[int]]) -> list:
+            outputs = self.generate([{"prompt_token_ids": tokens} for tokens in token_lists], step_params,
+                                    use_tqdm=False)
+            return [first_token_logprobs(out) for out in outputs]
+
+        return run_beam_search(searches, run_batch, self.get_tokenizer().decode)
 
     def chat(
         self,
@@ -111,8 +146,10 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate (``lora_request``
+        as for ``generate``)."""
         conversations = _conversations(messages)
         tokenizer = self.get_tokenizer()
         prompts = []
@@ -126,7 +163,7 @@ class LLM:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(
         self,
@@ -173,6 +210,28 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids if i in finished]
+
+
+def _prompt_list(prompts: Any) -> list:
+    """``prompts`` as a list (one prompt, a string or a dict, becomes a list of one)."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise ValueError(
+            f"prompts must be a string, a prompt dict, or a list of strings, token-id lists or prompt dicts; "
+            f"got {type(prompts).__name__}"
+        )
+    return list(prompts)
+
+
+def _per_prompt_loras(lora_request: Any, num_prompts: int) -> list:
+    """``lora_request`` as one entry (a LoRARequest or None) per prompt."""
+    if lora_request is None or not isinstance(lora_request, (list, tuple)):
+        return [lora_request] * num_prompts
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"got {num_prompts} prompts but {len(lora_request)} lora requests; "
+                         "give one, or one per prompt")
+    return list(lora_request)
 
 
 def _conversations(messages: Any) -> list[list[dict]]:

@@ -78,7 +78,8 @@ class KVCacheManager:
         pooling = getattr(request.sampling_params, "pooling", None)
         if pooling is not None and pooling.reads_whole_prompt:
             return [], 0  # MEAN/CLS embeddings pool the hidden states of every prompt position
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            extra_keys=request.block_hash_extra_keys)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -140,7 +141,8 @@ class KVCacheManager:
 
         if self.enable_prefix_caching:
             num_full = num_total // self.block_size
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_total)
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_total,
+                                request.block_hash_extra_keys)
             self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, self.num_cached_block[req_id], num_full)
             self.num_cached_block[req_id] = max(num_full, self.num_cached_block[req_id])
 

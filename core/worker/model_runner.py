@@ -51,6 +51,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
+        self.lora_manager = None  # a halserve.lora.manager.LoRAManager with enable_lora
         from halserve.sampling import Sampler
 
         self.sampler = Sampler()
@@ -67,6 +68,10 @@ class ModelRunner:
             time.perf_counter() - start,
             self.attn_backend_cls.name,
         )
+        if self.config.enable_lora:
+            from halserve.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, self.config, self.device, self.info.dtype)
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -146,6 +151,7 @@ class ModelRunner:
                 # (a request resumed after its first token has sent its prompt logprobs already)
                 prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
                 else None,
+                lora_request=new.lora_request,
             )
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -161,6 +167,8 @@ class ModelRunner:
             if out.is_empty:
                 return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
             step = self._prepare_inputs(out)
+            if self.lora_manager is not None:
+                self.lora_manager.set_batch([s.lora_request for s in step.states], step.common.query_start_loc_cpu)
             # The forward runs even when nothing samples (a prefill chunk): it writes the KV cache.
             logits = self._forward(step)
             return self._sample(step, logits if step.sample_rows else None, out)

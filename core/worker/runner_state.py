@@ -13,6 +13,7 @@ import torch
 from halserve.attention_backends.base import AttentionMetadata
 
 if TYPE_CHECKING:  # pragma: no cover
+    from halserve.lora.request import LoRARequest
     from halserve.sampling_params import SamplingParams
     from halserve.worker.pooler import PromptPool
 
@@ -49,6 +50,7 @@ class CachedRequestState:
     prompt_logprobs: list | None = None
     pooled: list[float] | None = None  # an embedding request's embedding, until sent with its token
     prompt_pool: "PromptPool | None" = None  # a MEAN/CLS embedding request's prompt rows pooled so far
+    lora_request: "LoRARequest | None" = None  # its LoRA adapter; None: the base model
 
     @property
     def num_tokens(self) -> int:

@@ -73,5 +73,23 @@ class Worker:
     def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
         return self.model_runner.execute_model(scheduler_output)
 
+    # -- LoRA adapters (enable_lora) -------------------------------------------------
+    def add_lora(self, lora_request) -> bool:
+        """Load and validate an adapter into this rank's cache; ValueError says what is wrong."""
+        self._lora_manager().add(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().remove(lora_id)
+
+    def list_loras(self) -> list[int]:
+        return self._lora_manager().list_loras()
+
+    def _lora_manager(self):
+        manager = getattr(self.model_runner, "lora_manager", None)
+        if manager is None:
+            raise ValueError("LoRA is not enabled on this engine; start it with enable_lora=True (--enable-lora)")
+        return manager
+
     def attention_backend_name(self) -> str:
         return self.model_runner.attn_backend_cls.name

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP server: the FastAPI app and running it under uvicorn.
 
 Routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /tokenize,
-/detokenize; GET /v1/models, /v1/models/{model}, /health (and HEAD), /version, /metrics. Request bodies are
-parsed here (not by FastAPI) so malformed JSON and wrong types are OpenAI-shaped 400s, and a
-body over ``max_body_bytes`` is a 413 before it is all read.
+/detokenize, /v1/load_lora_adapter, /v1/unload_lora_adapter; GET /v1/models, /v1/models/{model}, /health
+(and HEAD), /version, /metrics. Request bodies are parsed here (not by FastAPI) so malformed JSON
+and wrong types are OpenAI-shaped 400s, and a body over ``max_body_bytes`` is a 413 before it is all read.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from halserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from halserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from halserve.entrypoints.openai.serving_embeddings import EmbeddingRequest, OpenAIServingEmbedding
 from halserve.entrypoints.openai.serving_engine import OpenAIServing
+from halserve.entrypoints.openai.serving_lora import LoadLoRAAdapterRequest, OpenAIServingLoRA, UnloadLoRAAdapterRequest
 from halserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from halserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
@@ -143,6 +144,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     responses = OpenAIServingResponses(serving, chat)
     tokenization = OpenAIServingTokenization(serving)
     embedding = OpenAIServingEmbedding(serving)
+    lora = OpenAIServingLoRA(serving)
 
     async def body(model: type, raw_request: Request) -> Any:
         return parse_body(model, await read_body(raw_request, max_body_bytes))
@@ -181,6 +183,18 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
         name = serving.check_model(model_id or None)  # (an unknown name is a 404)
         (card,) = [card for card in tokenization.models().data if card.id == name]
         return JSONResponse(card.model_dump())
+
+    @app.post("/v1/load_lora_adapter")
+    @guarded
+    async def load_lora_adapter(raw_request: Request) -> Response:
+        lora.check_enabled()
+        return await lora.load(await body(LoadLoRAAdapterRequest, raw_request))
+
+    @app.post("/v1/unload_lora_adapter")
+    @guarded
+    async def unload_lora_adapter(raw_request: Request) -> Response:
+        lora.check_enabled()
+        return await lora.unload(await body(UnloadLoRAAdapterRequest, raw_request))
 
     @app.post("/tokenize")
     @guarded

@@ -133,9 +133,14 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    use_beam_search: bool = False  # the n best beams are the choices (serving_beam_search)
+    length_penalty: float | None = None  # use_beam_search's final ranking (vLLM's; default 1.0)
 
     @model_validator(mode="after")
     def _check_common(self) -> "SamplingRequest":
+        if self.length_penalty is not None and not self.use_beam_search:
+            raise ValueError("length_penalty only applies to beam search: set use_beam_search to true, "
+                             "or leave length_penalty out")
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.stream_options is not None and not self.stream:

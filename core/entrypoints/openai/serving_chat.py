@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halserve.engine.processor import check_text_length
 from halserve.entrypoints.openai.constraints import named_tool
+from halserve.entrypoints.openai import serving_beam_search
 from halserve.entrypoints.openai.errors import BadRequestError
 from halserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs, token_decoder
 from halserve.entrypoints.openai.chat_protocol import (
@@ -169,6 +170,8 @@ class OpenAIServingChat:
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         serving = self.serving
         model = serving.check_model(req.model)
+        if req.use_beam_search:  # vLLM's extra: the n best beams as the choices
+            return await serving_beam_search.create_chat_completion(self, req, raw_request, model)
         if req.auto_tools and serving.tool_parser is None:
             raise BadRequestError(
                 "tool_choice 'auto' (the default with tools) needs the server started with "
@@ -182,7 +185,8 @@ class OpenAIServingChat:
         if params.structured_outputs is not None:
             self._after_thinking(params.structured_outputs, start)
         request_id = random_id("chatcmpl")
-        streams = await serving.add_requests([prompt_ids], params, request_id, prompt_texts=[prompt_text])
+        streams = await serving.add_requests([prompt_ids], params, request_id, prompt_texts=[prompt_text],
+                                             lora_request=serving.lora_request(model))
         created = int(time.time())
         top_n = req.top_logprobs or 0
         if req.stream:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from halserve.entrypoints.openai import serving_beam_search
 from halserve.entrypoints.openai.errors import BadRequestError
 from halserve.entrypoints.openai.logprobs import (
     completion_logprobs,
@@ -64,10 +65,12 @@ class OpenAIServingCompletion:
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
         serving = self.serving
         model = serving.check_model(req.model)
+        if req.use_beam_search:  # vLLM's extra: each prompt's n best beams as its choices
+            return await serving_beam_search.create_completion(self, req, raw_request, model)
         prompts = normalize_prompts(req.prompt)
         params = serving.sampling_params(req.sampling_kwargs())
         request_id = random_id("cmpl")
-        streams = await serving.add_requests(prompts, params, request_id)
+        streams = await serving.add_requests(prompts, params, request_id, lora_request=serving.lora_request(model))
         created = int(time.time())
         if req.stream:
             return StreamingResponse(

@@ -15,9 +15,11 @@ from fastapi import Request
 from halserve.engine.async_llm import EngineDeadError, RequestStream
 from halserve.entrypoints.openai.errors import BadRequestError, NotFoundError, OpenAIError
 from halserve.entrypoints.openai.reasoning import REASONING_PARSERS
+from halserve.entrypoints.openai.serving_lora import LoRAModules
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.async_llm import AsyncLLM
+    from halserve.lora.request import LoRARequest
     from halserve.outputs import RequestOutput
     from halserve.sampling_params import SamplingParams
 
@@ -52,6 +54,7 @@ class OpenAIServing:
         chat_template: str | None = None,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        lora_modules: "LoRAModules | None" = None,
     ) -> None:
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
@@ -68,6 +71,7 @@ class OpenAIServing:
             if (parser := self.reasoning_parser) else (None, None)
         )
         self.created = int(time.time())
+        self.lora_modules = lora_modules or LoRAModules()  # adapters served by name (after the base model)
 
     @property
     def max_model_len(self) -> int | None:
@@ -85,13 +89,18 @@ class OpenAIServing:
         """The served name a request addresses; an unknown name is a 404."""
         if name is None or name == "":
             return self.served_model_names[0]
-        if name in self.served_model_names:
+        if name in self.served_model_names or name in self.lora_modules:
             return name
+        names = [*self.served_model_names, *(lora.lora_name for lora in self.lora_modules.values())]
         raise NotFoundError(
-            f"The model `{name}` does not exist. Served models: {', '.join(self.served_model_names)}",
+            f"The model `{name}` does not exist. Served models: {', '.join(names)}",
             param="model",
             code="model_not_found",
         )
+
+    def lora_request(self, model: str) -> "LoRARequest | None":
+        """The adapter a (checked) model name selects; None for the base model."""
+        return self.lora_modules.get(model)
 
     def sampling_params(self, kwargs: dict[str, Any]) -> "SamplingParams":
         from halserve.sampling_params import SamplingParams
@@ -109,6 +118,7 @@ class OpenAIServing:
         params: "SamplingParams",
         request_id: str,
         prompt_texts: Sequence[str | None] | None = None,
+        lora_request: "LoRARequest | None" = None,
     ) -> list[RequestStream]:
         """Queue one engine request per prompt. Every prompt is checked before any is queued:
         an invalid one is a 400 and nothing runs (one the engine refuses when queued, e.g. it
@@ -120,7 +130,8 @@ class OpenAIServing:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 text = prompt_texts[i] if prompt_texts is not None else None
-                prepared.append(await self.engine.prepare_request(prompt, params.clone(), rid, prompt_text=text))
+                prepared.append(await self.engine.prepare_request(prompt, params.clone(), rid, prompt_text=text,
+                                                                  lora_request=lora_request))
                 done += 1
             done = 0
             for request in prepared:

@@ -26,6 +26,10 @@ class OpenAIServingTokenization:
             data=[
                 ModelCard(id=name, created=s.created, root=s.model_path, max_model_len=s.max_model_len)
                 for name in s.served_model_names
+            ] + [
+                ModelCard(id=lora.lora_name, created=s.created, root=lora.lora_path, max_model_len=s.max_model_len,
+                          parent=lora.base_model_name or s.served_model_names[0])
+                for lora in s.lora_modules.values()
             ]
         )
 
