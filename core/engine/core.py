@@ -61,7 +61,12 @@ class EngineCore:
             structured_outputs=StructuredOutputManager(self._load_tokenizer, self.model_info.vocab_size),
             max_loras=config.max_loras if config.enable_lora else None,
         )
-        self.loras: dict[int, "LoRARequest"] = {}  # adapters the workers validated, by lora_int_id
+        self.lora_registry = None  # with enable_lora: the adapters the workers hold (halserve.lora.registry)
+        if config.enable_lora:
+            from halserve.lora.registry import LoRARegistry
+
+            self.lora_registry = LoRARegistry(config.resolved_max_cpu_loras, self.executor.collective_rpc,
+                                              self._loras_in_use)
         self.num_steps = 0
         logger.info(
             "engine ready in %.1fs: platform %s, %s, %d KV blocks",
@@ -92,29 +97,21 @@ class EngineCore:
     # -- LoRA adapters ---------------------------------------------------------------
     def add_lora(self, lora: "LoRARequest") -> bool:
         """Have every worker load and validate ``lora`` (once per adapter); ValueError, with the
-        engine unharmed, when it cannot be served. True if it was new."""
-        if not self.config.enable_lora:
+        engine unharmed, when it cannot be served. True if it was loaded now."""
+        if self.lora_registry is None:
             raise ValueError(f"LoRA adapter {lora.lora_name!r} was requested but LoRA is not enabled; start the "
                              "engine with enable_lora=True (--enable-lora)")
-        known = self.loras.get(lora.lora_int_id)
-        if known is not None:
-            if (known.lora_name, known.lora_path) != (lora.lora_name, lora.lora_path):
-                raise ValueError(f"lora_int_id {lora.lora_int_id} is already used by adapter {known.lora_name!r} "
-                                 f"({known.lora_path}); give adapter {lora.lora_name!r} its own lora_int_id")
-            return False
-        self.executor.collective_rpc("add_lora", lora)
-        self.loras[lora.lora_int_id] = lora
-        return True
+        return self.lora_registry.add(lora)
 
     def remove_lora(self, lora_id: int) -> bool:
-        """Forget an adapter (the workers drop it; a request still using it reloads it)."""
-        found = self.loras.pop(lora_id, None) is not None
-        if self.config.enable_lora:
-            self.executor.collective_rpc("remove_lora", lora_id)
-        return found
+        """Forget an adapter (the workers drop it once no unfinished request uses it)."""
+        return self.lora_registry is not None and self.lora_registry.remove(lora_id)
 
     def list_loras(self) -> set[int]:
-        return set(self.loras)
+        return set() if self.lora_registry is None else self.lora_registry.ids()
+
+    def _loras_in_use(self) -> set[int]:
+        return {r.lora_request.lora_int_id for r in self.scheduler.requests.values() if r.lora_request is not None}
 
     def step(self) -> list:
         """Schedule, run the model once, and return what each request produced."""
@@ -126,7 +123,10 @@ class EngineCore:
             self.scheduler.wait_for_grammars(timeout=self.GRAMMAR_POLL_S)
             return []
         self.num_steps += 1
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.lora_registry is not None:
+            self.lora_registry.release()
+        return outputs
 
     def _load_tokenizer(self):
         from halserve.engine.llm_engine import load_tokenizer
@@ -138,6 +138,8 @@ class EngineCore:
 
         if request_ids:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+            if self.lora_registry is not None:
+                self.lora_registry.release()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

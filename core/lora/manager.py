@@ -1,14 +1,14 @@
 """The worker side of LoRA: wraps the model's linear layers, loads adapters, and maps each
 step's tokens to their adapters.
 
-    add(lora)          read + validate + shard for this rank, keep in an LRU of max_cpu_loras
+    add(lora)          read + validate + shard for this rank, keep it (host memory)
     set_batch(...)     once per step: activate the step's adapters (at most max_loras on the
                        device, LRU), tell every wrapped layer which tokens use which adapter
-    remove(lora_id)    forget it (an unload)
+    remove(lora_id)    forget it (an unload, or the core's max_cpu_loras eviction)
 
 A step's adapters always fit: the scheduler admits at most ``max_loras`` distinct adapters
-among running requests. An adapter evicted from the LRU (or removed) while a request still
-uses it is read again from its path on its next step.
+among running requests. Adapters are loaded and dropped only when the engine core says
+(``halserve.lora.registry``), never during a step: a step reads nothing from disk.
 """
 from __future__ import annotations
 
@@ -46,7 +46,6 @@ class LoRAManager:
         self.model_name = type(model).__name__
         self.device, self.dtype = device, dtype
         self.max_loras = config.max_loras
-        self.max_cpu_loras = config.resolved_max_cpu_loras
         self.max_lora_rank = config.max_lora_rank
         self.batch = LoRABatch()
         self.layers: dict[str, BaseLinearWithLoRA] = {}  # our module name -> its wrapper
@@ -72,15 +71,10 @@ class LoRAManager:
 
     # -- adapters --------------------------------------------------------------------
     def add(self, lora: "LoRARequest") -> None:
-        """Load and validate ``lora`` (ValueError naming the adapter and the fix) into the LRU."""
-        if lora.lora_int_id in self._cpu:
-            self._cpu.move_to_end(lora.lora_int_id)
-            return
-        weights = self._load(lora)
-        self._cpu[lora.lora_int_id] = (lora, weights)
-        while len(self._cpu) > self.max_cpu_loras:
-            evicted, _ = self._cpu.popitem(last=False)
-            logger.debug("LoRA %d left the CPU cache (max_cpu_loras=%d)", evicted, self.max_cpu_loras)
+        """Load and validate ``lora`` (ValueError naming the adapter and the fix). The engine
+        core decides what stays loaded (``halserve.lora.registry``): nothing is evicted here."""
+        if lora.lora_int_id not in self._cpu:
+            self._cpu[lora.lora_int_id] = (lora, self._load(lora))
 
     def remove(self, lora_id: int) -> bool:
         found = self._cpu.pop(lora_id, None) is not None
@@ -163,8 +157,7 @@ class LoRAManager:
         if lora_id in self._active:
             self._active.move_to_end(lora_id)
             return
-        if lora_id not in self._cpu:
-            self.add(lora)  # evicted or removed meanwhile: read it again
+        assert lora_id in self._cpu, f"LoRA {lora_id} is not loaded (the engine core loads it before its requests)"
         _, weights = self._cpu[lora_id]
         if len(self._active) >= self.max_loras:
             self._deactivate(next(iter(self._active)))  # the least recently used (never one of this step's)
