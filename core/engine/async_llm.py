@@ -356,11 +356,12 @@ class AsyncLLM:
         prompts: "Sequence[str | list[int] | dict]",
         params: "BeamSearchParams",
         request_id: str | None = None,
+        lora_request: "LoRARequest | None" = None,
     ) -> list["BeamSearchOutput"]:
-        """vLLM's beam search (``halserve.beam_search``) over ``prompts``, in lockstep: each step
-        submits one one-token request per live beam of every prompt, all at once. Bad input
-        raises ``ValueError`` (a prompt the engine refuses: at the first step). Cancelling the
-        caller aborts the step's requests."""
+        """vLLM's beam search (``halserve.beam_search``) over ``prompts`` (with the adapter
+        ``lora_request``, if given), in lockstep: each step submits one one-token request per
+        live beam of every prompt, all at once. Bad input raises ``ValueError`` (a prompt the
+        engine refuses: at the first step). Cancelling the caller aborts the step's requests."""
         from halserve.beam_search import BeamSearch, first_token_logprobs, run_beam_search_async, step_sampling_params
 
         self._check_alive()
@@ -380,7 +381,8 @@ class AsyncLLM:
         step_ids = itertools.count()
 
         async def run_one(tokens: list[int]) -> Any:
-            stream = await self.add_request({"prompt_token_ids": tokens}, step_params, f"{request_id}-{next(step_ids)}")
+            stream = await self.add_request({"prompt_token_ids": tokens}, step_params, f"{request_id}-{next(step_ids)}",
+                                            lora_request=lora_request)
             try:
                 final = None
                 async for final in stream:

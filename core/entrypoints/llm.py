@@ -109,11 +109,13 @@ class LLM:
         self,
         prompts: str | dict | Sequence[str | dict | list[int]],
         params: "BeamSearchParams",
+        lora_request: "LoRARequest | None" = None,
     ) -> list["BeamSearchOutput"]:
         """vLLM's beam search (``halserve.beam_search``): per prompt, in input order, a
         ``BeamSearchOutput`` whose ``sequences`` are the ``params.beam_width`` best beams, best
-        first. Prompts are given as to ``generate``. Each step runs every live beam of every
-        prompt as one batch of one-token requests. Bad input raises ValueError."""
+        first. Prompts are given as to ``generate``; ``lora_request``: search with that adapter.
+        Each step runs every live beam of every prompt as one batch of one-token requests. Bad
+        input raises ValueError."""
         from halserve.beam_search import (
             BeamSearch,
             BeamSearchParams,
@@ -134,7 +136,7 @@ class LLM:
 
         def run_batch(token_lists: list[list[int]]) -> list:
             outputs = self.generate([{"prompt_token_ids": tokens} for tokens in token_lists], step_params,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=lora_request)
             return [first_token_logprobs(out) for out in outputs]
 
         return run_beam_search(searches, run_batch, self.get_tokenizer().decode)

@@ -193,3 +193,11 @@ def test_startup_refuses_bad_lora_flags(checkpoint, adapters):
     assert rc == 2 and "use name=path" in out
     rc, out = _serve_fails(*server_args(checkpoint, "--enable-lora", "--lora-modules", f"big={adapters['too-big']}"))
     assert rc == 2 and "LoRA adapter 'big'" in out and "--max-lora-rank 32" in out, out
+
+
+def test_beam_search_runs_on_the_named_adapter(lora_client, expected):
+    # beam width 1 is greedy decoding: with an adapter's name, the adapter's greedy text
+    for name in (SERVED_NAME, "sql"):
+        out = lora_client.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, n=1,
+                                             extra_body={"use_beam_search": True, "ignore_eos": True})
+        assert out.choices[0].text == expected[name][0], name

@@ -212,6 +212,7 @@ BAD_REQUESTS = {
     "truncation auto": ({"truncation": "auto"}, "truncation", "disabled"),
     "temperature": ({"temperature": -1}, "temperature", "temperature"),
     "input too long": ({"input": "the " * 300}, "input", "max_model_len"),
+    "beam search": ({"use_beam_search": True}, "use_beam_search", "/v1/chat/completions"),
 }
 
 

@@ -251,3 +251,12 @@ def test_async_llm_takes_a_lora_request_per_request(lora_models, loras, merged_o
 
     expected = [merged_outputs["merged1"][0][0], merged_outputs["base"][0][1], merged_outputs["merged2"][0][2]]
     assert asyncio.run(run()) == expected
+
+
+def test_beam_search_with_an_adapter(lora_llm, loras, lora_models, merged_outputs):
+    from halserve import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=1, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = lora_llm.beam_search(_prompts(lora_models.prompts[:2]), params, lora_request=loras[0])
+    generated = [out.sequences[0].tokens[len(out.prompt_token_ids):] for out in outs]
+    assert generated == merged_outputs["merged1"][0][:2]  # width 1 is greedy, with the adapter

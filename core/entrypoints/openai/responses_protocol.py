@@ -157,6 +157,7 @@ _REFUSED = {
     "response_format": (lambda value: value is not None, "/v1/responses takes text.format (response_format is chat's)"),
     "prompt_logprobs": (lambda value: value is not None, "prompt logprobs are not returned by /v1/responses"),
     "max_output_tokens": (lambda value: value is not None and value < 1, "must be at least 1"),
+    "use_beam_search": (lambda value: value, "beam search is served by /v1/completions and /v1/chat/completions"),
 }
 
 

@@ -127,12 +127,13 @@ def request_output(out: BeamSearchOutput, request_id: str, prompt_text: str | No
 
 
 async def search(serving: OpenAIServing, prompts: list[Any], params: BeamSearchParams, request_id: str,
-                 raw_request: Request, prompt_param: str) -> list[BeamSearchOutput]:
-    """Run the searches until done, or until the client goes away (``ClientDisconnected``:
-    cancelled, their requests aborted). A prompt the engine refuses is a 400 on
-    ``prompt_param``; a dead engine a 503."""
+                 raw_request: Request, prompt_param: str, model: str) -> list[BeamSearchOutput]:
+    """Run the searches (with the LoRA adapter ``model`` names, if it names one) until done, or
+    until the client goes away (``ClientDisconnected``: cancelled, their requests aborted). A
+    prompt the engine refuses is a 400 on ``prompt_param``; a dead engine a 503."""
+    searching = serving.engine.beam_search(prompts, params, request_id, lora_request=serving.lora_request(model))
     try:
-        return await _until_disconnect(serving.engine.beam_search(prompts, params, request_id), raw_request)
+        return await _until_disconnect(searching, raw_request)
     except ValueError as exc:
         raise BadRequestError(str(exc), param=prompt_param) from None
     except EngineDeadError as exc:
@@ -190,7 +191,7 @@ async def create_completion(handler: "OpenAIServingCompletion", req: "Completion
     request_id = random_id("cmpl")
     created = int(time.time())
     try:
-        outs = await search(serving, prompts, params, request_id, raw_request, "prompt")
+        outs = await search(serving, prompts, params, request_id, raw_request, "prompt", model)
     except ClientDisconnected:
         return Response(status_code=499)
     decoding = decoding_params(req)
@@ -223,7 +224,7 @@ async def create_chat_completion(handler: "OpenAIServingChat", req: "ChatComplet
     request_id = random_id("chatcmpl")
     created = int(time.time())
     try:
-        (out,) = await search(serving, [prompt_ids], params, request_id, raw_request, "messages")
+        (out,) = await search(serving, [prompt_ids], params, request_id, raw_request, "messages", model)
     except ClientDisconnected:
         return Response(status_code=499)
     final = request_output(out, request_id, prompt_text, serving.tokenizer, decoding_params(req))
