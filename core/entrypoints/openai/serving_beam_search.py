@@ -1,7 +1,7 @@
 """``use_beam_search: true`` (vLLM's extra) on /v1/completions and /v1/chat/completions: the
 request runs ``AsyncLLM.beam_search`` instead of sampling and each prompt's ``n`` best beams
 (``n`` is the beam width) are its choices, best first; a chat reply is read as the endpoint
-reads any (its ``_reply``: a reasoning parser splits off the thinking). The search runs to its
+reads any (its ``reply_message``: a reasoning parser splits off the thinking). The search runs to its
 end before anything is sent: a chat ``stream`` then gets the result through the endpoint's
 stream code, one delta per choice (as vLLM's); a completions ``stream`` is a 400 (as vLLM's).
 A client that goes away mid-search aborts the step's requests.
@@ -26,7 +26,7 @@ from halserve.engine.async_llm import EngineDeadError
 from halserve.entrypoints.openai.chat_protocol import ChatCompletionResponse, ChatCompletionResponseChoice
 from halserve.entrypoints.openai.errors import BadRequestError, OpenAIError
 from halserve.entrypoints.openai.protocol import CompletionResponse, CompletionResponseChoice, UsageInfo, random_id
-from halserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing, _wait_disconnect
+from halserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing, wait_disconnect
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
@@ -142,7 +142,7 @@ async def search(serving: OpenAIServing, prompts: list[Any], params: BeamSearchP
 
 async def _until_disconnect(work: Awaitable[Any], raw_request: Request) -> Any:
     task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_disconnect(raw_request))
+    watch = asyncio.ensure_future(wait_disconnect(raw_request))
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
@@ -229,9 +229,10 @@ async def create_chat_completion(handler: "OpenAIServingChat", req: "ChatComplet
         return Response(status_code=499)
     final = request_output(out, request_id, prompt_text, serving.tokenizer, decoding_params(req))
     if req.stream:
-        return StreamingResponse(handler._stream(req, _Finished(final), request_id, model, created, 0, 0, start),
+        return StreamingResponse(handler.stream_reply(req, _Finished(final), request_id, model, created, 0, 0, start),
                                  media_type="text/event-stream")
-    return JSONResponse(_chat_response(handler._reply, req, final, start, request_id, model, created).model_dump())
+    response = _chat_response(handler.reply_message, req, final, start, request_id, model, created)
+    return JSONResponse(response.model_dump())
 
 
 def _chat_response(reply: Callable[..., Any], req: "ChatCompletionRequest", final: "RequestOutput", start: Any,

@@ -107,7 +107,7 @@ class OpenAIServingChat:
         except ValueError as exc:
             raise BadRequestError(str(exc), param="messages") from None
 
-    def _after_thinking(self, constraint: "StructuredOutputsParams", start: ReplyStart | None) -> None:
+    def after_thinking(self, constraint: "StructuredOutputsParams", start: ReplyStart | None) -> None:
         """A thinking model's constraint applies after its thinking: from the end tag on (the
         tag's tokens). Where the reply may or may not open with the start tag (one token), the
         first token is that tag or one the constraint allows."""
@@ -118,7 +118,7 @@ class OpenAIServingChat:
             constraint.start_after = list(serving.reasoning_end_ids)
             constraint.opened_by = serving.reasoning_start_ids[0]
 
-    def _reply(self, req: ChatCompletionRequest, output: "CompletionOutput", start: ReplyStart | None
+    def reply_message(self, req: ChatCompletionRequest, output: "CompletionOutput", start: ReplyStart | None
                ) -> tuple[ChatResponseMessage, str | None]:
         """The assistant's message and finish reason. With a reasoning parser (``start`` set) the
         thinking goes to ``reasoning`` and what follows it is the reply. With a forced tool
@@ -156,7 +156,7 @@ class OpenAIServingChat:
     def _whole_reply(self, req: ChatCompletionRequest, output: "CompletionOutput", start: ReplyStart | None,
                      top_n: int, decode: Any) -> ChatCompletionStreamChoice:
         """A streamed reply with tools, sent whole in its last delta: its text and its calls."""
-        message, finish_reason = self._reply(req, output, start)
+        message, finish_reason = self.reply_message(req, output, start)
         calls = [DeltaToolCall(index=i, **call.model_dump()) for i, call in enumerate(message.tool_calls)]
         return ChatCompletionStreamChoice(
             index=output.index,
@@ -183,7 +183,7 @@ class OpenAIServingChat:
         prompt_text, prompt_ids = await self.render(req)
         start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
         if params.structured_outputs is not None:
-            self._after_thinking(params.structured_outputs, start)
+            self.after_thinking(params.structured_outputs, start)
         request_id = random_id("chatcmpl")
         streams = await serving.add_requests([prompt_ids], params, request_id, prompt_texts=[prompt_text],
                                              lora_request=serving.lora_request(model))
@@ -191,7 +191,7 @@ class OpenAIServingChat:
         top_n = req.top_logprobs or 0
         if req.stream:
             return StreamingResponse(
-                self._stream(req, streams[0], request_id, model, created, top_n, params.output_text_buffer_length,
+                self.stream_reply(req, streams[0], request_id, model, created, top_n, params.output_text_buffer_length,
                              start),
                 media_type="text/event-stream",
             )
@@ -202,7 +202,7 @@ class OpenAIServingChat:
         decode = token_decoder(req, serving.decode_token)
         choices = []
         for o in final.outputs:
-            message, finish_reason = self._reply(req, o, start)
+            message, finish_reason = self.reply_message(req, o, start)
             choices.append(ChatCompletionResponseChoice(
                 index=o.index, message=message, logprobs=chat_logprobs(o, 0, top_n, decode),
                 finish_reason=finish_reason, stop_reason=o.stop_reason,
@@ -223,7 +223,7 @@ class OpenAIServingChat:
         )
         return JSONResponse(response.model_dump())
 
-    async def _stream(
+    async def stream_reply(
         self,
         req: ChatCompletionRequest,
         stream: "RequestStream",

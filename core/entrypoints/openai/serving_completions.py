@@ -74,7 +74,7 @@ class OpenAIServingCompletion:
         created = int(time.time())
         if req.stream:
             return StreamingResponse(
-                self._stream(req, params, streams, request_id, model, created),
+                self.stream_reply(req, params, streams, request_id, model, created),
                 media_type="text/event-stream",
             )
         try:
@@ -139,7 +139,7 @@ class OpenAIServingCompletion:
             ),
         )
 
-    async def _stream(
+    async def stream_reply(
         self,
         req: CompletionRequest,
         params: "SamplingParams",

@@ -164,7 +164,7 @@ class OpenAIServing:
             return final
 
         work = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
-        watch = asyncio.ensure_future(_wait_disconnect(raw_request)) if raw_request is not None else None
+        watch = asyncio.ensure_future(wait_disconnect(raw_request)) if raw_request is not None else None
         try:
             waiting = {work} if watch is None else {work, watch}
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -210,7 +210,7 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id])
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     """Return once the client has gone away (the ASGI ``http.disconnect`` message)."""
     while True:
         message = await request.receive()

@@ -160,7 +160,7 @@ class OpenAIServingResponses:
             prompt_text, prompt_ids = await self.chat.render(chat_req)
             start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
             if params.structured_outputs is not None:
-                self.chat._after_thinking(params.structured_outputs, start)
+                self.chat.after_thinking(params.structured_outputs, start)
             response_id = item_id("resp")
             (stream,) = await serving.add_requests([prompt_ids], params, response_id, prompt_texts=[prompt_text],
                                                    lora_request=serving.lora_request(model))
@@ -170,7 +170,7 @@ class OpenAIServingResponses:
                                              params.top_p)
         if req.stream:
             return StreamingResponse(
-                self._stream(chat_req, stream, head, params.output_text_buffer_length, start),
+                self.stream_reply(chat_req, stream, head, params.output_text_buffer_length, start),
                 media_type="text/event-stream",
             )
         try:
@@ -178,7 +178,7 @@ class OpenAIServingResponses:
         except ClientDisconnected:
             return Response(status_code=499)
         (output,) = final.outputs
-        message, _ = self.chat._reply(chat_req, output, start)
+        message, _ = self.chat.reply_message(chat_req, output, start)
         last_status = last_item_status(output.finish_reason)
         items = []
         if message.reasoning is not None:
@@ -216,7 +216,7 @@ class OpenAIServingResponses:
                 return i + len(end_ids)
         return len(token_ids)
 
-    async def _stream(
+    async def stream_reply(
         self,
         chat_req: "ChatCompletionRequest",
         stream: "RequestStream",
