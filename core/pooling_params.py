@@ -39,6 +39,8 @@ class PoolingParams:
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
         if self.dimensions is not None and (type(self.dimensions) is not int or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+        if isinstance(self.pooling_type, str):
+            self.pooling_type = self.pooling_type.upper()  # (any case, as --pooler-config)
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
 

@@ -233,9 +233,14 @@ class SamplingParams:
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for max_model_len, got {k!r}")
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """ValueError if a token id named by logit_bias or allowed_token_ids is past the
-        model's vocabulary (checked when a request is added, where the vocabulary is known)."""
-        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+        """ValueError if a token id named by logit_bias, allowed_token_ids or the structured
+        outputs' start_after / opened_by is past the model's vocabulary (checked when a request
+        is added, where the vocabulary is known)."""
+        constraint = self.structured_outputs
+        marker = (constraint.start_after or ()) if constraint is not None else ()
+        opener = (constraint.opened_by,) if constraint is not None and constraint.opened_by is not None else ()
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("structured_outputs.start_after", marker), ("structured_outputs.opened_by", opener)):
             for tid in ids:
                 if tid >= vocab_size:
                     raise ValueError(

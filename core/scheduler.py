@@ -361,6 +361,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Forget a finished request (already out of running/waiting) and free its blocks."""
+        if self.structured_outputs is not None:
+            self.structured_outputs.cancel(request)  # (aborted while its grammar compiled)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         del self._priority[request.request_id]

@@ -22,10 +22,10 @@ import concurrent.futures
 import json
 import logging
 import os
+import queue
 import re
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +115,8 @@ class StructuredOutputsParams:
             return "regex", self.regex
         if self.choice is not None:
             # one alternative per choice, each a JSON-escaped string literal (GBNF's escapes)
-            return "grammar", "root ::= " + " | ".join(json.dumps(option) for option in self.choice)
+            # (ensure_ascii=False: xgrammar reads a \ud83e\udd8a escape as two lone surrogates, not one emoji)
+            return "grammar", "root ::= " + " | ".join(json.dumps(option, ensure_ascii=False) for option in self.choice)
         return "grammar", self.grammar  # type: ignore[return-value]
 
 
@@ -197,21 +198,42 @@ class StructuredOutputManager:
     Compiled grammars are cached by constraint (xgrammar's cache, bounded)."""
 
     CACHE_LIMIT_BYTES = 1 << 30
+    NUM_COMPILE_THREADS = 2  # (a slow compile leaves the other thread to the small ones)
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
-        self._compiler: Any = None  # built by the first compile, in the compile thread
-        self._pool: ThreadPoolExecutor | None = None
+        self._compiler: Any = None  # built by the first compile, in a compile thread
+        self._compiler_lock = threading.Lock()
+        self._queue: queue.SimpleQueue | None = None  # (future, key) to compile; None stops a thread
 
     def submit(self, request: "Request") -> None:
-        """Start compiling the grammar of ``request`` (``grammar_future``). The result is the
+        """Queue the compile of ``request``'s grammar (``grammar_future``). The result is the
         compiled grammar, or None (an error logged) if it does not compile (``validate``
-        parsed it when the request was added, so this is not expected: it runs unconstrained)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="halserve-grammar",
-                                            initializer=_lower_thread_priority)
-        request.grammar_future = self._pool.submit(self._compile, request.sampling_params.structured_outputs.key)
+        parsed it when the request was added, so this is not expected: it runs unconstrained).
+        The compile threads are daemons: a compile in progress never holds up the process's exit."""
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            for i in range(self.NUM_COMPILE_THREADS):
+                threading.Thread(target=self._compile_loop, name=f"halserve-grammar-{i}", daemon=True).start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, request.sampling_params.structured_outputs.key))
+        request.grammar_future = future
+
+    def cancel(self, request: "Request") -> None:
+        """``request`` ended (aborted, perhaps while waiting): its compile is dropped if it has not
+        started (one that has runs to its end; xgrammar cannot stop it)."""
+        if request.grammar_future is not None:
+            request.grammar_future.cancel()
+            request.grammar_future = None
+
+    def _compile_loop(self) -> None:
+        _lower_thread_priority()
+        assert self._queue is not None
+        while (item := self._queue.get()) is not None:
+            future, key = item
+            if future.set_running_or_notify_cancel():  # (False: cancelled while queued)
+                future.set_result(self._compile(key))
 
     def is_ready(self, request: "Request") -> bool:
         """Whether ``request`` may run: it has no grammar to wait for. The first call after its
@@ -234,12 +256,13 @@ class StructuredOutputManager:
 
     def _compile(self, key: tuple[str, str]) -> Any:
         try:
-            if self._compiler is None:
-                xgr = _xgrammar()
-                info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
-                threads = max(1, (os.cpu_count() or 2) // 2)  # (the model's step runs beside it)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=threads,
-                                                     cache_limit_bytes=self.CACHE_LIMIT_BYTES)
+            with self._compiler_lock:
+                if self._compiler is None:
+                    xgr = _xgrammar()
+                    info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
+                    threads = max(1, (os.cpu_count() or 2) // 4)  # (the model's step runs beside them)
+                    self._compiler = xgr.GrammarCompiler(info, max_threads=threads,
+                                                         cache_limit_bytes=self.CACHE_LIMIT_BYTES)
             kind, spec = key
             if kind == "json":
                 return self._compiler.compile_json_schema(spec, any_whitespace=False)
@@ -271,12 +294,13 @@ class StructuredOutputManager:
         return bitmask
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._queue is not None:
+            for _ in range(self.NUM_COMPILE_THREADS):
+                self._queue.put(None)
 
 
 def _lower_thread_priority() -> None:
-    """The compile thread yields the CPU to the model's step threads (Linux: a thread has its
+    """A compile thread yields the CPU to the model's step threads (Linux: a thread has its
     own nice value); where that is not possible it runs at normal priority."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

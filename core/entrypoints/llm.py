@@ -183,6 +183,9 @@ class LLM:
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params: SamplingParams | list[SamplingParams] = embedding_params(pooling_params or PoolingParams(), keep)
         elif isinstance(pooling_params, (list, tuple)) and all(isinstance(p, PoolingParams) for p in pooling_params):
+            if len(pooling_params) != len(_prompt_list(prompts)):
+                raise ValueError(f"got {len(_prompt_list(prompts))} prompts but {len(pooling_params)} pooling params; "
+                                 "give one, or one per prompt")
             params = [embedding_params(p, keep) for p in pooling_params]
         else:
             raise ValueError(f"pooling_params must be a PoolingParams or a list of them (one per prompt), "

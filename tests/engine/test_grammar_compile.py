@@ -102,3 +102,55 @@ def test_apply_grammar_bitmask_matches_xgrammar(vocab, width):
     expected[rows, vocab:] = float("-inf")  # tokens past the tokenizer's vocabulary are never allowed
     assert torch.equal(ours, expected)
     assert torch.equal(ours[[1, 3]], logits[[1, 3]])  # other rows untouched, input not modified
+
+
+def test_choices_outside_the_basic_plane(llm):
+    # (a choice's JSON-escaped surrogate pair used to reach xgrammar as two lone surrogates)
+    choices = ["🦊 fox", "🐶 dog", "é🦊"]
+    for seed in range(3):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=20, structured_outputs={"choice": choices})
+        out = llm.generate("pick one", params, use_tqdm=False)[0].outputs[0]
+        assert out.text in choices, out.text
+
+
+def test_a_compile_queued_for_an_aborted_request_is_dropped(llm, gated_compiles):
+    gate, started = gated_compiles
+    engine = llm.llm_engine
+    # two compile threads: both block at the gate; the third compile waits in the queue
+    for i in range(3):
+        engine.add_request(f"q{i}", "hi", SamplingParams(max_tokens=3, structured_outputs={"regex": f"[0-9]{{{i + 1}}}"}))
+    engine.step()
+    deadline = time.monotonic() + 10
+    while len(started) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(started) == 2
+    engine.abort_request(["q0", "q1", "q2"])
+    gate.set()
+    out = llm.generate("hi", SamplingParams(temperature=0.0, max_tokens=5, structured_outputs={"regex": "[a-c]{2}"}),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.text) == 2 and set(out.text) <= set("abc"), out.text
+    assert ("regex", "[0-9]{3}") not in started  # the aborted request's queued compile never ran
+
+
+def test_a_compile_in_progress_does_not_hold_up_the_process_exit(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import threading, time\n"
+        "from types import SimpleNamespace\n"
+        "from halserve.structured_output import StructuredOutputManager, StructuredOutputsParams\n"
+        "started = threading.Event()\n"
+        "def forever(self, key):\n"
+        "    started.set()\n"
+        "    threading.Event().wait()\n"
+        "StructuredOutputManager._compile = forever\n"
+        "manager = StructuredOutputManager(lambda: None, 16)\n"
+        "params = SimpleNamespace(structured_outputs=StructuredOutputsParams(regex='a'))\n"
+        "manager.submit(SimpleNamespace(sampling_params=params, grammar_future=None))\n"
+        "assert started.wait(30)\n"
+        "print('exiting', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "exiting" in done.stdout, done.stderr

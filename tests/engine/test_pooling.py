@@ -155,5 +155,6 @@ def test_bad_pooler_config_is_a_clear_error(llama_path, value, message):
 
 
 def test_bad_pooling_type_in_request_params():
-    with pytest.raises(ValueError, match="pooling_type must be one of LAST, MEAN, CLS, got 'mean'"):
-        PoolingParams(pooling_type="mean")
+    assert PoolingParams(pooling_type="mean").pooling_type == "MEAN"  # any case, as --pooler-config
+    with pytest.raises(ValueError, match="pooling_type must be one of LAST, MEAN, CLS, got 'MAX'"):
+        PoolingParams(pooling_type="max")

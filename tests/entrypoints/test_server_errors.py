@@ -213,3 +213,21 @@ def test_unexpected_error_is_answered_not_raised():
 
     response = asyncio.run(guarded(broken)())
     assert response.status_code == 500 and b"KeyError" in response.body
+
+
+def test_constraint_errors_name_the_field_that_gave_the_constraint(server):
+    def param(path, body):
+        r = httpx.post(server.url + path, json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]["param"]
+
+    bad_schema = {"type": "nosuchtype"}
+    assert param("/v1/completions", {**OK, "guided_json": bad_schema}) == "guided_json"
+    assert param("/v1/completions", {**OK, "structured_outputs": {"json": bad_schema}}) == "structured_outputs"
+    assert param("/v1/chat/completions", {**CHAT_OK, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": bad_schema}}}) == "response_format"
+    # token ids of start_after / opened_by past the vocabulary are refused (opened_by used to kill the engine)
+    for key, value in (("start_after", [VOCAB_SIZE]), ("opened_by", VOCAB_SIZE + 99999)):
+        constraint = {"regex": "a", "start_after": [5], key: value}
+        assert param("/v1/completions", {**OK, "structured_outputs": constraint}) == f"structured_outputs.{key}"
+    assert httpx.get(server.url + "/health").status_code == 200

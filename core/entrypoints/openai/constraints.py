@@ -16,6 +16,17 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def output_constraint(req: "SamplingRequest") -> dict[str, Any] | None:
     """The request's one constraint (None: free text); two at once are a 400."""
+    return next(iter(_constraint_sources(req).values()), None)
+
+
+def constraint_messages(req: "SamplingRequest") -> dict[str, str | None]:
+    """``add_requests``' message_params: an engine error about the constraint names the request
+    field that gave it (response_format, structured_outputs, guided_json, tool_choice...)."""
+    return {"structured outputs": next(iter(_constraint_sources(req)), None)}
+
+
+def _constraint_sources(req: "SamplingRequest") -> dict[str, dict[str, Any]]:
+    """{the request field that gives it: the constraint}; two at once are a 400."""
     sources: dict[str, dict[str, Any]] = {}
     if req.calls_tools:
         sources["tool_choice"] = {"json": tool_calls_schema(req)}  # type: ignore[arg-type]
@@ -46,7 +57,7 @@ def output_constraint(req: "SamplingRequest") -> dict[str, Any] | None:
             sources[f"guided_{name}"] = {name: value}
     if len(sources) > 1:
         raise BadRequestError(f"give one output constraint, not several: {', '.join(sources)}")
-    return next(iter(sources.values()), None)
+    return sources
 
 
 def named_tool(req: "ChatCompletionRequest") -> "ChatTool":

@@ -11,8 +11,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halserve.engine.processor import check_text_length
-from halserve.entrypoints.openai.constraints import named_tool
 from halserve.entrypoints.openai import serving_beam_search
+from halserve.entrypoints.openai.constraints import constraint_messages, named_tool
 from halserve.entrypoints.openai.errors import BadRequestError
 from halserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs, token_decoder
 from halserve.entrypoints.openai.chat_protocol import (
@@ -186,7 +186,8 @@ class OpenAIServingChat:
             self.after_thinking(params.structured_outputs, start)
         request_id = random_id("chatcmpl")
         streams = await serving.add_requests([prompt_ids], params, request_id, prompt_texts=[prompt_text],
-                                             lora_request=serving.lora_request(model))
+                                             lora_request=serving.lora_request(model),
+                                             message_params=constraint_messages(req))
         created = int(time.time())
         top_n = req.top_logprobs or 0
         if req.stream:

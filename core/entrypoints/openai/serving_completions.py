@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halserve.entrypoints.openai import serving_beam_search
+from halserve.entrypoints.openai.constraints import constraint_messages
 from halserve.entrypoints.openai.errors import BadRequestError
 from halserve.entrypoints.openai.logprobs import (
     completion_logprobs,
@@ -70,7 +71,8 @@ class OpenAIServingCompletion:
         prompts = normalize_prompts(req.prompt)
         params = serving.sampling_params(req.sampling_kwargs())
         request_id = random_id("cmpl")
-        streams = await serving.add_requests(prompts, params, request_id, lora_request=serving.lora_request(model))
+        streams = await serving.add_requests(prompts, params, request_id, lora_request=serving.lora_request(model),
+                                             message_params=constraint_messages(req))
         created = int(time.time())
         if req.stream:
             return StreamingResponse(

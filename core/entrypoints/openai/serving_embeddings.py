@@ -66,7 +66,8 @@ class OpenAIServingEmbedding:
             raise BadRequestError(str(exc), param=field) from None
         request_id = random_id("embd")
         streams = await serving.add_requests(normalize_prompts(req.input, "input"), params, request_id,
-                                             lora_request=serving.lora_request(model))
+                                             lora_request=serving.lora_request(model),
+                                             message_params={"dimensions": "dimensions"})
         try:
             finals = await serving.collect(streams, raw_request)
         except ClientDisconnected:

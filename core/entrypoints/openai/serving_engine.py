@@ -119,10 +119,13 @@ class OpenAIServing:
         request_id: str,
         prompt_texts: Sequence[str | None] | None = None,
         lora_request: "LoRARequest | None" = None,
+        message_params: dict[str, str | None] | None = None,
     ) -> list[RequestStream]:
         """Queue one engine request per prompt. Every prompt is checked before any is queued:
         an invalid one is a 400 and nothing runs (one the engine refuses when queued, e.g. it
-        can never fit in the KV cache, aborts those queued before it)."""
+        can never fit in the KV cache, aborts those queued before it). The 400's ``param`` is the
+        sampling field its message starts with, or ``message_params[prefix]`` for a message that
+        starts with ``prefix`` (e.g. "structured outputs" -> the field that gave the constraint)."""
         streams: list[RequestStream] = []
         done = 0  # prompts prepared, then prompts queued
         try:
@@ -145,7 +148,10 @@ class OpenAIServing:
 
                 param = "prompt" if len(prompts) == 1 else f"prompt[{done}]"
                 field = str(exc).split(" ", 1)[0].split("=", 1)[0]  # (a message about a field starts with it)
-                param = field if field in FIELD_NAMES else param if "prompt" in str(exc).lower() else None
+                param = (field if field.split(".", 1)[0] in FIELD_NAMES  # (e.g. structured_outputs.opened_by)
+                         else param if "prompt" in str(exc).lower() else None)
+                param = next((name for prefix, name in (message_params or {}).items()
+                              if str(exc).startswith(prefix)), param)
                 raise BadRequestError(str(exc), param=param) from None
             if isinstance(exc, EngineDeadError):
                 raise OpenAIError(str(exc), status_code=503, code="engine_dead") from None

@@ -163,7 +163,8 @@ class OpenAIServingResponses:
                 self.chat.after_thinking(params.structured_outputs, start)
             response_id = item_id("resp")
             (stream,) = await serving.add_requests([prompt_ids], params, response_id, prompt_texts=[prompt_text],
-                                                   lora_request=serving.lora_request(model))
+                                                   lora_request=serving.lora_request(model),
+                                                   message_params={"structured outputs": "text.format"})
         except BadRequestError as exc:
             raise _input_param(exc) from None
         head = ResponsesResponse.in_progress(req, response_id, model, int(time.time()), params.temperature,
