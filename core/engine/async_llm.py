@@ -28,16 +28,21 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+from halserve.engine.request_stream import (
+    EngineDeadError,
+    PreparedRequest,
+    RequestState,
+    RequestStream,
+    StatsObserver,
+)
 from halserve.engine.types import EngineStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Sequence
 
     from halserve.beam_search import BeamSearchOutput, BeamSearchParams
-    from halserve.engine.types import EngineCoreRequest
     from halserve.lora.request import LoRARequest
     from halserve.outputs import RequestOutput
     from halserve.sampling_params import SamplingParams
@@ -49,92 +54,6 @@ __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream", "StatsObserver"]
 # Prompts longer than this (characters or token ids) are processed in the tokenizer
 # thread so a long tokenization never stalls the event loop.
 _INLINE_PROMPT_LIMIT = 2048
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (crashed or shut down); no request can make progress."""
-
-
-class StatsObserver(Protocol):
-    """Receives per-request timing and token counts (the server's Prometheus metrics)."""
-
-    def on_request_added(self, num_prompt_tokens: int) -> None: ...
-
-    def on_new_tokens(self, num_new_tokens: int, ttft: float | None, itl: float | None) -> None:
-        """``ttft`` is set on a request's first tokens, ``itl`` (seconds per token since
-        the previous update) on later ones."""
-
-    def on_request_finished(self, finish_reason: str, e2e_latency: float) -> None: ...
-
-
-@dataclass(slots=True)
-class _RequestState:
-    """Per parent request, asyncio side."""
-
-    request_id: str
-    child_ids: list[str]
-    stream: "RequestStream"
-    arrival_time: float
-    num_outputs: int  # n
-    num_tokens: int = 0  # generated so far, all samples
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    last_output: "RequestOutput | None" = None
-    prompt_token_ids: list[int] = field(default_factory=list)
-    prompt_text: str | None = None
-
-
-@dataclass(slots=True)
-class PreparedRequest:
-    """A validated, tokenized request not yet queued (``AsyncLLM.prepare_request``)."""
-
-    request_id: str
-    prompt_text: str | None
-    core_requests: list["EngineCoreRequest"]
-    arrival_time: float
-
-
-class RequestStream:
-    """The outputs of one request (cumulative ``RequestOutput``s), as an async iterator.
-
-    Consecutive outputs the consumer has not picked up yet are coalesced (each is
-    cumulative, the latest says everything). Closing it before the request finished
-    (``aclose``, or cancelling the task that iterates it) aborts the request.
-    """
-
-    def __init__(self, request_id: str, engine: "AsyncLLM") -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.finished = False
-
-    def _put(self, item: "RequestOutput | BaseException") -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> "RequestOutput":
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        while not isinstance(item, BaseException) and not self._queue.empty():
-            item = self._queue.get_nowait()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Abort the request unless it already finished (idempotent)."""
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
 
 
 class AsyncLLM:
@@ -160,7 +79,7 @@ class AsyncLLM:
         self.stat_observers: list[StatsObserver] = list(stat_observers or [])
         self.dead_error: BaseException | None = None
         self._stats = EngineStats()
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
         self._pending_acks: set[asyncio.Future] = set()
         self._input: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -299,7 +218,7 @@ class AsyncLLM:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight; use a unique id")
         stream = RequestStream(request_id, self)
-        state = _RequestState(
+        state = RequestState(
             request_id=request_id,
             child_ids=[r.request_id for r in core_requests],
             stream=stream,
@@ -427,7 +346,7 @@ class AsyncLLM:
         if state is not None:
             self._record_finished(state, "abort")
 
-    def _drop(self, request_id: str, abort_core: bool) -> _RequestState | None:
+    def _drop(self, request_id: str, abort_core: bool) -> RequestState | None:
         state = self._requests.pop(request_id, None)
         if state is None:
             return None
@@ -555,7 +474,7 @@ class AsyncLLM:
                 reason = next((o.finish_reason for o in out.outputs if o.finish_reason), "stop")
                 self._record_finished(state, reason)
 
-    def _record_tokens(self, state: _RequestState, out: "RequestOutput", now: float) -> None:
+    def _record_tokens(self, state: RequestState, out: "RequestOutput", now: float) -> None:
         total = sum(len(o.token_ids) for o in out.outputs)
         new = total - state.num_tokens
         if new <= 0:
@@ -571,7 +490,7 @@ class AsyncLLM:
         for observer in self.stat_observers:
             observer.on_new_tokens(new, ttft, itl)
 
-    def _record_finished(self, state: _RequestState, reason: str) -> None:
+    def _record_finished(self, state: RequestState, reason: str) -> None:
         e2e = time.time() - state.arrival_time
         for observer in self.stat_observers:
             observer.on_request_finished(reason, e2e)
@@ -602,7 +521,7 @@ def _prompt_size(prompt: Any) -> int:
     return 0
 
 
-def _aborted_output(state: _RequestState) -> "RequestOutput":
+def _aborted_output(state: RequestState) -> "RequestOutput":
     """The request's last output (or an empty one), finished with reason "abort"."""
     from halserve.outputs import CompletionOutput, RequestOutput
 

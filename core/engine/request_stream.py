@@ -1,0 +1,101 @@
+"""What AsyncLLM hands its callers and keeps per request on the asyncio side: a request's
+output stream (``RequestStream``), a request validated but not yet queued
+(``PreparedRequest``), the metrics observer protocol, and ``EngineDeadError``."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.engine.async_llm import AsyncLLM
+    from halserve.engine.types import EngineCoreRequest
+    from halserve.outputs import RequestOutput
+
+__all__ = ["EngineDeadError", "PreparedRequest", "RequestState", "RequestStream", "StatsObserver"]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (crashed or shut down); no request can make progress."""
+
+
+class StatsObserver(Protocol):
+    """Receives per-request timing and token counts (the server's Prometheus metrics)."""
+
+    def on_request_added(self, num_prompt_tokens: int) -> None: ...
+
+    def on_new_tokens(self, num_new_tokens: int, ttft: float | None, itl: float | None) -> None:
+        """``ttft`` is set on a request's first tokens, ``itl`` (seconds per token since
+        the previous update) on later ones."""
+
+    def on_request_finished(self, finish_reason: str, e2e_latency: float) -> None: ...
+
+
+@dataclass(slots=True)
+class RequestState:
+    """Per parent request, asyncio side."""
+
+    request_id: str
+    child_ids: list[str]
+    stream: "RequestStream"
+    arrival_time: float
+    num_outputs: int  # n
+    num_tokens: int = 0  # generated so far, all samples
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    last_output: "RequestOutput | None" = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_text: str | None = None
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated, tokenized request not yet queued (``AsyncLLM.prepare_request``)."""
+
+    request_id: str
+    prompt_text: str | None
+    core_requests: list["EngineCoreRequest"]
+    arrival_time: float
+
+
+class RequestStream:
+    """The outputs of one request (cumulative ``RequestOutput``s), as an async iterator.
+
+    Consecutive outputs the consumer has not picked up yet are coalesced (each is
+    cumulative, the latest says everything). Closing it before the request finished
+    (``aclose``, or cancelling the task that iterates it) aborts the request.
+    """
+
+    def __init__(self, request_id: str, engine: "AsyncLLM") -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: "RequestOutput | BaseException") -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> "RequestOutput":
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not isinstance(item, BaseException) and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
