@@ -119,7 +119,13 @@ def get_beam_search_score(tokens: Sequence[int], cumulative_logprob: float, eos_
     length = len(tokens)
     if tokens and tokens[-1] in eos_token_ids:
         length -= 1
-    return cumulative_logprob / (length ** length_penalty)
+    length = max(length, 1)  # (a prompt of one EOS token, finished at once)
+    try:
+        return cumulative_logprob / (length ** length_penalty)
+    except (OverflowError, ZeroDivisionError):  # length ** length_penalty past float's range: its limit
+        if cumulative_logprob == 0.0:
+            return 0.0
+        return cumulative_logprob * (0.0 if length_penalty > 0 else math.inf)
 
 
 def step_sampling_params(params: BeamSearchParams) -> "SamplingParams":

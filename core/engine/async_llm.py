@@ -20,6 +20,7 @@ every step. If the thread dies, every stream gets ``EngineDeadError`` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import itertools
@@ -312,7 +313,15 @@ class AsyncLLM:
             return first_token_logprobs(final)
 
         decode = self.tokenizer.decode if self.tokenizer is not None else None
-        return await run_beam_search_async(searches, run_one, decode)
+        if lora_request is None:
+            return await run_beam_search_async(searches, run_one, decode)
+        # the adapter stays loaded between the steps' requests (an unload meanwhile waits for the end)
+        await self.run_in_engine(lambda core: core.hold_lora(lora_request, True))
+        try:
+            return await run_beam_search_async(searches, run_one, decode)
+        finally:
+            with contextlib.suppress(EngineDeadError):  # (a dead engine holds nothing)
+                await self.run_in_engine(lambda core: core.hold_lora(lora_request, False))
 
     async def run_in_engine(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(engine_core)`` in the engine thread (the only one that may touch the core), between

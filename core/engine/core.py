@@ -107,6 +107,16 @@ class EngineCore:
         """Forget an adapter (the workers drop it once no unfinished request uses it)."""
         return self.lora_registry is not None and self.lora_registry.remove(lora_id)
 
+    def hold_lora(self, lora: "LoRARequest", held: bool) -> None:
+        """Keep ``lora`` loaded (``held``, loading it first: ValueError if it cannot be served)
+        while a caller submits requests with it one after another (a beam search), or let go."""
+        if self.lora_registry is None or not held:
+            if self.lora_registry is not None:
+                self.lora_registry.unpin(lora.lora_int_id)
+            return
+        self.add_lora(lora)
+        self.lora_registry.pin(lora.lora_int_id)
+
     def list_loras(self) -> set[int]:
         return set() if self.lora_registry is None else self.lora_registry.ids()
 

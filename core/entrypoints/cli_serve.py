@@ -232,9 +232,11 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
     except ValidationError as exc:
         lines = []
         for err in exc.errors(include_url=False):
-            flag = "--" + "-".join(str(x) for x in err["loc"]).replace("_", "-")
             msg = str(err["msg"]).removeprefix("Value error, ")
-            lines.append(f"{flag}: {msg}")
+            if err["loc"]:
+                lines.append("--" + "-".join(str(x) for x in err["loc"]).replace("_", "-") + f": {msg}")
+            else:  # (a check across several flags: its message names them)
+                lines.append(msg)
         raise StartupError("invalid flags:\n  " + "\n  ".join(lines), EXIT_USAGE) from None
 
 

@@ -96,10 +96,12 @@ def read_peft_config(lora: "LoRARequest", adapter_dir: str, max_lora_rank: int) 
         raise adapter_error(lora, f"rank r={r} exceeds max_lora_rank={max_lora_rank}; restart the engine with "
                                   f"max_lora_rank >= {r} (--max-lora-rank {r})")
     alpha = cfg.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise adapter_error(lora, f"lora_alpha must be a number, got {alpha!r}")
-    return PeftLoRAConfig(r=r, lora_alpha=float(alpha), use_rslora=bool(cfg.get("use_rslora", False)),
-                          target_modules=cfg.get("target_modules"))
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise adapter_error(lora, f"lora_alpha must be a finite number, got {alpha!r}")
+    rslora = cfg.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise adapter_error(lora, f"use_rslora must be true or false, got {rslora!r}")
+    return PeftLoRAConfig(r=r, lora_alpha=float(alpha), use_rslora=rslora, target_modules=cfg.get("target_modules"))
 
 
 def read_lora_weights(lora: "LoRARequest", adapter_dir: str) -> dict[str, dict[str, torch.Tensor]]:

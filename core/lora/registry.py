@@ -27,30 +27,41 @@ class LoRARegistry:
         self._in_use = in_use  # lora_int_ids of the unfinished requests
         self.loras: OrderedDict[int, "LoRARequest"] = OrderedDict()  # loaded on the workers, LRU first
         self._retiring: set[int] = set()  # removed, but loaded until their last request ends
+        self._pins: dict[int, int] = {}  # lora_int_id -> callers keeping it loaded (``pin``)
 
     def add(self, lora: "LoRARequest") -> bool:
         """Have every worker load and validate ``lora`` unless it holds it; ValueError, with the
         engine unharmed, when it cannot be served. True if it was loaded now."""
         known = self.loras.get(lora.lora_int_id)
-        if known is not None:
+        if known is not None:  # (a removed one still in use too: it stays until that use ends)
             if (known.lora_name, known.lora_path) != (lora.lora_name, lora.lora_path):
                 raise ValueError(f"lora_int_id {lora.lora_int_id} is already used by adapter {known.lora_name!r} "
                                  f"({known.lora_path}); give adapter {lora.lora_name!r} its own lora_int_id")
             self.loras.move_to_end(lora.lora_int_id)
-            if lora.lora_int_id in self._retiring:  # asked for again before it was dropped
-                self._retiring.discard(lora.lora_int_id)
             return False
         self._rpc("add_lora", lora)
         self.loras[lora.lora_int_id] = lora
-        self._evict()
+        self._evict(keep=lora.lora_int_id)  # (its request is not queued yet: not "in use")
         return True
+
+    def pin(self, lora_id: int) -> None:
+        """Keep an adapter loaded while a caller needs it between requests (a beam search's
+        steps); it counts as in use until ``unpin``."""
+        self._pins[lora_id] = self._pins.get(lora_id, 0) + 1
+
+    def unpin(self, lora_id: int) -> None:
+        if self._pins.get(lora_id, 0) <= 1:
+            self._pins.pop(lora_id, None)
+        else:
+            self._pins[lora_id] -= 1
+        self.release()
 
     def remove(self, lora_id: int) -> bool:
         """Forget an adapter: new requests cannot use it; the workers drop it now, or once the
         requests still using it end (``release``)."""
         if lora_id not in self.loras or lora_id in self._retiring:
             return False
-        if lora_id in self._in_use():
+        if lora_id in self._used():
             self._retiring.add(lora_id)
         else:
             self._drop(lora_id)
@@ -60,7 +71,7 @@ class LoRARegistry:
         """After a step: drop the removed adapters whose last request ended, and the least
         recently used idle ones while more than ``max_cpu_loras`` are loaded."""
         if self._retiring:
-            in_use = self._in_use()
+            in_use = self._used()
             for lora_id in [i for i in self._retiring if i not in in_use]:
                 self._retiring.discard(lora_id)
                 self._drop(lora_id)
@@ -70,11 +81,14 @@ class LoRARegistry:
         """The adapters requests may use."""
         return set(self.loras) - self._retiring
 
-    def _evict(self) -> None:
+    def _used(self) -> set[int]:
+        return self._in_use() | set(self._pins)
+
+    def _evict(self, keep: int | None = None) -> None:
         if len(self.loras) <= self.max_cpu_loras:
             return
-        in_use = self._in_use()
-        for lora_id in [i for i in self.loras if i not in in_use]:
+        in_use = self._used()
+        for lora_id in [i for i in self.loras if i not in in_use and i != keep]:
             if len(self.loras) <= self.max_cpu_loras:
                 break
             logger.debug("LoRA %d unloaded (max_cpu_loras=%d)", lora_id, self.max_cpu_loras)

@@ -87,6 +87,11 @@ def test_score_is_vllms_length_penalised_cum_logprob():
     # length = prompt + generated tokens, a final EOS not counted
     assert get_beam_search_score([5, 6, 7, 8], -8.0, {EOS}) == -2.0
     assert get_beam_search_score([5, 6, 7, EOS], -9.0, {EOS}) == -3.0
+    # past float's range the limits (they used to raise: a 500 over HTTP); a lone EOS counts as length 1
+    assert get_beam_search_score([5, 6, 7], -9.0, {EOS}, length_penalty=1000.0) == 0.0
+    assert get_beam_search_score([5, 6, 7], -9.0, {EOS}, length_penalty=-1000.0) == float("-inf")
+    assert get_beam_search_score([5, 6, 7], 0.0, {EOS}, length_penalty=-1000.0) == 0.0
+    assert get_beam_search_score([EOS], -2.0, {EOS}, length_penalty=1.0) == -2.0
     assert get_beam_search_score([5, 6, 7, 8], -8.0, {EOS}, length_penalty=2.0) == -0.5
     assert get_beam_search_score([5, 6, 7, 8], -8.0, {EOS}, length_penalty=0.0) == -8.0
 

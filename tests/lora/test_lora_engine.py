@@ -149,11 +149,15 @@ def _bad_adapter(tmp_path, base, kind):
         return made, "adapter_config.json"
     if kind == "not_a_dir":
         return str(tmp_path / "does" / "not" / "exist"), "not a directory"
+    if kind == "alpha_nan":  # (Python's json reads NaN)
+        return make_adapter(path, base, config_overrides={"lora_alpha": float("nan")}), "lora_alpha must be a finite"
+    if kind == "rslora_string":  # ("false" is truthy: it used to turn rslora on)
+        return make_adapter(path, base, config_overrides={"use_rslora": "false"}), "use_rslora must be true or false"
     raise AssertionError(kind)
 
 
 BAD_KINDS = ["rank_too_high", "targets_lm_head", "other_model", "dora", "bias", "modules_to_save", "missing_layer",
-             "no_weights", "no_config", "not_a_dir"]
+             "no_weights", "no_config", "not_a_dir", "alpha_nan", "rslora_string"]
 
 
 @pytest.mark.parametrize("kind", BAD_KINDS)

@@ -87,3 +87,39 @@ def test_max_cpu_loras_unloads_the_least_recently_used_idle_adapter(lora_models,
         assert all(ids == [copies[1].lora_int_id] for ids in workers), workers
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_more_adapters_in_flight_than_max_cpu_loras(lora_models, copies, merged_outputs):
+    # every loaded adapter is in use when the next one is added: that one must stay loaded for
+    # its request (it used to be evicted at once, and the step died on an unloaded adapter)
+    llm = _engine(lora_models, max_loras=1, max_cpu_loras=1)
+    try:
+        choice = [copies[0], copies[1], None, copies[1], copies[0]]
+        outs = llm.generate(prompt_dicts(lora_models.prompts[:1] * len(choice)), greedy(), use_tqdm=False,
+                            lora_request=choice)
+        reference = {None: "base", 10: "merged1", 11: "merged2"}
+        expected = [merged_outputs[reference[lora.lora_int_id if lora else None]][0][0] for lora in choice]
+        assert token_ids(outs) == expected
+        assert len(llm.llm_engine.list_loras()) == 1  # back within the cap once they finished
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_a_held_adapter_outlives_its_removal_until_let_go(lora_models, copies, merged_outputs):
+    # a beam search holds its adapter between steps: an unload meanwhile takes effect at its end
+    llm = _engine(lora_models, max_loras=1)
+    try:
+        engine, core = llm.llm_engine, llm.llm_engine.core
+        core.hold_lora(copies[0], True)
+        assert core.remove_lora(copies[0].lora_int_id)
+        assert copies[0].lora_int_id not in engine.list_loras()  # gone for new callers
+        shutil.rmtree(copies[0].lora_path)  # still served from memory
+        again = llm.generate(prompt_dicts(lora_models.prompts[:1]), greedy(), use_tqdm=False,
+                             lora_request=copies[0])
+        assert token_ids(again) == [merged_outputs["merged1"][0][0]]
+        core.hold_lora(copies[0], False)
+        assert core.executor.collective_rpc("list_loras") == [[]]  # dropped at the end
+        with pytest.raises(ValueError, match="c1"):
+            llm.generate(prompt_dicts(lora_models.prompts[:1]), greedy(), use_tqdm=False, lora_request=copies[0])
+    finally:
+        llm.llm_engine.shutdown()

@@ -135,7 +135,7 @@ async def search(serving: OpenAIServing, prompts: list[Any], params: BeamSearchP
     try:
         return await _until_disconnect(searching, raw_request)
     except ValueError as exc:
-        raise BadRequestError(str(exc), param=prompt_param) from None
+        raise BadRequestError(str(exc), param="model" if str(exc).startswith("LoRA adapter") else prompt_param) from None
     except EngineDeadError as exc:
         raise OpenAIError(str(exc), status_code=503, code="engine_dead") from None
 
