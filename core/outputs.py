@@ -79,3 +79,18 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float  # the cosine similarity of the pair's embeddings, in [-1, 1]
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair (vLLM's shape)."""
+
+    request_id: str  # "<first text's embedding request id>_<second's>"
+    prompt_token_ids: list[int]  # the first text's tokens, then the second's
+    outputs: ScoringOutput
+    finished: bool = True

@@ -6,7 +6,13 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Sequence
 
 from halserve.config import EngineConfig
-from halserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from halserve.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from halserve.pooling_params import PoolingParams
 from halserve.sampling_params import SamplingParams
 
@@ -192,6 +198,31 @@ class LLM:
                              f"got {type(pooling_params).__name__}")
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
         return [embedding_output(out) for out in outputs]
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: "LoRARequest | None" = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's score for an embedding model: per pair, in order, the cosine similarity of the
+        two texts' embeddings (``.outputs.score``). ``text_1`` and ``text_2`` (strings or lists of
+        strings) pair 1:1, 1:N or N:N (``halserve.scoring``); each distinct text is embedded once,
+        as ``embed`` would (``truncate_prompt_tokens`` likewise), with ``lora_request``'s adapter
+        if given. Bad input raises ValueError naming the argument."""
+        from halserve.scoring import pair_scores, pair_texts
+
+        batch = pair_texts(text_1, text_2)
+        params = embedding_params(PoolingParams(), truncate_prompt_tokens)
+        outputs = [embedding_output(out) for out in self.generate(batch.texts, params, use_tqdm=use_tqdm,
+                                                                  lora_request=lora_request)]
+        scores = pair_scores(batch, [out.outputs.embedding for out in outputs])
+        return [ScoringRequestOutput(request_id=f"{outputs[i].request_id}_{outputs[j].request_id}",
+                                     prompt_token_ids=outputs[i].prompt_token_ids + outputs[j].prompt_token_ids,
+                                     outputs=ScoringOutput(score))
+                for (i, j), score in zip(batch.pairs, scores)]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

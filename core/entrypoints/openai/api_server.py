@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: the FastAPI app and running it under uvicorn.
 
-Routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /tokenize,
-/detokenize, /v1/load_lora_adapter, /v1/unload_lora_adapter; GET /v1/models, /v1/models/{model}, /health
-(and HEAD), /version, /metrics. Request bodies are parsed here (not by FastAPI) so malformed JSON
-and wrong types are OpenAI-shaped 400s, and a body over ``max_body_bytes`` is a 413 before it is all read.
+Routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /score (and
+/v1/score), /rerank (and /v1/rerank, /v2/rerank), /tokenize, /detokenize, /v1/load_lora_adapter,
+/v1/unload_lora_adapter; GET /v1/models, /v1/models/{model}, /health (and HEAD), /version, /metrics.
+Request bodies are parsed here (not by FastAPI) so malformed JSON and wrong types are OpenAI-shaped
+400s, and a body over ``max_body_bytes`` is a 413 before it is all read.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from halserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetri
 from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from halserve.entrypoints.openai.protocol import CompletionRequest
 from halserve.entrypoints.openai.responses_protocol import ResponsesRequest
+from halserve.entrypoints.openai.score_protocol import RerankRequest, ScoreRequest
 from halserve.entrypoints.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from halserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from halserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
@@ -39,6 +41,7 @@ from halserve.entrypoints.openai.serving_embeddings import EmbeddingRequest, Ope
 from halserve.entrypoints.openai.serving_engine import OpenAIServing
 from halserve.entrypoints.openai.serving_lora import LoadLoRAAdapterRequest, OpenAIServingLoRA, UnloadLoRAAdapterRequest
 from halserve.entrypoints.openai.serving_responses import OpenAIServingResponses
+from halserve.entrypoints.openai.serving_score import OpenAIServingScore
 from halserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -144,6 +147,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     responses = OpenAIServingResponses(serving, chat)
     tokenization = OpenAIServingTokenization(serving)
     embedding = OpenAIServingEmbedding(serving)
+    scoring = OpenAIServingScore(serving)
     lora = OpenAIServingLoRA(serving)
 
     async def body(model: type, raw_request: Request) -> Any:
@@ -173,6 +177,19 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     @guarded
     async def create_embedding(raw_request: Request) -> Response:
         return await embedding.create(await body(EmbeddingRequest, raw_request), raw_request)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    @guarded
+    async def create_score(raw_request: Request) -> Response:
+        return await scoring.score(await body(ScoreRequest, raw_request), raw_request)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    @guarded
+    async def do_rerank(raw_request: Request) -> Response:
+        return await scoring.rerank(await body(RerankRequest, raw_request), raw_request)
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def show_models() -> JSONResponse:

@@ -120,12 +120,15 @@ class OpenAIServing:
         prompt_texts: Sequence[str | None] | None = None,
         lora_request: "LoRARequest | None" = None,
         message_params: dict[str, str | None] | None = None,
+        prompt_params: Sequence[str] | None = None,
     ) -> list[RequestStream]:
         """Queue one engine request per prompt. Every prompt is checked before any is queued:
         an invalid one is a 400 and nothing runs (one the engine refuses when queued, e.g. it
         can never fit in the KV cache, aborts those queued before it). The 400's ``param`` is the
         sampling field its message starts with, or ``message_params[prefix]`` for a message that
-        starts with ``prefix`` (e.g. "structured outputs" -> the field that gave the constraint)."""
+        starts with ``prefix`` (e.g. "structured outputs" -> the field that gave the constraint).
+        ``prompt_params``: the request field each prompt came from (e.g. "documents[2]"); an error
+        about a prompt, not a sampling field, then names it as the 400's param and message prefix."""
         streams: list[RequestStream] = []
         done = 0  # prompts prepared, then prompts queued
         try:
@@ -150,9 +153,13 @@ class OpenAIServing:
                 field = str(exc).split(" ", 1)[0].split("=", 1)[0]  # (a message about a field starts with it)
                 param = (field if field.split(".", 1)[0] in FIELD_NAMES  # (e.g. structured_outputs.opened_by)
                          else param if "prompt" in str(exc).lower() else None)
+                message = str(exc)
+                if prompt_params is not None and field.split(".", 1)[0] not in FIELD_NAMES:
+                    param = prompt_params[done]
+                    message = f"{param}: {message}"
                 param = next((name for prefix, name in (message_params or {}).items()
                               if str(exc).startswith(prefix)), param)
-                raise BadRequestError(str(exc), param=param) from None
+                raise BadRequestError(message, param=param) from None
             if isinstance(exc, EngineDeadError):
                 raise OpenAIError(str(exc), status_code=503, code="engine_dead") from None
             raise
