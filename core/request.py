@@ -123,5 +123,27 @@ class Request:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
 
+    def check_stop(self, max_model_len: int, waive_min_tokens: bool = False) -> bool:
+        """After appending one token (the scheduler): whether it ends the request, setting
+        ``status`` (and ``stop_reason``). Order: min_tokens holds off eos and stop ids (not
+        length) unless waived (the runner sampled the stop token because the request's
+        constraints allowed nothing else); then eos (kept in the output), stop_token_ids
+        (stop_reason = the id), then max_tokens / max_model_len. A stop token that is also
+        the last allowed token reports "stop" (vLLM would say "length")."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if waive_min_tokens or self.num_output_tokens >= (getattr(params, "min_tokens", 0) or 0):
+            if not getattr(params, "ignore_eos", False) and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in (getattr(params, "stop_token_ids", None) or ()):
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
 
 __all__ = ["Request", "RequestId", "RequestStatus"]

@@ -317,7 +317,7 @@ class Scheduler:
                         break
                     request.append_output_token_id(token_id)
                     new_token_ids.append(token_id)
-                    if self._check_stop(request, waive_min_tokens):
+                    if request.check_stop(self.max_model_len, waive_min_tokens):
                         break
             sample_logprobs = logprobs[i] if i is not None and i < len(logprobs) and new_token_ids else None
             prompt_logprobs, pooled = model_runner_output.prompt_logprobs, model_runner_output.pooled
@@ -337,27 +337,6 @@ class Scheduler:
                 self.running.remove(request)
                 self._release(request)
         return outputs
-
-    def _check_stop(self, request: Request, waive_min_tokens: bool = False) -> bool:
-        """After appending one token. Order: min_tokens holds off eos and stop ids (not
-        length) unless waived (the runner sampled the stop token because the request's
-        constraints allowed nothing else); then eos (kept in the output), stop_token_ids
-        (stop_reason = the id), then max_tokens / max_model_len. A stop token that is also
-        the last allowed token reports "stop" (vLLM would say "length")."""
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if waive_min_tokens or request.num_output_tokens >= (getattr(params, "min_tokens", 0) or 0):
-            if not getattr(params, "ignore_eos", False) and last in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in (getattr(params, "stop_token_ids", None) or ()):
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return True
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
 
     def _release(self, request: Request) -> None:
         """Forget a finished request (already out of running/waiting) and free its blocks."""
