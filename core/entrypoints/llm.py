@@ -179,12 +179,14 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
+        lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in input order: the prompt's final hidden states pooled
         as the model's pooler config says (LAST, MEAN or CLS; the checkpoint's
         sentence-transformers files or ``LLM(..., pooler_config=...)``), normalized unless it
         or ``pooling_params`` says otherwise. ``truncate_prompt_tokens``: embed only each prompt's
-        last k tokens (-1: as many as fit), as ``SamplingParams.truncate_prompt_tokens``."""
+        last k tokens (-1: as many as fit), as ``SamplingParams.truncate_prompt_tokens``;
+        ``lora_request`` as in ``generate``."""
         keep = truncate_prompt_tokens
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params: SamplingParams | list[SamplingParams] = embedding_params(pooling_params or PoolingParams(), keep)
@@ -196,7 +198,7 @@ class LLM:
         else:
             raise ValueError(f"pooling_params must be a PoolingParams or a list of them (one per prompt), "
                              f"got {type(pooling_params).__name__}")
-        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
         return [embedding_output(out) for out in outputs]
 
     def score(
@@ -212,14 +214,27 @@ class LLM:
         strings) pair 1:1, 1:N or N:N (``halserve.scoring``); each distinct text is embedded once,
         as ``embed`` would (``truncate_prompt_tokens`` likewise), with ``lora_request``'s adapter
         if given. Bad input raises ValueError naming the argument."""
+        from halserve.lora.request import LoRARequest
         from halserve.scoring import pair_scores, pair_texts
 
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be one LoRARequest (for every text) or None, "
+                             f"got {type(lora_request).__name__}")
         batch = pair_texts(text_1, text_2)
         params = embedding_params(PoolingParams(), truncate_prompt_tokens)
-        outputs = [embedding_output(out) for out in self.generate(batch.texts, params, use_tqdm=use_tqdm,
-                                                                  lora_request=lora_request)]
+        try:
+            finals = self.generate(batch.texts, params, use_tqdm=use_tqdm, lora_request=lora_request)
+        except ValueError as exc:  # name the text it is about (generate stops at the first bad one)
+            processor = self.llm_engine.input_processor
+            for text, name in zip(batch.texts, batch.text_params):
+                try:
+                    processor.process("score-check", text, params, lora_request=lora_request)
+                except ValueError as text_exc:
+                    raise ValueError(f"{name}: {text_exc}") from None
+            raise exc
+        outputs = [embedding_output(out) for out in finals]
         scores = pair_scores(batch, [out.outputs.embedding for out in outputs])
-        return [ScoringRequestOutput(request_id=f"{outputs[i].request_id}_{outputs[j].request_id}",
+        return [ScoringRequestOutput(request_id=str(next(self._counter)),
                                      prompt_token_ids=outputs[i].prompt_token_ids + outputs[j].prompt_token_ids,
                                      outputs=ScoringOutput(score))
                 for (i, j), score in zip(batch.pairs, scores)]

@@ -71,8 +71,11 @@ class OpenAIServingCompletion:
         prompts = normalize_prompts(req.prompt)
         params = serving.sampling_params(req.sampling_kwargs())
         request_id = random_id("cmpl")
-        streams = await serving.add_requests(prompts, params, request_id, lora_request=serving.lora_request(model),
-                                             message_params=constraint_messages(req))
+        try:
+            streams = await serving.add_requests(prompts, params, request_id, lora_request=serving.lora_request(model),
+                                                 message_params=constraint_messages(req), raw_request=raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
         created = int(time.time())
         if req.stream:
             return StreamingResponse(

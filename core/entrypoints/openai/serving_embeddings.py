@@ -65,10 +65,10 @@ class OpenAIServingEmbedding:
             field = "truncate_prompt_tokens" if str(exc).startswith("truncate_prompt_tokens") else "dimensions"
             raise BadRequestError(str(exc), param=field) from None
         request_id = random_id("embd")
-        streams = await serving.add_requests(normalize_prompts(req.input, "input"), params, request_id,
-                                             lora_request=serving.lora_request(model),
-                                             message_params={"dimensions": "dimensions"})
         try:
+            streams = await serving.add_requests(normalize_prompts(req.input, "input"), params, request_id,
+                                                 lora_request=serving.lora_request(model),
+                                                 message_params={"dimensions": "dimensions"}, raw_request=raw_request)
             finals = await serving.collect(streams, raw_request)
         except ClientDisconnected:
             return Response(status_code=499)

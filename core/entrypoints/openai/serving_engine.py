@@ -121,6 +121,7 @@ class OpenAIServing:
         lora_request: "LoRARequest | None" = None,
         message_params: dict[str, str | None] | None = None,
         prompt_params: Sequence[str] | None = None,
+        raw_request: Request | None = None,
     ) -> list[RequestStream]:
         """Queue one engine request per prompt. Every prompt is checked before any is queued:
         an invalid one is a 400 and nothing runs (one the engine refuses when queued, e.g. it
@@ -128,9 +129,12 @@ class OpenAIServing:
         sampling field its message starts with, or ``message_params[prefix]`` for a message that
         starts with ``prefix`` (e.g. "structured outputs" -> the field that gave the constraint).
         ``prompt_params``: the request field each prompt came from (e.g. "documents[2]"); an error
-        about a prompt, not a sampling field, then names it as the 400's param and message prefix."""
+        about a prompt, not a sampling field, then names it as the 400's param and message prefix.
+        With ``raw_request``, a client gone before a batch is all queued stops it there
+        (``ClientDisconnected``; what was queued is aborted)."""
         streams: list[RequestStream] = []
         done = 0  # prompts prepared, then prompts queued
+        watch = asyncio.ensure_future(wait_disconnect(raw_request)) if raw_request and len(prompts) > 1 else None
         try:
             prepared = []
             for i, prompt in enumerate(prompts):
@@ -139,11 +143,21 @@ class OpenAIServing:
                 prepared.append(await self.engine.prepare_request(prompt, params.clone(), rid, prompt_text=text,
                                                                   lora_request=lora_request))
                 done += 1
+                if watch is not None and watch.done():
+                    raise ClientDisconnected
             done = 0
             for request in prepared:
                 streams.append(await self.engine.submit(request))
                 done += 1
+                if watch is not None and watch.done():
+                    raise ClientDisconnected
+            if watch is not None:
+                watch.cancel()
+                if watch.done() and not watch.cancelled():  # (it saw the disconnect as it was cancelled)
+                    raise ClientDisconnected
         except BaseException as exc:
+            if watch is not None:
+                watch.cancel()
             for stream in streams:
                 stream.close()
             if isinstance(exc, ValueError):

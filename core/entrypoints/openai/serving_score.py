@@ -69,9 +69,10 @@ class OpenAIServingScore:
             params = embedding_params(PoolingParams(), truncate_prompt_tokens)
         except ValueError as exc:
             raise BadRequestError(str(exc), param="truncate_prompt_tokens") from None
-        streams = await serving.add_requests(batch.texts, params, request_id, lora_request=serving.lora_request(model),
-                                             prompt_params=batch.text_params)
         try:
+            streams = await serving.add_requests(batch.texts, params, request_id,
+                                                 lora_request=serving.lora_request(model),
+                                                 prompt_params=batch.text_params, raw_request=raw_request)
             finals = await serving.collect(streams, raw_request)
         except ClientDisconnected:
             return None
