@@ -116,7 +116,9 @@ class InputProcessor:
         tokens to keep. -1 keeps as many as leave room for max_tokens (vLLM's max_model_len -
         max_tokens; at least one token's room: a request always generates one)."""
         k, max_len = params.truncate_prompt_tokens, self.info.max_model_len
-        if k == -1:
+        if k == -1 and params.pooling is not None:
+            k = max_len  # (an embedding input may fill the context, as in vLLM)
+        elif k == -1:
             k = max_len - (params.max_tokens or 1)
             if k < 1:
                 raise ValueError(f"truncate_prompt_tokens=-1 keeps max_model_len - max_tokens = {max_len} - "
@@ -163,19 +165,20 @@ class InputProcessor:
         if keep is not None and len(ids) > keep:
             text, ids = None, ids[-keep:]  # (the text would no longer match the tokens)
         max_len = self.info.max_model_len
-        if len(ids) >= max_len and keep is not None:
+        if params.pooling is not None:  # (an embedding input may fill the context: nothing is generated)
+            if len(ids) > max_len:
+                raise ValueError(f"the input has {len(ids)} tokens but an embedding input may have at most "
+                                 f"max_model_len = {max_len}; shorten it or pass truncate_prompt_tokens")
+        elif len(ids) >= max_len and keep is not None:
             raise ValueError(f"truncate_prompt_tokens={params.truncate_prompt_tokens} keeps {len(ids)} tokens but a "
                              f"prompt may have at most max_model_len - 1 = {max_len - 1} (the request generates "
                              f"at least one token); keep at most {max_len - 1}, or pass -1")
-        if len(ids) >= max_len and params.pooling is not None:
-            raise ValueError(f"the input has {len(ids)} tokens but an embedding input may have at most "
-                             f"max_model_len - 1 = {max_len - 1}; shorten it")
-        if len(ids) >= max_len:
+        elif len(ids) >= max_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but the model's maximum context length (max_model_len) "
                 f"is {max_len}, which leaves no room to generate; shorten the prompt"
             )
-        room = max_len - len(ids)
+        room = max(max_len - len(ids), 1)  # (an embedding request's one token is never computed)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = set() if params.ignore_eos else set(self.info.eos_token_ids)
         if params.min_tokens and params.allowed_token_ids is not None:

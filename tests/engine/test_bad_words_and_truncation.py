@@ -147,6 +147,6 @@ def test_embed_truncation_embeds_the_last_k_tokens(llm):
     assert cut.prompt_token_ids == ids[-40:]
     assert np.allclose(cut.outputs.embedding, direct.outputs.embedding, atol=1e-6)
     (whole,) = llm.embed(LONG_TEXT, truncate_prompt_tokens=-1, use_tqdm=False)
-    assert whole.prompt_token_ids == ids[-(MAX_MODEL_LEN - 1):]  # (an embedding input may have max_model_len - 1)
+    assert whole.prompt_token_ids == ids[-MAX_MODEL_LEN:]  # (an embedding input may fill the context)
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1, or -1"):
         llm.embed(LONG_TEXT, truncate_prompt_tokens=0, use_tqdm=False)

@@ -88,7 +88,10 @@ def test_truncated_embeddings_embed_the_last_k_tokens(client, server):
     for a, b in zip(cut.data, direct):
         assert np.allclose(a.embedding, b.data[0].embedding, atol=1e-6)
     whole = client.embeddings.create(model=SERVED_NAME, input=LONG_TEXT, extra_body={"truncate_prompt_tokens": -1})
-    assert whole.usage.prompt_tokens == MAX_MODEL_LEN - 1
+    assert whole.usage.prompt_tokens == MAX_MODEL_LEN  # (an embedding input may fill the context)
+    full = client.embeddings.create(model=SERVED_NAME, input=LONG_TEXT,
+                                    extra_body={"truncate_prompt_tokens": MAX_MODEL_LEN})
+    assert full.data[0].embedding == whole.data[0].embedding
 
 
 @pytest.mark.parametrize("path, body, param, message", [
@@ -103,7 +106,7 @@ def test_truncated_embeddings_embed_the_last_k_tokens(client, server):
      f"truncate_prompt_tokens value ({MAX_MODEL_LEN + 1}) is greater than max_model_len ({MAX_MODEL_LEN})"),
     ("/v1/embeddings", {"input": PROMPT, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens",
      "truncate_prompt_tokens must be an integer >= 1, or -1"),
-    ("/v1/embeddings", {"input": LONG_TEXT, "truncate_prompt_tokens": MAX_MODEL_LEN}, "truncate_prompt_tokens",
+    ("/v1/completions", {"prompt": LONG_TEXT, "truncate_prompt_tokens": MAX_MODEL_LEN}, "truncate_prompt_tokens",
      f"truncate_prompt_tokens={MAX_MODEL_LEN} keeps {MAX_MODEL_LEN} tokens but a prompt may have at most"),
 ])
 def test_bad_values_are_400_naming_the_field(server, path, body, param, message):

@@ -67,7 +67,7 @@ def test_embeddings_match_transformers(client, server, reference):
     ({"input": "a", "dimensions": 0}, "dimensions must be a positive integer"),
     ({"input": "a", "dimensions": 10**6}, "exceeds the model's embedding size"),
     ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
-    ({"input": [5] * 128}, "an embedding input may have at most max_model_len - 1 = 127"),
+    ({"input": [5] * 129}, "an embedding input may have at most max_model_len = 128"),
 ])
 def test_bad_embedding_requests_are_400(server, body, expected):
     r = httpx.post(server.url + "/v1/embeddings", json={"model": SERVED_NAME, **body}, timeout=30)
@@ -128,3 +128,18 @@ def test_unsupported_sentence_transformers_pooling_exits_2(checkpoint, tmp_path)
     assert proc.returncode == 2, proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
     assert "pooling_mode_weightedmean_tokens" in error and "--pooler-config" in error, proc.stderr
+
+
+def test_an_input_may_fill_the_context(server, checkpoint):
+    # (nothing is generated: an embedding input of max_model_len tokens is served, as in vLLM)
+    from transformers import AutoModel
+
+    ids = [5 + (7 * i) % 300 for i in range(128)]
+    body = {"model": SERVED_NAME, "input": ids, "encoding_format": "float", "normalize": False}
+    r = httpx.post(server.url + "/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    model = AutoModel.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
+    assert np.abs(np.asarray(r.json()["data"][0]["embedding"]) - want).max() < 1e-4
+    assert r.json()["usage"]["prompt_tokens"] == 128
