@@ -1,9 +1,10 @@
 """halserve.scoring: vLLM's 1:1 / 1:N / N:N pairing, each distinct text once, cosine scores."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from halserve.scoring import ScoringBatch, cosine_similarity, pair_scores, pair_texts
+from halserve.scoring import ScoringBatch, pair_scores, pair_texts
 
 
 def test_one_to_n_embeds_each_distinct_text_once():
@@ -33,10 +34,19 @@ def test_bad_input_names_the_field(text_1, text_2, message):
         pair_texts(text_1, text_2)
 
 
-def test_cosine_similarity():
-    assert cosine_similarity([1.0, 0.0], [2.0, 0.0]) == pytest.approx(1.0)
-    assert cosine_similarity([1.0, 0.0], [0.0, 3.0]) == pytest.approx(0.0)
-    assert cosine_similarity([1.0, 1.0], [-1.0, -1.0]) == pytest.approx(-1.0)
-    assert cosine_similarity([0.0, 0.0], [1.0, 0.0]) == 0.0  # (undefined: 0, as torch's)
+def test_scores_are_cosine_similarities():
+    def scores(first, second):  # (one pair of 2-d embeddings)
+        return pair_scores(pair_texts("a", "b"), [first, second])
+
+    assert scores([1.0, 0.0], [2.0, 0.0]) == pytest.approx([1.0])
+    assert scores([1.0, 0.0], [0.0, 3.0]) == pytest.approx([0.0])
+    assert scores([1.0, 1.0], [-1.0, -1.0]) == pytest.approx([-1.0])
+    assert scores([0.0, 0.0], [1.0, 0.0]) == [0.0]  # (undefined: 0, as torch's)
     batch = pair_texts("q", ["a", "q"])
     assert pair_scores(batch, [[1.0, 0.0], [1.0, 1.0]]) == pytest.approx([2 ** -0.5, 1.0])
+    rng = np.random.default_rng(0)
+    vectors = rng.normal(size=(5, 64))
+    batch = pair_texts(["t0", "t1", "t2"], ["t3", "t4", "t0"])
+    want = [float(vectors[i] @ vectors[j] / np.linalg.norm(vectors[i]) / np.linalg.norm(vectors[j]))
+            for i, j in batch.pairs]
+    assert pair_scores(batch, vectors.tolist()) == pytest.approx(want, abs=1e-12)

@@ -180,9 +180,17 @@ def test_async_llm_matches_llm_and_cancelling_aborts_the_step(llama_path, llm):
             while (stats := engine.get_stats()).num_running or stats.num_waiting or engine._requests:
                 assert time.monotonic() < deadline, f"the cancelled search's requests still run: {stats}"
                 await asyncio.sleep(0.05)
-            steps = engine.get_stats().num_steps
+            submitted = []
+            original_submit = engine.submit
+
+            async def counting_submit(prepared):
+                submitted.append(prepared.request_id)
+                return await original_submit(prepared)
+
+            engine.submit = counting_submit
             await asyncio.sleep(0.5)
-            assert engine.get_stats().num_steps == steps  # and no later step was submitted
+            assert submitted == []  # and no later search step was submitted
+            assert not engine._requests
             return got
         finally:
             await engine.shutdown()
