@@ -11,7 +11,7 @@ def halserve_manifest() -> PluginManifest:
         name="builtin",
         version="0.1.0",
         api=">=1,<2",
-        description="torch reference kernels and attention, executors, Llama-family models",
+        description="torch reference kernels and attention, executors, Llama/Qwen/Mistral/Gemma/Phi-3/MoE models",
     )
 
 
@@ -40,10 +40,17 @@ def halserve_executors() -> list[type]:
 @hookimpl
 def halserve_model_architectures() -> dict[str, str]:
     return {
+        "GemmaForCausalLM": "halserve.models.gemma:GemmaForCausalLM",
+        "Gemma2ForCausalLM": "halserve.models.gemma:GemmaForCausalLM",
+        "Gemma3ForCausalLM": "halserve.models.gemma:GemmaForCausalLM",
         "LlamaForCausalLM": "halserve.models.llama:LlamaForCausalLM",
         "MistralForCausalLM": "halserve.models.llama:LlamaForCausalLM",
+        "MixtralForCausalLM": "halserve.models.mixtral:MixtralForCausalLM",
+        "Phi3ForCausalLM": "halserve.models.phi3:Phi3ForCausalLM",
         "Qwen2ForCausalLM": "halserve.models.llama:LlamaForCausalLM",
+        "Qwen2MoeForCausalLM": "halserve.models.qwen_moe:QwenMoeForCausalLM",
         "Qwen3ForCausalLM": "halserve.models.llama:LlamaForCausalLM",
+        "Qwen3MoeForCausalLM": "halserve.models.qwen_moe:QwenMoeForCausalLM",
     }
 
 

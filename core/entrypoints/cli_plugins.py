@@ -36,6 +36,9 @@ _PROBLEMS: dict[str, dict[str, Any]] = {
     "rms_norm": {"dtype": "act", "hidden_size": 4096},
     "rotary_embedding": {"dtype": "act", "head_size": 128, "rotary_dim": 128, "is_neox": True},
     "silu_and_mul": {"dtype": "act", "intermediate_size": 11008},
+    "gelu_tanh_and_mul": {"dtype": "act", "intermediate_size": 9216},  # (Gemma 2 9B)
+    "fused_moe": {"dtype": "act", "num_experts": 8, "top_k": 2, "hidden_size": 4096,
+                  "intermediate_size": 14336},  # (Mixtral 8x7B)
 }
 # Unknown problem keys of a future op get a plausible size.
 _DEFAULT_PROBLEM_VALUE = 128

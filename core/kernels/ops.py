@@ -73,5 +73,17 @@ OPS: dict[str, OpSpec] = {
             ("head_size", "rotary_dim", "is_neox"),
         ),
         OpSpec("silu_and_mul", "silu_and_mul(x[T,2I]) -> [T,I] = silu(x[:, :I]) * x[:, I:]", ("intermediate_size",)),
+        OpSpec(
+            "fused_moe",
+            "fused_moe(hidden[T,H], w13[E,2I,H] (gate rows | up rows), w2[E,H,I], topk_weights[T,k] f32, "
+            "topk_ids[T,k] int) -> [T,H] = sum over j<k of topk_weights[:, j] * "
+            "(silu(x @ gate.T) * (x @ up.T)) @ w2.T of expert topk_ids[:, j]",
+            ("num_experts", "top_k", "hidden_size", "intermediate_size"),
+        ),
+        OpSpec(
+            "gelu_tanh_and_mul",
+            "gelu_tanh_and_mul(x[T,2I]) -> [T,I] = gelu(x[:, :I], approximate='tanh') * x[:, I:]",
+            ("intermediate_size",),
+        ),
     ]
 }

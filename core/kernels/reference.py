@@ -158,6 +158,17 @@ class TorchSiluAndMul(Kernel):
         return F.silu(gate).mul_(up)
 
 
+class TorchGeluTanhAndMul(Kernel):
+    op = "gelu_tanh_and_mul"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = _FLOATS
+
+    def __call__(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
+
 class TorchAwqGemm(Kernel):
     op = "awq_gemm"
     name = "torch"
@@ -186,6 +197,36 @@ class TorchGptqGemm(Kernel):
         return (x.float() @ w).to(x.dtype)
 
 
+class TorchFusedMoe(Kernel):
+    op = "fused_moe"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = _FLOATS
+    description = "tokens grouped by expert, one SwiGLU per expert that got tokens, index_add_ (reference)"
+
+    def __call__(self, hidden, w13, w2, topk_weights, topk_ids):
+        num_tokens, top_k = topk_ids.shape
+        num_experts = w13.shape[0]
+        # Sort the T*k (token, slot) pairs by expert so each expert sees one contiguous run of rows.
+        flat_ids = topk_ids.reshape(-1)
+        expert_ids, order = torch.sort(flat_ids, stable=True)
+        token_ids = order // top_k  # [T*k] the token of each sorted pair
+        weights = topk_weights.reshape(-1)[order].float()
+        counts = torch.bincount(expert_ids, minlength=num_experts).tolist()  # one host sync per call
+        out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_ids[start : start + count]
+            x = hidden.index_select(0, rows)  # [n, H]
+            gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)  # [n, I] each
+            y = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
+            out.index_add_(0, rows, y.float() * weights[start : start + count, None])
+            start += count
+        return out.to(hidden.dtype)
+
+
 REFERENCE_KERNELS: list[type[Kernel]] = [
     TorchGemm,
     TorchFp8ScaledGemm,
@@ -197,4 +238,6 @@ REFERENCE_KERNELS: list[type[Kernel]] = [
     TorchRmsNorm,
     TorchRotaryEmbedding,
     TorchSiluAndMul,
+    TorchFusedMoe,
+    TorchGeluTanhAndMul,
 ]

@@ -1,9 +1,10 @@
 """Model building blocks: they resolve their kernels once at construction and delegate
 matmuls to the quant method and attention to the selected backend."""
-from halserve.layers.activation import SiluAndMul
+from halserve.layers.activation import GeluAndMul, SiluAndMul
 from halserve.layers.attention import Attention
 from halserve.layers.context import ModelContext
-from halserve.layers.layernorm import RMSNorm
+from halserve.layers.fused_moe import FusedMoE
+from halserve.layers.layernorm import GemmaRMSNorm, RMSNorm
 from halserve.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -18,6 +19,9 @@ from halserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 __all__ = [
     "Attention",
     "ColumnParallelLinear",
+    "FusedMoE",
+    "GeluAndMul",
+    "GemmaRMSNorm",
     "LinearBase",
     "MergedColumnParallelLinear",
     "ModelContext",

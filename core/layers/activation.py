@@ -18,3 +18,16 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x)
+
+
+class GeluAndMul(nn.Module):
+    """``x [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:]  [T, I]`` (GeGLU with the tanh approximation,
+    HF's ``gelu_pytorch_tanh``, as Gemma's MLPs use)."""
+
+    def __init__(self, intermediate_size: int, ctx: ModelContext) -> None:
+        super().__init__()
+        self.kernel = resolve_kernel("gelu_tanh_and_mul", ctx.platform_name, dtype=ctx.dtype_name,
+                                     intermediate_size=intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x)

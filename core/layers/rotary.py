@@ -1,7 +1,8 @@
-"""Rotary position embeddings: default, linear, dynamic NTK, YaRN and Llama-3 scaling.
+"""Rotary position embeddings: default, linear, dynamic NTK, YaRN, Llama-3 and LongRoPE scaling.
 
-Each scaling type only changes the inverse frequencies (and, for YaRN, a magnitude
-factor on cos/sin). The formulas follow transformers' ``modeling_rope_utils`` operation
+Each scaling type only changes the inverse frequencies (and, for YaRN and LongRoPE, a
+magnitude factor on cos/sin). ``partial_rotary_factor`` rotates only the first
+R = head_size * factor dims of each head. The formulas follow transformers' ``modeling_rope_utils`` operation
 for operation, so the fp32 tables are bit-identical to HF's cos/sin::
 
     inv_freq [R/2]; freqs = positions * inv_freq       [P, R/2]
@@ -21,7 +22,9 @@ from torch import nn
 from halserve.kernels import resolve_kernel
 from halserve.layers.context import ModelContext
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+# older spellings -> the type they mean; errors quote the config's own spelling
+ROPE_TYPE_ALIASES = {"su": "longrope"}  # "su": LongRoPE in the first Phi-3 configs
 
 
 def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
@@ -37,10 +40,13 @@ def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
     params["rope_type"] = rope_type
     if params.get("rope_theta") is None:
         params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
-    if rope_type in ("llama3", "yarn") and params.get("original_max_position_embeddings") is None:
+    is_scaled = ROPE_TYPE_ALIASES.get(rope_type, rope_type) in ("llama3", "yarn", "longrope")
+    if is_scaled and params.get("original_max_position_embeddings") is None:
         params["original_max_position_embeddings"] = getattr(
             hf_config, "original_max_position_embeddings", hf_config.max_position_embeddings
         )
+    if params.get("partial_rotary_factor") is None and getattr(hf_config, "partial_rotary_factor", None) is not None:
+        params["partial_rotary_factor"] = hf_config.partial_rotary_factor  # v4 configs keep it at the top level
     return params
 
 
@@ -48,9 +54,12 @@ def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / dim))
 
 
-def compute_inv_freq(params: dict[str, Any], rotary_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [rotary_dim / 2] fp32, attention factor) for one rope configuration."""
-    rope_type = params["rope_type"]
+def compute_inv_freq(params: dict[str, Any], rotary_dim: int, max_position_embeddings: int,
+                     max_model_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim / 2] fp32, attention factor) for one rope configuration.
+
+    ``max_model_len`` (None = max_position_embeddings) picks LongRoPE's factor set."""
+    rope_type = ROPE_TYPE_ALIASES.get(params["rope_type"], params["rope_type"])
     base = float(params["rope_theta"])
     dim = rotary_dim
     if rope_type == "default":
@@ -65,6 +74,8 @@ def compute_inv_freq(params: dict[str, Any], rotary_dim: int, max_position_embed
         return _llama3_inv_freq(params, base, dim), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(params, base, dim, max_position_embeddings)
+    if rope_type == "longrope":
+        return _longrope_inv_freq(params, base, dim, max_position_embeddings, max_model_len)
     raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
 
 
@@ -119,6 +130,54 @@ def _yarn_inv_freq(params: dict[str, Any], base: float, dim: int, max_position_e
     return inv_freq, attention_factor
 
 
+def _check_longrope_factors(params: dict[str, Any], dim: int) -> None:
+    for key in ("short_factor", "long_factor"):
+        factors = params.get(key)
+        if factors is None:
+            raise ValueError(
+                f"rope type {params['rope_type']!r} (LongRoPE) needs rope_parameters[{key!r}], a list of "
+                f"rotary_dim / 2 = {dim // 2} numbers; add it to the checkpoint's config.json, or pick another rope "
+                f"type (supported: {', '.join(ROPE_TYPES)})"
+            )
+        if not isinstance(factors, (list, tuple)) or not all(isinstance(x, (int, float)) for x in factors):
+            raise ValueError(f"rope_parameters[{key!r}] must be a list of numbers, got {factors!r}")
+        if len(factors) != dim // 2:
+            raise ValueError(
+                f"rope_parameters[{key!r}] has {len(factors)} entries, but LongRoPE needs one per rotary frequency: "
+                f"rotary_dim / 2 = {dim // 2} (rotary_dim {dim} = head_size x partial_rotary_factor "
+                f"{params.get('partial_rotary_factor', 1.0)}); fix the list in the checkpoint's config.json"
+            )
+
+
+def _longrope_inv_freq(params: dict[str, Any], base: float, dim: int, max_position_embeddings: int,
+                       max_model_len: int | None):
+    """LongRoPE (Phi-3, Phi-3.5, Phi-4-mini): inv_freq = 1 / (factors * base^(2i/R)), with a
+    per-frequency ``short_factor`` or ``long_factor`` list.
+
+    HF chooses the list per forward call: the long one once max(position) + 1 exceeds
+    original_max_position_embeddings, and then for every position of that call (its generate
+    even drops the KV cache and recomputes the whole sequence when it first crosses the
+    threshold). A paged server cannot re-rotate keys already in the cache, and a prefix-cached
+    block must mean the same to every request that reuses it, so, like vLLM, halserve chooses
+    once per engine: the long factors when max_model_len exceeds original_max_position_embeddings,
+    the short ones otherwise. That equals HF exactly when max_model_len <= the original maximum
+    (HF never switches then) and, with a larger max_model_len, for prompts longer than the
+    original maximum; shorter requests then get the long factors where HF uses the short ones.
+    """
+    _check_longrope_factors(params, dim)
+    original_max = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:  # Phi-3 states the extension as max_position_embeddings over the original
+        factor = max_position_embeddings / original_max
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max))
+    use_long = (max_model_len or max_position_embeddings) > original_max
+    ext_factors = torch.tensor(params["long_factor" if use_long else "short_factor"], dtype=torch.float32, device="cpu")
+    inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (ext_factors * base**inv_freq_shape), attention_factor
+
+
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_position: int, attention_factor: float = 1.0) -> torch.Tensor:
     """[max_position, R] fp32 = cat(cos, sin) of positions * inv_freq, times the attention factor.
 
@@ -133,12 +192,13 @@ class RotaryEmbedding(nn.Module):
     rotate halves, as HF Llama/Mistral/Qwen do)."""
 
     def __init__(self, head_size: int, rotary_dim: int, max_position: int, params: dict[str, Any],
-                 max_position_embeddings: int, ctx: ModelContext, is_neox: bool = True) -> None:
+                 max_position_embeddings: int, ctx: ModelContext, is_neox: bool = True,
+                 max_model_len: int | None = None) -> None:
         super().__init__()
         if rotary_dim > head_size or rotary_dim % 2:
             raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_size {head_size}")
         self.head_size, self.rotary_dim, self.is_neox = head_size, rotary_dim, is_neox
-        inv_freq, attention_factor = compute_inv_freq(params, rotary_dim, max_position_embeddings)
+        inv_freq, attention_factor = compute_inv_freq(params, rotary_dim, max_position_embeddings, max_model_len)
         cache = build_cos_sin_cache(inv_freq, max_position, attention_factor)
         # non-persistent: recomputed, never loaded; fp32 even when the model dtype is not
         self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()), persistent=False)
@@ -162,11 +222,12 @@ class RotaryEmbedding(nn.Module):
 def get_rope(hf_config: Any, head_size: int, ctx: ModelContext) -> RotaryEmbedding:
     """The rotary embedding an HF Llama-family config asks for."""
     params = rope_parameters_from_config(hf_config)
-    if params["rope_type"] not in ROPE_TYPES:
+    if ROPE_TYPE_ALIASES.get(params["rope_type"], params["rope_type"]) not in ROPE_TYPES:
         raise ValueError(
             f"rope type {params['rope_type']!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
         )
     rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
     max_pos_emb = hf_config.max_position_embeddings
     max_position = max(ctx.max_position or 0, max_pos_emb)
-    return RotaryEmbedding(head_size, rotary_dim, max_position, params, max_pos_emb, ctx)
+    return RotaryEmbedding(head_size, rotary_dim, max_position, params, max_pos_emb, ctx,
+                           max_model_len=ctx.max_position)

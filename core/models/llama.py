@@ -1,10 +1,11 @@
 """The Llama family: Llama, Mistral, Qwen2 and Qwen3 (one decoder, switched by config).
 
     differences                         read from
-    q/k/v bias                          attention_bias (Llama, Qwen3); always on for Qwen2
-    o_proj bias                         attention_bias (Llama, Qwen3); never for Qwen2
+    q/k/v bias                          attention_bias (Llama, Qwen3); always on for Qwen2;
+                                        qkv_bias (Qwen2-MoE)
+    o_proj bias                         attention_bias (Llama, Qwen3); never for Qwen2(-MoE)
     mlp bias                            mlp_bias (Llama)
-    per-head RMSNorm on q and k         Qwen3
+    per-head RMSNorm on q and k         Qwen3, Qwen3-MoE
     head_dim != hidden / heads          head_dim
     sliding window                      Mistral: sliding_window on every layer;
                                         Qwen2/3: layer_types, else use_sliding_window +
@@ -12,10 +13,12 @@
     tied embeddings                     tie_word_embeddings
 
 Forward works on the flattened batch: ``input_ids``/``positions`` [T] -> hidden [T, H].
+MoE models (``mixtral.py``, ``qwen_moe.py``) reuse this decoder with their own MLP per
+layer through ``make_mlp``.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -63,16 +66,25 @@ def layer_sliding_windows(hf_config: Any) -> list[int | None]:
     return [window] * num_layers
 
 
+# (layer index, module prefix) -> that layer's MLP, or None for the dense LlamaMLP
+MlpFactory = Callable[[int, str], "nn.Module | None"]
+
+
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config: Any, ctx: ModelContext, prefix: str) -> None:
+    """``intermediate_size`` overrides the config's (a MoE shared expert); ``reduce_results=False``
+    leaves the down projection's partial sums for the caller to all-reduce."""
+
+    def __init__(self, hf_config: Any, ctx: ModelContext, prefix: str, intermediate_size: int | None = None,
+                 reduce_results: bool = True) -> None:
         super().__init__()
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"{prefix}: hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
         bias = bool(getattr(hf_config, "mlp_bias", False))
-        inter = hf_config.intermediate_size
+        inter = hf_config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias, ctx,
                                                        f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias, ctx, f"{prefix}.down_proj")
+        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias, ctx, f"{prefix}.down_proj",
+                                           reduce_results=reduce_results)
         self.act_fn = SiluAndMul(inter // get_tp_size(), ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,8 +102,8 @@ class LlamaAttention(nn.Module):
         self.head_size = head_size_of(hf_config)
         kind = model_type(hf_config)
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        qkv_bias = True if kind == "qwen2" else attention_bias
-        o_bias = False if kind == "qwen2" else attention_bias
+        qkv_bias = True if kind == "qwen2" else bool(getattr(hf_config, "qkv_bias", attention_bias))
+        o_bias = False if kind in ("qwen2", "qwen2_moe") else attention_bias
         self.qkv_proj = QKVParallelLinear(hidden, self.head_size, total_heads, total_kv_heads, qkv_bias, ctx,
                                           f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(total_heads * self.head_size, hidden, o_bias, ctx, f"{prefix}.o_proj")
@@ -100,7 +112,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         self.rotary_emb = rotary
-        self.has_qk_norm = kind == "qwen3"
+        self.has_qk_norm = kind in ("qwen3", "qwen3_moe")
         if self.has_qk_norm:
             self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, ctx)
             self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, ctx)
@@ -119,13 +131,13 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, ctx: ModelContext, rotary: RotaryEmbedding, sliding_window: int | None,
-                 prefix: str) -> None:
+                 prefix: str, mlp: nn.Module | None = None) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, ctx)
         self.self_attn = LlamaAttention(hf_config, ctx, rotary, sliding_window, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, ctx)
-        self.mlp = LlamaMLP(hf_config, ctx, f"{prefix}.mlp")
+        self.mlp = mlp if mlp is not None else LlamaMLP(hf_config, ctx, f"{prefix}.mlp")
 
     def forward(self, positions, hidden, residual):
         # residual carries the un-normed stream; the norms fuse the add
@@ -140,13 +152,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config: Any, ctx: ModelContext, prefix: str = "model") -> None:
+    def __init__(self, hf_config: Any, ctx: ModelContext, prefix: str = "model",
+                 make_mlp: MlpFactory | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, ctx)
         rotary = get_rope(hf_config, head_size_of(hf_config), ctx)  # one table shared by every layer
         windows = layer_sliding_windows(hf_config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, ctx, rotary, windows[i], f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(hf_config, ctx, rotary, windows[i], f"{prefix}.layers.{i}",
+                              make_mlp(i, f"{prefix}.layers.{i}.mlp") if make_mlp else None)
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ctx)
@@ -178,10 +192,10 @@ class LlamaForCausalLM(nn.Module):
         (".up_proj", ".gate_up_proj", 1),
     ]
 
-    def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
+    def __init__(self, hf_config: Any, ctx: ModelContext, make_mlp: MlpFactory | None = None) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, ctx)
+        self.model = LlamaModel(hf_config, ctx, make_mlp=make_mlp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, ctx,
                                       tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)

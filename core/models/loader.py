@@ -41,6 +41,7 @@ class ModelInfo:
     head_size: int
     max_model_len: int
     sliding_window: int | None  # the largest window of any layer; None if every layer is full
+    logits_soft_cap: float | None = None  # cap * tanh(score / cap) on attention scores (Gemma 2); None: off
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     kv_cache_bytes_per_token: int = 0  # K and V of every layer, all ranks together
@@ -102,6 +103,7 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
     """Read the checkpoint's config files (no weights) and validate them against ``config``."""
     from transformers import AutoConfig
 
+    from halserve.models.gemma import attention_logits_soft_cap
     from halserve.models.llama import head_size_of, layer_sliding_windows
 
     path = resolve_model_path(config.model, config.revision)
@@ -153,6 +155,7 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
         head_size=head_size,
         max_model_len=max_model_len,
         sliding_window=max(windows) if windows else None,
+        logits_soft_cap=attention_logits_soft_cap(hf_config),
         eos_token_ids=eos,
         generation_defaults={k: gen[k] for k in GENERATION_DEFAULT_KEYS if k in gen},
         kv_cache_bytes_per_token=2 * hf_config.num_hidden_layers * num_kv_heads * head_size * elem_size,

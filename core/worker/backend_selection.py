@@ -28,6 +28,7 @@ def select_attention_backend(config: "EngineConfig", platform: "Platform", info:
         block_size=config.block_size,
         kv_cache_dtype=config.kv_cache_dtype,
         sliding_window=info.sliding_window,
+        logits_soft_cap=info.logits_soft_cap,
         num_heads=info.num_heads,
         num_kv_heads=info.num_kv_heads,
     )
@@ -41,7 +42,11 @@ def select_attention_backend(config: "EngineConfig", platform: "Platform", info:
             raise ValueError(f"attention backend {forced!r} does not run on platform {platform.name!r} (it runs on {cls.platforms})")
         reason = cls.supports(**query)
         if reason:
-            raise ValueError(f"attention backend {forced!r} cannot run this model: {reason}")
+            able = [n for n in platform.preferred_attention_backends
+                    if n in registry and registry[n].obj.supports(**query) is None]
+            raise ValueError(f"attention backend {forced!r} cannot run this model: {reason}; on platform "
+                             f"{platform.name!r} use one of: {', '.join(able) or 'none'} (or unset attention_backend "
+                             "and HALSERVE_ATTENTION_BACKEND to choose automatically)")
         return cls
     reasons = []
     for name in platform.preferred_attention_backends:

@@ -296,6 +296,31 @@ def silu_and_mul_cases(quick: bool) -> list[KernelCase]:
     return cases
 
 
+def fused_moe_cases(quick: bool) -> list[KernelCase]:
+    import torch
+
+    # (dtype, tokens, experts, top-k, hidden, intermediate): 3 tokens x top-2 leave most of 8 experts idle
+    grid = [("float32", 3, 8, 2, 64, 32), ("float16", 9, 4, 2, 64, 48), ("float32", 1, 4, 1, 32, 16),
+            ("bfloat16", 9, 6, 3, 64, 32)]
+    if quick:
+        grid = grid[:2]
+    cases = []
+    for i, (dtype, t, e, k, h, inter) in enumerate(grid):
+
+        def make(dtype=dtype, t=t, e=e, k=k, h=h, inter=inter, seed=900 + i):
+            g = _gen(seed)
+            hidden = torch.randn(t, h, generator=g).to(_t(dtype))
+            w13 = (torch.randn(e, 2 * inter, h, generator=g) / math.sqrt(h)).to(_t(dtype))
+            w2 = (torch.randn(e, h, inter, generator=g) / math.sqrt(inter)).to(_t(dtype))
+            topk_weights, topk_ids = torch.rand(t, e, generator=g).softmax(-1).topk(k, dim=-1)
+            return [hidden, w13, w2, topk_weights, topk_ids], {}
+
+        cases.append(KernelCase(f"T={t} E={e} top_k={k} H={h} I={inter} {dtype}",
+                                {"dtype": dtype, "num_experts": e, "top_k": k, "hidden_size": h,
+                                 "intermediate_size": inter}, make, 2 * TOLERANCE[dtype], dtypes=(dtype,)))
+    return cases
+
+
 CASES: dict[str, Callable[[bool], list[KernelCase]]] = {
     "gemm": gemm_cases,
     "fp8_scaled_gemm": fp8_gemm_cases,
@@ -307,4 +332,6 @@ CASES: dict[str, Callable[[bool], list[KernelCase]]] = {
     "rms_norm": rms_norm_cases,
     "rotary_embedding": rotary_cases,
     "silu_and_mul": silu_and_mul_cases,
+    "fused_moe": fused_moe_cases,
+    "gelu_tanh_and_mul": silu_and_mul_cases,  # the same gated [T, 2I] -> [T, I] inputs and problem keys
 }

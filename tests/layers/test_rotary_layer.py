@@ -66,8 +66,8 @@ def test_legacy_rope_scaling_config():
 
 
 def test_unknown_rope_type_is_a_value_error():
-    config = SimpleNamespace(rope_parameters={"rope_type": "su", "rope_theta": 1e4}, max_position_embeddings=64)
-    with pytest.raises(ValueError, match="'su'.*llama3"):
+    config = SimpleNamespace(rope_parameters={"rope_type": "warp", "rope_theta": 1e4}, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="'warp'.*llama3"):
         get_rope(config, 16, CTX)
 
 
