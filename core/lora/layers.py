@@ -11,6 +11,10 @@ block-diagonal B, so one pair of matmuls serves every shard::
                          | 0    B_k  0   |   rows of its kv heads
                          | 0    0    B_v |
 
+An adapter of a checkpoint whose module is itself fused (Phi-3's qkv_proj) has one A for all
+shards; the manager hands each shard its rows of B with that same A, and shards given the
+same A share its rows of the stacked A (R = r, B = [B_q; B_k; B_v] in one column block).
+
 Tensor parallelism shards the adapter like the weight it adapts: a column-parallel layer
 (outputs split) takes B's rows of this rank and the whole A; a row-parallel layer (inputs
 split) takes A's columns of this rank and the whole B, and adds its partial term *before*
@@ -69,30 +73,36 @@ class BaseLinearWithLoRA(nn.Module):
         """(output offset in this rank's output, A for this rank, B rows for this rank)."""
         raise NotImplementedError
 
-    def _full_sizes(self, shard_id: Any) -> tuple[int, int]:
+    def full_sizes(self, shard_id: Any) -> tuple[int, int]:
         """(inputs, outputs) of the checkpoint's whole (unsharded) module ``shard_id``."""
         raise NotImplementedError
 
     def prepare(self, lora: "LoRARequest", modules: dict[Any, tuple[str, torch.Tensor, torch.Tensor]],
                 scaling: float, dtype: torch.dtype) -> LoRAPair:
-        """This rank's stacked pair for ``modules`` (shard id -> (module name, A [r, in], B [out, r]))."""
+        """This rank's stacked pair for ``modules`` (shard id -> (module name, A [r, in], B [out, r])).
+        Shards given the same A tensor (one fused checkpoint module) share its rows of the stacked A."""
         base = self.base_layer
-        blocks = []
+        a_rows: list[torch.Tensor] = []  # this rank's A of each distinct checkpoint lora_A
+        a_column: dict[int, int] = {}  # id() of a checkpoint lora_A -> its first row in the stacked A
+        blocks = []  # (output offset, first column in B, B rows of this rank)
         for shard_id, (name, a, b) in modules.items():
-            num_in, num_out = self._full_sizes(shard_id)
+            num_in, num_out = self.full_sizes(shard_id)
             r = a.shape[0]
             if a.shape[1] != num_in or b.shape != (num_out, r):
                 raise adapter_error(
                     lora, f"module {name!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
                     f"model's layer of {num_in} inputs and {num_out} outputs (expected ({r}, {num_in}) and "
                     f"({num_out}, {r})); the adapter was trained for a different base model")
-            blocks.append(self._slice(shard_id, a.float(), b.float() * scaling))
-        a_cat = torch.cat([a for _, a, _ in blocks])  # [R, in_local]
+            offset, a_local, b_local = self._slice(shard_id, a.float(), b.float() * scaling)
+            # (a rank's slice of A never depends on the shard, so one A's slice serves all its shards)
+            if id(a) not in a_column:
+                a_column[id(a)] = sum(rows.shape[0] for rows in a_rows)
+                a_rows.append(a_local)
+            blocks.append((offset, a_column[id(a)], b_local))
+        a_cat = torch.cat(a_rows)  # [R, in_local]
         b_cat = torch.zeros(base.output_size_per_partition, a_cat.shape[0])
-        col = 0
-        for offset, a, b in blocks:
-            b_cat[offset : offset + b.shape[0], col : col + a.shape[0]] = b
-            col += a.shape[0]
+        for offset, col, b in blocks:
+            b_cat[offset : offset + b.shape[0], col : col + b.shape[1]] = b
         return a_cat.to(dtype).contiguous(), b_cat.to(dtype).contiguous()
 
     def add_lora(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -122,7 +132,7 @@ class ColumnParallelLinearWithLoRA(BaseLinearWithLoRA):
             return list(range(len(base.output_sizes)))
         return [None]
 
-    def _full_sizes(self, shard_id: Any) -> tuple[int, int]:
+    def full_sizes(self, shard_id: Any) -> tuple[int, int]:
         base = self.base_layer
         if shard_id is None:
             return base.input_size, base.output_size
@@ -152,7 +162,7 @@ class ColumnParallelLinearWithLoRA(BaseLinearWithLoRA):
 class RowParallelLinearWithLoRA(BaseLinearWithLoRA):
     """Inputs split across ranks: A's columns of this rank, the partial term added before the all-reduce."""
 
-    def _full_sizes(self, shard_id: Any) -> tuple[int, int]:
+    def full_sizes(self, shard_id: Any) -> tuple[int, int]:
         return self.base_layer.input_size, self.base_layer.output_size
 
     def _slice(self, shard_id, a, b):

@@ -9,6 +9,18 @@ step's tokens to their adapters.
 A step's adapters always fit: the scheduler admits at most ``max_loras`` distinct adapters
 among running requests. Adapters are loaded and dropped only when the engine core says
 (``halserve.lora.registry``), never during a step: a step reads nothing from disk.
+
+An adapter names modules as the model's HF checkpoint does; the model says how those names
+map onto its layers (each part: our module suffix and the fused layer's shard id)::
+
+    STACKED_PARAMS            (".q_proj", ".qkv_proj", "q")      checkpoint q_proj -> our qkv_proj, shard q
+    fused_checkpoint_modules  {".qkv_proj": [(".q_proj", Hq),    the checkpoint's own module is fused
+                                             (".k_proj", Hk),    (Phi-3): lora_B [(Hq + 2Hk) D, r] is cut
+                                             (".v_proj", Hk)]}   into q | k | v rows, each with the same A
+
+The parts of a fused checkpoint module are not names an adapter may use (a Phi-3 adapter never
+has q_proj). Mixture-of-experts experts (``FusedMoE``) and their routers are not adaptable: an
+adapter that touches them is refused, never served without those weights.
 """
 from __future__ import annotations
 
@@ -20,6 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from halserve.layers.fused_moe import FusedMoE
+from halserve.layers.linear import LinearBase
 from halserve.lora.layers import BaseLinearWithLoRA, LoRABatch, LoRAPair, wrap_linear
 from halserve.lora.peft import (
     PeftLoRAConfig,
@@ -36,9 +50,36 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
+# one part of a checkpoint module: (its checkpoint name suffix, our module suffix, shard id or None)
+RoutePart = tuple[str, str, Any]
+
+
 def _replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
+
+
+def _checkpoint_routes(model: nn.Module) -> dict[str, list[RoutePart]]:
+    """Checkpoint module suffix -> its parts in row order, for the names that are not our layers' own."""
+    stacked = {hf: (ours, shard_id) for hf, ours, shard_id in getattr(model, "STACKED_PARAMS", [])}
+    fused: dict[str, list[tuple[str, int]]] = getattr(model, "fused_checkpoint_modules", {})
+    routes = {name: [(part, *stacked.get(part, (part, None))) for part, _ in parts] for name, parts in fused.items()}
+    parts_of_fused = {part for parts in fused.values() for part, _ in parts}
+    routes.update({hf: [(hf, ours, shard_id)] for hf, (ours, shard_id) in stacked.items() if hf not in parts_of_fused})
+    return routes
+
+
+def _moe_routers(model: nn.Module) -> set[str]:
+    """Our names of mixture-of-experts routers: a linear layer beside a FusedMoE with one output
+    per expert (Qwen2-MoE's shared_expert_gate, one output, is an ordinary adaptable layer)."""
+    routers = set()
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            parent_name = name.rpartition(".")[0]
+            for child_name, child in model.get_submodule(parent_name).named_children():
+                if isinstance(child, LinearBase) and child.output_size == module.num_experts:
+                    routers.add(f"{parent_name}.{child_name}" if parent_name else child_name)
+    return routers
 
 
 class LoRAManager:
@@ -48,26 +89,68 @@ class LoRAManager:
         self.max_loras = config.max_loras
         self.max_lora_rank = config.max_lora_rank
         self.batch = LoRABatch()
+        self.has_moe = any(isinstance(m, FusedMoE) for m in model.modules())
+        # Routers stay unwrapped and adapters of them are refused: one that adapts a router usually adapts
+        # the experts too (PEFT's all-linear on per-expert checkpoints), which FusedMoE cannot serve, and
+        # its router term alone would send tokens to experts without their adapted weights.
+        routers = _moe_routers(model)
+        self.router_leaves = {name.rsplit(".", 1)[-1] for name in routers}  # "gate"
+        # the checkpoint's per-expert projection names (Mixtral's w1/w2/w3), for target_modules checks
+        self.expert_leaves = set(getattr(model, "EXPERT_PROJ_NAMES", {})) | {"experts"}
         self.layers: dict[str, BaseLinearWithLoRA] = {}  # our module name -> its wrapper
         for name, module in list(model.named_modules()):
-            wrapper = wrap_linear(module, self.batch)
+            wrapper = None if name in routers else wrap_linear(module, self.batch)
             if wrapper is not None:
                 _replace_module(model, name, wrapper)
                 self.layers[name] = wrapper
-        # checkpoint module suffix -> (our fused module suffix, shard id), e.g. .q_proj -> .qkv_proj "q"
-        self.stacked: list[tuple[str, str, Any]] = list(getattr(model, "STACKED_PARAMS", []))
+        self.routes = _checkpoint_routes(model)
         self.targetable = self._targetable_names()
         self._cpu: OrderedDict[int, tuple["LoRARequest", dict[str, LoRAPair]]] = OrderedDict()
         self._active: OrderedDict[int, "LoRARequest"] = OrderedDict()  # on the device
 
+    def _resolve(self, module: str) -> list[tuple[str, str, Any]] | None:
+        """(part name, our layer name, shard id) for each part of checkpoint module ``module``, in
+        lora_B row order; None when the model has no LoRA-able layer for it."""
+        suffix = max((s for s in self.routes if module.endswith(s)), key=len, default=None)
+        if suffix is None:
+            targets = [(module, module, None)]
+        else:
+            stem = module[: -len(suffix)]
+            targets = [(stem + part, stem + ours, shard_id) for part, ours, shard_id in self.routes[suffix]]
+        for _, layer_name, shard_id in targets:
+            layer = self.layers.get(layer_name)
+            if layer is None or shard_id not in layer.shard_ids():
+                return None
+        return targets
+
     def _targetable_names(self) -> set[str]:
-        """Checkpoint module names (last component) an adapter may target: q_proj, ..., down_proj."""
+        """Checkpoint module names (last component) an adapter may target: q_proj, ..., down_proj
+        (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)."""
         names = set()
         for name in self.layers:
-            leaf = "." + name.rsplit(".", 1)[-1]
-            fused = [hf for hf, ours, _ in self.stacked if ours == leaf]
-            names.update(part.lstrip(".") for part in (fused or [leaf]))
+            stem, _, leaf = name.rpartition(".")
+            leaf = "." + leaf
+            candidates = [s for s, parts in self.routes.items() if any(ours == leaf for _, ours, _ in parts)]
+            names.update(c.lstrip(".") for c in candidates or [leaf] if self._resolve(stem + c) is not None)
         return names
+
+    def _adaptable_list(self) -> str:
+        listed = ", ".join(sorted(self.targetable))
+        return f"{listed}; not MoE experts or routers" if self.has_moe else listed
+
+    def _moe_refusal(self, what: str, leaf: str, is_expert: bool) -> str | None:
+        """Why ``what`` (a module or a target_modules entry) cannot be adapted, when it is part of a
+        mixture-of-experts layer; None otherwise."""
+        if not self.has_moe:
+            return None
+        if is_expert:
+            kind = "an expert of a mixture-of-experts layer; LoRA on MoE experts is not supported"
+        elif leaf in self.router_leaves:
+            kind = "the router of a mixture-of-experts layer; LoRA on MoE routers is not supported"
+        else:
+            return None
+        return (f"{what} is {kind} in halserve ({self.model_name} can adapt: {', '.join(sorted(self.targetable))}); "
+                "use an adapter trained with only those modules in target_modules")
 
     # -- adapters --------------------------------------------------------------------
     def add(self, lora: "LoRARequest") -> None:
@@ -92,39 +175,54 @@ class LoRAManager:
         self._check_target_modules(lora, config)
         grouped: dict[str, dict[Any, tuple[str, torch.Tensor, torch.Tensor]]] = {}
         for module, pair in read_lora_weights(lora, adapter_dir).items():
-            layer_name, shard_id = self._target(lora, module)
             a, b = pair["A"], pair["B"]
             if a.shape[0] != config.r or b.shape[1] != config.r:
                 raise adapter_error(lora, f"module {module!r}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
                                           f"do not have rank r={config.r} of adapter_config.json")
-            grouped.setdefault(layer_name, {})[shard_id] = (module, a, b)
+            for layer_name, shard_id, b_rows in self._split(lora, module, a, b):
+                grouped.setdefault(layer_name, {})[shard_id] = (module, a, b_rows)
         return {name: self.layers[name].prepare(lora, modules, config.scaling, self.dtype)
                 for name, modules in grouped.items()}
 
-    def _target(self, lora: "LoRARequest", module: str) -> tuple[str, Any]:
-        """(our layer name, shard id) of a checkpoint module name; ValueError if the model lacks it."""
-        target: tuple[str, Any] = (module, None)
-        for hf_part, our_part, shard_id in self.stacked:
-            if module.endswith(hf_part):
-                target = (module[: -len(hf_part)] + our_part, shard_id)
-                break
-        layer = self.layers.get(target[0])
-        if layer is None or target[1] not in layer.shard_ids():
+    def _split(self, lora: "LoRARequest", module: str, a: torch.Tensor,
+               b: torch.Tensor) -> list[tuple[str, Any, torch.Tensor]]:
+        """(our layer name, shard id, its rows of lora_B) for each part of checkpoint module ``module``;
+        every part keeps the whole lora_A, since x A^T is the same for all of them. ValueError if the
+        model lacks the module, or it is an MoE expert or router."""
+        targets = self._resolve(module)
+        if targets is None:
+            leaf = module.rsplit(".", 1)[-1]
+            why = self._moe_refusal(f"module {module!r}", leaf, is_expert="experts" in module.split("."))
+            raise adapter_error(lora, why or (
+                f"it adapts module {module!r}, which {self.model_name} does not have as a LoRA-able layer "
+                f"(LoRA can adapt: {self._adaptable_list()}); use an adapter trained for this base model"))
+        if len(targets) == 1:
+            _, layer_name, shard_id = targets[0]
+            return [(layer_name, shard_id, b)]
+        sizes = [self.layers[layer_name].full_sizes(shard_id) for _, layer_name, shard_id in targets]
+        num_in, rows = sizes[0][0], [num_out for _, num_out in sizes]
+        if a.shape[1] != num_in or b.shape[0] != sum(rows):
+            parts = " | ".join(f"{part.rsplit('.', 1)[-1]} {n}" for (part, _, _), n in zip(targets, rows))
             raise adapter_error(
-                lora, f"it adapts module {module!r}, which {self.model_name} does not have as a LoRA-able layer "
-                f"(LoRA can adapt: {', '.join(sorted(self.targetable))}); use an adapter trained for this base model")
-        return target
+                lora, f"module {module!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
+                f"model's fused layer of {num_in} inputs and {sum(rows)} outputs ({parts}; expected "
+                f"({a.shape[0]}, {num_in}) and ({sum(rows)}, {a.shape[0]})); the adapter was trained for a "
+                "different base model")
+        return [(layer_name, shard_id, b_rows) for (_, layer_name, shard_id), b_rows in zip(targets, b.split(rows))]
 
     def _check_target_modules(self, lora: "LoRARequest", config: PeftLoRAConfig) -> None:
         targets = config.target_modules
         if not isinstance(targets, (list, tuple)):
             return  # a regex or "all-linear": the weights themselves are checked module by module
         for target in targets:
-            if str(target).rsplit(".", 1)[-1] not in self.targetable:
-                raise adapter_error(
-                    lora, f"target module {target!r} is not a layer of {self.model_name} that LoRA can adapt here "
-                    f"(it can: {', '.join(sorted(self.targetable))}; lm_head and embeddings are not supported); "
-                    "use an adapter trained for this base model on those modules")
+            leaf = str(target).rsplit(".", 1)[-1]
+            if leaf in self.targetable:
+                continue
+            why = self._moe_refusal(f"target module {target!r}", leaf, is_expert=leaf in self.expert_leaves)
+            raise adapter_error(lora, why or (
+                f"target module {target!r} is not a layer of {self.model_name} that LoRA can adapt here "
+                f"(it can: {self._adaptable_list()}; lm_head and embeddings are not supported); "
+                "use an adapter trained for this base model on those modules"))
 
     # -- per step --------------------------------------------------------------------
     def set_batch(self, lora_requests: Sequence["LoRARequest | None"], query_start_loc: torch.Tensor) -> None:

@@ -81,6 +81,8 @@ def read_peft_config(lora: "LoRARequest", adapter_dir: str, max_lora_rank: int) 
                            "merge the adapter into the model instead",
         "rank_pattern": "rank_pattern ({value}) is not supported; train with one r for every module",
         "alpha_pattern": "alpha_pattern ({value}) is not supported; train with one lora_alpha for every module",
+        "target_parameters": "target_parameters ({value}) is not supported: LoRA on raw parameters (such as fused "
+                             "MoE expert weights) is not served; train with target_modules only",
     }
     for key, why in refused.items():
         if cfg.get(key):

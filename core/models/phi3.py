@@ -3,6 +3,7 @@
     differences from Llama              handled by
     fused self_attn.qkv_proj            load_weights cuts it into q | k | v before sharding
     fused mlp.gate_up_proj              load_weights cuts it into gate | up before sharding
+    LoRA adapters on those fused names  halserve.lora.manager cuts lora_B the same way (fused_checkpoint_modules)
     LongRoPE (short/long factors)       halserve.layers.rotary, rope type "longrope" (older: "su");
                                         which factor set, and where that differs from HF: _longrope_inv_freq
     partial_rotary_factor (Phi-4-mini)  halserve.layers.rotary: rotary_dim = head_size * factor
@@ -31,10 +32,12 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         super().__init__(hf_config, ctx)
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-        # fused name fragment -> its parts in order: (the Llama checkpoint's name fragment, relative size)
-        self.fused_parts = {
-            ".qkv_proj.": [(".q_proj.", num_heads), (".k_proj.", num_kv_heads), (".v_proj.", num_kv_heads)],
-            ".gate_up_proj.": [(".gate_proj.", 1), (".up_proj.", 1)],
+        # The checkpoint's fused modules -> their parts in order: (the Llama checkpoint's module suffix,
+        # which STACKED_PARAMS maps onto our fused layer with a shard id; relative size). load_weights
+        # cuts weights by it, and halserve.lora.manager cuts LoRA adapters' lora_B the same way.
+        self.fused_checkpoint_modules = {
+            ".qkv_proj": [(".q_proj", num_heads), (".k_proj", num_kv_heads), (".v_proj", num_kv_heads)],
+            ".gate_up_proj": [(".gate_proj", 1), (".up_proj", 1)],
         }
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -45,13 +48,13 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         onto the fused parameters with shard ids; every other tensor passes through."""
         params = dict(self.named_parameters(remove_duplicate=False))
         for name, tensor in weights:
-            fused = next((f for f in self.fused_parts if f in name), None)
+            fused = next((f for f in self.fused_checkpoint_modules if f"{f}." in name), None)
             param = params.get(name) if fused is not None else None
             output_dim = getattr(param, "output_dim", None)
             if output_dim is None:  # not fused, unknown (Llama's loader reports it), or one value for all parts
                 yield name, tensor
                 continue
-            parts = self.fused_parts[fused]
+            parts = self.fused_checkpoint_modules[fused]
             # relative sizes, so a quantized tensor whose output dim is packed splits the same way
             total, rows = sum(size for _, size in parts), tensor.shape[output_dim]
             if rows % total:
@@ -64,5 +67,5 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             start = 0
             for part, size in parts:
                 length = rows // total * size
-                yield name.replace(fused, part), tensor.narrow(output_dim, start, length)
+                yield name.replace(f"{fused}.", f"{part}."), tensor.narrow(output_dim, start, length)
                 start += length
