@@ -16,6 +16,7 @@ _LAZY = {
     "PoolingParams": "halserve.pooling_params",
     "PoolerConfig": "halserve.pooler_config",
     "EmbeddingRequestOutput": "halserve.outputs",
+    "ClassificationRequestOutput": "halserve.outputs",
     "ScoringRequestOutput": "halserve.outputs",
     "RequestOutput": "halserve.outputs",
     "CompletionOutput": "halserve.outputs",
@@ -32,7 +33,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.llm_engine import LLMEngine
     from halserve.entrypoints.llm import LLM
     from halserve.lora.request import LoRARequest
-    from halserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+    from halserve.outputs import (
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
     from halserve.pooler_config import PoolerConfig
     from halserve.pooling_params import PoolingParams
     from halserve.sampling_params import SamplingParams

@@ -19,7 +19,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id, or why no token could be sampled; None for eos / length
     num_cached_tokens: int = 0  # prefix-cache hit (tokens) found when first scheduled
     prompt_logprobs: list[SampleLogprobs] | None = None  # prompt tokens 1.. (prompt_logprobs), with the first token
-    pooled: list[float] | None = None  # an embedding request's embedding, with its token
+    pooled: list[float] | None = None  # a pooling request's result (embedding or class probs), as it ends
 
     @property
     def finished(self) -> bool:

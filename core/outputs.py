@@ -64,6 +64,7 @@ class RequestOutput:
     # (the token and the top alternatives); None when not asked
     prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)
     embedding: list[float] | None = None  # an embedding request's (pooling params set), once finished
+    probs: list[float] | None = None  # a classify request's class probabilities (raw logits without activation)
 
 
 @dataclass(slots=True)
@@ -78,6 +79,25 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]  # per class (id2label order): probabilities, or raw logits with activation=False
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What ``LLM.classify`` returns per prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
     finished: bool = True
 
 

@@ -101,8 +101,8 @@ class SamplingParams:
     """Constrain the output to a JSON schema, any JSON object, a regex, a choice of strings or
     an EBNF grammar (a dict of StructuredOutputsParams' fields is accepted too); needs xgrammar."""
     pooling: PoolingParams | None = None
-    """Set by ``LLM.embed`` and /v1/embeddings: return the prompt's embedding (the one token
-    generated to end the request is not part of the result)."""
+    """Set by ``LLM.embed`` / /v1/embeddings and ``LLM.classify`` / /classify: return the prompt's
+    embedding or class probabilities (``pooling.task``); the request then generates no token."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True

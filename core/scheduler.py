@@ -288,7 +288,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Apply one executed step: advance computed tokens, append sampled tokens, check
         stops, free finished requests. Returns one output per request that got a token or
-        ended (one whose constraints left no token ends with none)."""
+        ended (one whose constraints left no token ends with none, as does a pooling request,
+        which ends with its pooled result: vLLM's finish_reason "stop")."""
         position = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         logprobs = model_runner_output.logprobs
         outputs: list[EngineCoreOutput] = []
@@ -301,8 +302,11 @@ class Scheduler:
                 continue  # a partial prefill chunk samples nothing (anything sampled is discarded)
             i = position.get(req_id)
             sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+            pooled = model_runner_output.pooled
             new_token_ids: list[int] = []
-            if req_id in model_runner_output.no_token_req_ids:  # its constraints left nothing to sample
+            if i is not None and i < len(pooled) and pooled[i] is not None:  # a pooling request: its result ends it
+                request.status = RequestStatus.FINISHED_STOPPED
+            elif req_id in model_runner_output.no_token_req_ids:  # its constraints left nothing to sample
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = no_token_stop_reason(req_id, request.sampling_params, request.grammar, None)
             else:
@@ -320,7 +324,7 @@ class Scheduler:
                     if request.check_stop(self.max_model_len, waive_min_tokens):
                         break
             sample_logprobs = logprobs[i] if i is not None and i < len(logprobs) and new_token_ids else None
-            prompt_logprobs, pooled = model_runner_output.prompt_logprobs, model_runner_output.pooled
+            prompt_logprobs = model_runner_output.prompt_logprobs
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,

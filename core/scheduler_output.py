@@ -76,7 +76,8 @@ class ModelRunnerOutput:
     # per request: with its first sampled token, the logprobs of prompt tokens 1.. when it
     # asked for prompt_logprobs (None otherwise; [] = no request asked this step)
     prompt_logprobs: list[list[SampleLogprobs] | None] = field(default_factory=list)
-    # per request: an embedding request's embedding, with its (only) token; None otherwise
+    # per request: a pooling request's result (an embedding, or class probabilities), which ends it
+    # with no token (it never samples); None otherwise
     pooled: list[list[float] | None] = field(default_factory=list)
     # requests whose constraints (a grammar, allowed_token_ids) left no token to sample:
     # they sampled nothing ([] above) and end here, finish_reason "stop" (the scheduler says why)

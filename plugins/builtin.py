@@ -51,6 +51,11 @@ def halserve_model_architectures() -> dict[str, str]:
         "Qwen2MoeForCausalLM": "halserve.models.qwen_moe:QwenMoeForCausalLM",
         "Qwen3ForCausalLM": "halserve.models.llama:LlamaForCausalLM",
         "Qwen3MoeForCausalLM": "halserve.models.qwen_moe:QwenMoeForCausalLM",
+        # classifiers and reward models (LLM.classify, POST /classify)
+        "LlamaForSequenceClassification": "halserve.models.sequence_classification:LlamaForSequenceClassification",
+        "MistralForSequenceClassification": "halserve.models.sequence_classification:LlamaForSequenceClassification",
+        "Qwen2ForSequenceClassification": "halserve.models.sequence_classification:LlamaForSequenceClassification",
+        "Qwen3ForSequenceClassification": "halserve.models.sequence_classification:LlamaForSequenceClassification",
     }
 
 

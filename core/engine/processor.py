@@ -12,6 +12,7 @@ from typing import Any
 
 from halserve.engine.types import EngineCoreRequest
 from halserve.outputs import CompletionOutput, Logprob, RequestOutput
+from halserve.pooling_params import check_task
 from halserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -146,10 +147,11 @@ class InputProcessor:
             if not isinstance(lora_request, LoRARequest):
                 raise ValueError(f"lora_request must be a halserve.LoRARequest, got {type(lora_request).__name__}")
         params.check_token_ids(self.vocab_size)
+        check_task(params, self.info)  # (a classification model only classifies)
         if params.pooling is not None:
             params.pooling.check(self.info.hidden_size)
             if params.n != 1 or params.structured_outputs is not None:
-                raise ValueError("an embedding request takes n=1 and no structured outputs")
+                raise ValueError("an embedding or classify request takes n=1 and no structured outputs")
         if params.structured_outputs is not None:
             from halserve.structured_output import validate
 
@@ -167,7 +169,8 @@ class InputProcessor:
         max_len = self.info.max_model_len
         if params.pooling is not None:  # (an embedding input may fill the context: nothing is generated)
             if len(ids) > max_len:
-                raise ValueError(f"the input has {len(ids)} tokens but an embedding input may have at most "
+                kind = "a classify" if params.pooling.task == "classify" else "an embedding"
+                raise ValueError(f"the input has {len(ids)} tokens but {kind} input may have at most "
                                  f"max_model_len = {max_len}; shorten it or pass truncate_prompt_tokens")
         elif len(ids) >= max_len and keep is not None:
             raise ValueError(f"truncate_prompt_tokens={params.truncate_prompt_tokens} keeps {len(ids)} tokens but a "
@@ -240,6 +243,7 @@ class _ParentState:
     first_token_time: float | None = None
     prompt_logprobs: list | None = None  # [None, {token: Logprob}, ...] once the prompt is scored
     embedding: list[float] | None = None  # an embedding request's, once computed
+    probs: list[float] | None = None  # a classify request's class probabilities (or logits), once computed
 
 
 class OutputProcessor:
@@ -319,7 +323,9 @@ class OutputProcessor:
             if out.prompt_logprobs is not None and parent.prompt_logprobs is None:  # (n > 1: each child sends it)
                 # vLLM's shape: None for the first prompt token (nothing scores it), then one dict per token
                 parent.prompt_logprobs = [None] + [self._logprob_dict(entry) for entry in out.prompt_logprobs]
-            if out.pooled is not None:
+            if out.pooled is not None and parent.params.pooling.task == "classify":
+                parent.probs = out.pooled
+            elif out.pooled is not None:
                 parent.embedding = out.pooled
             new_ids = list(out.new_token_ids)
             if new_ids and parent.first_token_time is None:
@@ -382,6 +388,7 @@ class OutputProcessor:
             num_cached_tokens=parent.num_cached_tokens,
             prompt_logprobs=parent.prompt_logprobs,
             embedding=parent.embedding,
+            probs=parent.probs,
         )
 
 

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from halserve.config import EngineConfig
 from halserve.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
@@ -187,19 +190,28 @@ class LLM:
         or ``pooling_params`` says otherwise. ``truncate_prompt_tokens``: embed only each prompt's
         last k tokens (-1: as many as fit), as ``SamplingParams.truncate_prompt_tokens``;
         ``lora_request`` as in ``generate``."""
-        keep = truncate_prompt_tokens
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params: SamplingParams | list[SamplingParams] = embedding_params(pooling_params or PoolingParams(), keep)
-        elif isinstance(pooling_params, (list, tuple)) and all(isinstance(p, PoolingParams) for p in pooling_params):
-            if len(pooling_params) != len(_prompt_list(prompts)):
-                raise ValueError(f"got {len(_prompt_list(prompts))} prompts but {len(pooling_params)} pooling params; "
-                                 "give one, or one per prompt")
-            params = [embedding_params(p, keep) for p in pooling_params]
-        else:
-            raise ValueError(f"pooling_params must be a PoolingParams or a list of them (one per prompt), "
-                             f"got {type(pooling_params).__name__}")
+        params = _pooling_request_params(pooling_params, prompts, truncate_prompt_tokens, "embed")
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
         return [embedding_output(out) for out in outputs]
+
+    def classify(
+        self,
+        prompts: str | dict | Sequence[str | dict | list[int]],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's classify, for a classification model (a ``*ForSequenceClassification`` checkpoint,
+        reward models included): per prompt, in input order, ``.outputs.probs``, its class
+        probabilities (id2label order) from the model's ``score`` head on its last token's final
+        hidden state: a softmax over the classes, a sigmoid with a single label (or
+        ``problem_type`` multi_label_classification), the logits as they are for regression;
+        ``PoolingParams(activation=False)`` returns the raw logits. ``truncate_prompt_tokens``
+        and ``lora_request`` as in ``embed``. A generative model raises ValueError."""
+        params = _pooling_request_params(pooling_params, prompts, truncate_prompt_tokens, "classify")
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return [classification_output(out) for out in outputs]
 
     def score(
         self,
@@ -301,10 +313,40 @@ def _conversations(messages: Any) -> list[list[dict]]:
     )
 
 
+def _pooling_request_params(pooling_params: Any, prompts: Any, truncate_prompt_tokens: int | None,
+                            task: str) -> SamplingParams | list[SamplingParams]:
+    """The sampling params of ``LLM.embed`` / ``LLM.classify`` (``task``): one for every prompt, or
+    one per prompt; ValueError for anything else, or pooling params of the other task."""
+    def with_task(pooling: PoolingParams) -> SamplingParams:
+        if pooling.task not in (None, task):
+            raise ValueError(f"pooling params with task {pooling.task!r} were given to LLM.{task}; "
+                             f"leave task unset (or {task!r})")
+        return embedding_params(replace(pooling, task=task), truncate_prompt_tokens)
+
+    if pooling_params is None or isinstance(pooling_params, PoolingParams):
+        return with_task(pooling_params or PoolingParams())
+    if isinstance(pooling_params, (list, tuple)) and all(isinstance(p, PoolingParams) for p in pooling_params):
+        if len(pooling_params) != len(_prompt_list(prompts)):
+            raise ValueError(f"got {len(_prompt_list(prompts))} prompts but {len(pooling_params)} pooling params; "
+                             "give one, or one per prompt")
+        return [with_task(p) for p in pooling_params]
+    raise ValueError(f"pooling_params must be a PoolingParams or a list of them (one per prompt), "
+                     f"got {type(pooling_params).__name__}")
+
+
 def embedding_params(pooling: PoolingParams, truncate_prompt_tokens: int | None = None) -> SamplingParams:
-    """An embedding request's sampling params: one greedy token ends it (and is dropped)."""
+    """A pooling (embed or classify) request's sampling params: it ends with its pooled result
+    and generates no token (max_tokens=1 only bounds the prompt's room, as for a generation)."""
     return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, pooling=pooling,
                           truncate_prompt_tokens=truncate_prompt_tokens)
+
+
+def classification_output(out: RequestOutput) -> ClassificationRequestOutput:
+    if out.probs is None:
+        raise RuntimeError(f"request {out.request_id} finished without class probabilities: this platform's model "
+                           "runner does not pool")
+    return ClassificationRequestOutput(request_id=out.request_id, prompt_token_ids=out.prompt_token_ids,
+                                       outputs=ClassificationOutput(out.probs))
 
 
 def embedding_output(out: RequestOutput) -> EmbeddingRequestOutput:

@@ -23,6 +23,8 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                            "presence_penalty", "frequency_penalty", "max_new_tokens", "do_sample")
 PROGRESS_BAR_MIN_BYTES = 1 << 30  # show a progress bar past ~1 GB or more than one shard
+# Architectures named so are classifiers (transformers' naming): a decoder plus a `score` head.
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
 
 
 @dataclass
@@ -46,6 +48,11 @@ class ModelInfo:
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
     kv_cache_bytes_per_token: int = 0  # K and V of every layer, all ranks together
     pooler_config: Any = None  # PoolerConfig, both fields set: the embedding defaults (halserve.pooler_config)
+    # "generate": an LM head (generate, embed); "pooling": a classifier (*ForSequenceClassification,
+    # no LM head), whose requests only classify (halserve.pooling_params.check_task)
+    runner: str = "generate"
+    num_labels: int | None = None  # a classifier's number of classes; None for a generative model
+    id2label: dict[int, str] = field(default_factory=dict)  # a classifier's class index -> label
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> str:
@@ -138,6 +145,8 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
     gen = _read_json(os.path.join(path, "generation_config.json"))
     eos = _as_list(gen.get("eos_token_id")) or _as_list(getattr(hf_config, "eos_token_id", None))
     pooler_config = resolve_pooler_config(path, config.pooler_config)
+    is_classifier = arch.endswith(CLASSIFIER_SUFFIX)
+    id2label = getattr(hf_config, "id2label", None) or {}
     if config.kv_cache_dtype == "auto":
         elem_size = torch.empty((), dtype=dtype).element_size()
     else:
@@ -160,6 +169,9 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
         generation_defaults={k: gen[k] for k in GENERATION_DEFAULT_KEYS if k in gen},
         kv_cache_bytes_per_token=2 * hf_config.num_hidden_layers * num_kv_heads * head_size * elem_size,
         pooler_config=pooler_config,
+        runner="pooling" if is_classifier else "generate",
+        num_labels=hf_config.num_labels if is_classifier else None,
+        id2label={int(k): str(v) for k, v in id2label.items()} if is_classifier else {},
     )
 
 

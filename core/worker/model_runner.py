@@ -10,6 +10,8 @@ Per step (R scheduled requests, T tokens)::
     slot_mapping    [T]     block_table[r, pos // block_size] * block_size + pos % block_size
     logits_indices          last token of each request that reaches the end of its known
                             tokens this step (requests mid-prefill sample nothing)
+    pool_indices            the same for pooling requests (embed, classify): they end with the
+                            pooled result, never compute logits nor sample (a classifier has no LM head)
     prompt_indices          tokens whose logits score the next prompt token, for requests
                             that asked for prompt_logprobs (collected across their chunks)
 
@@ -40,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    # Whether it pools (embed, classify). A runner that does not (XLA) samples a token for a pooling
+    # request like for any other, which then ends without a result (the API reports that).
+    supports_pooling: bool = True
+
     def __init__(self, config: "EngineConfig", platform: "Platform", model_info: "ModelInfo") -> None:
         self.config = config
         self.platform = platform
@@ -134,7 +140,8 @@ class ModelRunner:
             positions = torch.arange(num_tokens, device=self.device) % self.info.max_model_len
             with set_forward_context(None):
                 hidden = self.model(input_ids, positions)
-            self.model.compute_logits(hidden[: min(num_tokens, self.config.max_num_seqs)])
+            head = self.model.classify if self.info.runner == "pooling" else self.model.compute_logits
+            head(hidden[: min(num_tokens, self.config.max_num_seqs)])
 
     # -- per step --------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -213,9 +220,13 @@ class ModelRunner:
             block_table[r, : len(ids)] = ids
         slot_mapping = block_table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
 
-        # Requests that reach the end of their known tokens produce a new token.
+        # Requests that reach the end of their known tokens produce a new token, or, pooling
+        # requests, their pooled result.
         num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
-        sample_mask = seq_lens >= num_tokens
+        done_mask = seq_lens >= num_tokens
+        is_pooling = np.fromiter((self.supports_pooling and s.sampling_params.pooling is not None for s in states),
+                                 dtype=bool, count=num_reqs)
+        sample_mask, pool_mask = done_mask & ~is_pooling, done_mask & is_pooling
         qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
         seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
         common = AttentionMetadata(
@@ -239,6 +250,8 @@ class ModelRunner:
             seq_lens=seq_lens,
             sample_rows=[r for r in range(num_reqs) if sample_mask[r]],
             logits_indices=torch.from_numpy(query_start_loc[1:][sample_mask] - 1),
+            pool_rows=[r for r in range(num_reqs) if pool_mask[r]],
+            pool_indices=torch.from_numpy(query_start_loc[1:][pool_mask] - 1),
             prompt_indices=prompt_indices,
             prompt_targets=prompt_targets,
             prompt_spans=prompt_spans,
@@ -265,17 +278,15 @@ class ModelRunner:
             self._score_prompt(step, hidden)
         from halserve.worker.pooler import accumulate_prompt_rows, pool
 
-        # embedding requests: MEAN/CLS fold in this step's prompt rows (prefill may be chunked)
+        # pooling requests: MEAN/CLS fold in this step's prompt rows (prefill may be chunked)
         accumulate_prompt_rows(step.states, step.common.query_start_loc_cpu, step.seq_lens, hidden)
+        if step.pool_rows:  # pooling requests that reach their prompt's last token: pool it (LAST) or what was kept
+            rows = [step.states[r] for r in step.pool_rows]
+            for state, result in zip(rows, pool(hidden.index_select(0, step.pool_indices.to(dev)), rows, self.model)):
+                state.pooled = result
         if not step.sample_rows:
             return None
-        last = hidden.index_select(0, step.logits_indices.to(dev))
-        pooling = [j for j, r in enumerate(step.sample_rows) if step.states[r].sampling_params.pooling is not None]
-        if pooling:  # embedding requests that reach their prompt's last token: pool it (LAST) or what was kept
-            rows = [step.states[step.sample_rows[j]] for j in pooling]
-            for state, vector in zip(rows, pool(last[torch.tensor(pooling, device=dev)], rows)):
-                state.pooled = vector
-        return self.model.compute_logits(last)
+        return self.model.compute_logits(hidden.index_select(0, step.logits_indices.to(dev)))
 
     def _score_prompt(self, step: "StepInputs", hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens this step's chunks cover, for requests that asked for
@@ -316,8 +327,6 @@ class ModelRunner:
                 state = step.states[r]
                 if state.prompt_logprobs is not None:  # the prompt is all scored: send it with the first token
                     prompt_logprobs[r], state.prompt_logprobs = state.prompt_logprobs, None
-                if state.pooled is not None:
-                    pooled[r], state.pooled = state.pooled, None
                 if not has_token[j]:
                     no_token_req_ids.add(state.req_id)
                     continue
@@ -326,6 +335,11 @@ class ModelRunner:
                 logprobs[r] = out.logprobs[j]
                 if waived[j]:
                     min_tokens_waived.add(state.req_id)
+        for r in step.pool_rows:  # (a pooling request's result ends it: the scheduler appends no token)
+            state = step.states[r]
+            pooled[r], state.pooled = state.pooled, None
+            if state.prompt_logprobs is not None:  # (a generative model's embedding request may ask for them)
+                prompt_logprobs[r], state.prompt_logprobs = state.prompt_logprobs, None
         for r, state in enumerate(step.states):
             state.num_computed_tokens = int(step.seq_lens[r])
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,

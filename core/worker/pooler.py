@@ -1,4 +1,4 @@
-"""The model runner's pooling of embedding requests (``halserve.pooling_params``).
+"""The model runner's pooling of embedding and classify requests (``halserve.pooling_params``).
 
 A prompt may be prefilled over several steps (chunked prefill), so MEAN and CLS fold each
 step's prompt rows into the request's runner state as they go, never keeping whole chunks::
@@ -66,11 +66,14 @@ def accumulate_prompt_rows(
                 pooled.num_rows += num_prompt_rows
 
 
-def pool(last_rows: torch.Tensor, states: list["CachedRequestState"]) -> list[list[float]]:
-    """Embeddings of the embedding requests that finish their prompt this step: ``last_rows``
+def pool(last_rows: torch.Tensor, states: list["CachedRequestState"], model: torch.nn.Module) -> list[list[float]]:
+    """Results of the pooling requests that finish their prompt this step: ``last_rows``
     [R, hidden] is each one's hidden state at its last prompt token (what LAST pools); MEAN
-    and CLS read what ``accumulate_prompt_rows`` kept, which covers the whole prompt by now."""
-    out = []
+    and CLS read what ``accumulate_prompt_rows`` kept, which covers the whole prompt by now.
+    An embedding request gets its pooled row (cut, normalized); a classify request the
+    classifier ``model``'s class probabilities of it (raw logits without activation)."""
+    out: list[list[float]] = []
+    classify: list[tuple[int, torch.Tensor]] = []  # (index in out, pooled row [hidden] float32)
     for row, state in zip(last_rows, states):
         params = state.sampling_params.pooling
         if params.reads_whole_prompt:
@@ -82,9 +85,19 @@ def pool(last_rows: torch.Tensor, states: list["CachedRequestState"]) -> list[li
             state.prompt_pool = None
         else:  # LAST (also when the engine left the type unset)
             vec = row.float()
+        if params.task == "classify":
+            classify.append((len(out), vec))
+            out.append([])  # (filled below, once the head has run on every classify row)
+            continue
         if params.dimensions is not None:
             vec = vec[: params.dimensions]
         if params.normalize is not False:  # (unset: the default, True)
             vec = torch.nn.functional.normalize(vec, dim=0)
         out.append(vec.cpu().tolist())
+    if classify:  # the classifier head on all of them at once: [k, hidden] -> [k, num_labels]
+        logits = model.classify(torch.stack([vec for _, vec in classify]))
+        activated = model.activate(logits)
+        for k, (i, _) in enumerate(classify):
+            use_activation = states[i].sampling_params.pooling.activation is not False  # (unset: True)
+            out[i] = (activated[k] if use_activation else logits[k]).cpu().tolist()
     return out

@@ -32,6 +32,10 @@ class StepInputs:
     seq_lens: np.ndarray  # [R] context length after this step
     sample_rows: list[int]  # requests that sample a token this step
     logits_indices: torch.Tensor  # [len(sample_rows)] their last token in the batch
+    # pooling requests (embed, classify) that reach their prompt's end this step: they end with
+    # their pooled result and sample no token
+    pool_rows: list[int] = dataclasses.field(default_factory=list)
+    pool_indices: torch.Tensor | None = None  # [len(pool_rows)] their last token in the batch
     # prompt_logprobs: rows of the batch whose logits score the prompt token after them
     prompt_indices: list[int] = dataclasses.field(default_factory=list)  # [P] token index in the batch
     prompt_targets: list[int] = dataclasses.field(default_factory=list)  # [P] the prompt token it scores
@@ -48,7 +52,7 @@ class CachedRequestState:
     num_computed_tokens: int
     # prompt_logprobs asked and the prompt not yet all scored: entries for prompt tokens 1.. so far
     prompt_logprobs: list | None = None
-    pooled: list[float] | None = None  # an embedding request's embedding, until sent with its token
+    pooled: list[float] | None = None  # a pooling request's result (embedding or class probs), until sent
     prompt_pool: "PromptPool | None" = None  # a MEAN/CLS embedding request's prompt rows pooled so far
     lora_request: "LoRARequest | None" = None  # its LoRA adapter; None: the base model
 

@@ -19,6 +19,13 @@ from halserve.worker.xla_buckets import metadata_to_device, pad_step
 
 class XlaModelRunner(ModelRunner):
     grad_mode = staticmethod(torch.no_grad)
+    supports_pooling = False  # (embedding requests end without an embedding: the API says so)
+
+    def load_model(self) -> None:
+        if self.info.runner == "pooling":  # (its requests all classify, which needs pooling)
+            raise ValueError(f"{self.info.architecture} is a classification model, which the XLA model runner "
+                             f"(platform {self.platform.name}) cannot serve: it does not pool; use another platform")
+        super().load_model()
 
     def warm_up(self) -> None:
         """Nothing: XLA compiles one graph per padded shape, on first use of each bucket;

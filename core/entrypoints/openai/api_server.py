@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: the FastAPI app and running it under uvicorn.
 
-Routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /score (and
+Routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /classify, /score (and
 /v1/score), /rerank (and /v1/rerank, /v2/rerank), /tokenize, /detokenize, /v1/load_lora_adapter,
 /v1/unload_lora_adapter; GET /v1/models, /v1/models/{model}, /health (and HEAD), /version, /metrics.
 Request bodies are parsed here (not by FastAPI) so malformed JSON and wrong types are OpenAI-shaped
@@ -36,6 +36,7 @@ from halserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from halserve.entrypoints.openai.score_protocol import RerankRequest, ScoreRequest
 from halserve.entrypoints.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from halserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from halserve.entrypoints.openai.serving_classification import ClassificationRequest, OpenAIServingClassification
 from halserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from halserve.entrypoints.openai.serving_embeddings import EmbeddingRequest, OpenAIServingEmbedding
 from halserve.entrypoints.openai.serving_engine import OpenAIServing
@@ -147,6 +148,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     responses = OpenAIServingResponses(serving, chat)
     tokenization = OpenAIServingTokenization(serving)
     embedding = OpenAIServingEmbedding(serving)
+    classification = OpenAIServingClassification(serving)
     scoring = OpenAIServingScore(serving)
     lora = OpenAIServingLoRA(serving)
 
@@ -177,6 +179,11 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     @guarded
     async def create_embedding(raw_request: Request) -> Response:
         return await embedding.create(await body(EmbeddingRequest, raw_request), raw_request)
+
+    @app.post("/classify")
+    @guarded
+    async def create_classify(raw_request: Request) -> Response:
+        return await classification.create(await body(ClassificationRequest, raw_request), raw_request)
 
     @app.post("/score")
     @app.post("/v1/score")
