@@ -39,8 +39,9 @@ class TritonKernel(Kernel):
 def kernels_for(platform: str) -> list[type[Kernel]]:
     """The Triton kernel classes ``platform`` registers: one subclass per op named
     ``triton_<platform>``, running only there, with that platform's overrides applied."""
-    from halserve.platforms.triton_kernels.activation import TritonSiluAndMul
+    from halserve.platforms.triton_kernels.activation import TritonGeluTanhAndMul, TritonSiluAndMul
     from halserve.platforms.triton_kernels.fp8_gemm import TritonFp8ScaledGemm
+    from halserve.platforms.triton_kernels.fused_moe import TritonFusedMoe
     from halserve.platforms.triton_kernels.int8_gemm import TritonInt8ScaledGemm
     from halserve.platforms.triton_kernels.quant import TritonScaledFp8Quant, TritonScaledInt8Quant
     from halserve.platforms.triton_kernels.rms_norm import TritonRmsNorm
@@ -49,7 +50,8 @@ def kernels_for(platform: str) -> list[type[Kernel]]:
 
     bases = [
         TritonFp8ScaledGemm, TritonInt8ScaledGemm, TritonScaledFp8Quant, TritonScaledInt8Quant,
-        TritonAwqGemm, TritonGptqGemm, TritonRmsNorm, TritonRotaryEmbedding, TritonSiluAndMul,
+        TritonAwqGemm, TritonGptqGemm, TritonRmsNorm, TritonRotaryEmbedding, TritonSiluAndMul, TritonGeluTanhAndMul,
+        TritonFusedMoe,
     ]
     return [for_platform(cls, platform) for cls in bases]
 

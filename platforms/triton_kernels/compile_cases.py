@@ -98,6 +98,8 @@ def _elementwise_case(target: GpuTarget, *, kind: str, dtype: str = "bfloat16", 
                                 head, kind == "rotary_neox")
     elif kind == "silu_and_mul":
         activation.silu_and_mul(torch.empty(tokens, 2 * (hidden * 7 // 2), dtype=dt))
+    elif kind == "gelu_tanh_and_mul":
+        activation.gelu_tanh_and_mul(torch.empty(tokens, 2 * (hidden * 7 // 2), dtype=dt))
     elif kind == "quant":
         x = torch.empty(tokens, hidden, dtype=dt)
         for qdt in filter(None, (target.fp8_dtype, "int8")):
@@ -106,6 +108,22 @@ def _elementwise_case(target: GpuTarget, *, kind: str, dtype: str = "bfloat16", 
             quant.quantize(x, getattr(torch, qdt), torch.ones(1), per_token=False)
     else:
         raise ValueError(f"unknown elementwise case {kind!r}")
+
+
+def _moe_case(target: GpuTarget, *, tokens: int, dtype: str = "bfloat16", experts: int = 8, top_k: int = 2,
+              hidden: int = 4096, inter: int = 14336) -> None:
+    """One fused-MoE layer (default: Mixtral-8x7B, one rank) for ``tokens`` tokens: the align
+    step runs on CPU tensors, then both grouped GEMMs compile with the tiles that token count
+    picks. The weights are ``torch.empty`` (never touched, so never backed by memory)."""
+    import torch
+
+    from halserve.platforms.triton_kernels.jit.fused_moe import fused_moe
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    topk_weights, topk_ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1)
+    fused_moe(torch.empty(tokens, hidden, dtype=dt), torch.empty(experts, 2 * inter, hidden, dtype=dt),
+              torch.empty(experts, hidden, inter, dtype=dt), topk_weights, topk_ids)
 
 
 def cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
@@ -143,8 +161,16 @@ def cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
     out["gemm/awq-m64-fp16"] = lambda: _gemm_case(target, kind="awq", m=64, dtype="float16")
     for kind in ("awq", "gptq_act_order"):  # fp32 activations: FMA dots, their own tiles
         out[f"gemm/{kind}-m512-float32"] = lambda kind=kind: _gemm_case(target, kind=kind, m=512, dtype="float32")
-    for kind in ("rms_norm", "rotary_neox", "rotary_gptj", "silu_and_mul", "quant"):
+    for kind in ("rms_norm", "rotary_neox", "rotary_gptj", "silu_and_mul", "gelu_tanh_and_mul", "quant"):
         out[f"elementwise/{kind}"] = lambda kind=kind: _elementwise_case(target, kind=kind)
+    # Mixtral-8x7B at 0.25, 16, 128 and 1024 rows per expert: every tile bucket of moe_tiles
+    for tokens in (1, 64, 512, 4096):
+        out[f"fused_moe/mixtral-bf16-t{tokens}"] = lambda tokens=tokens: _moe_case(target, tokens=tokens)
+    out["fused_moe/mixtral-float16-t512"] = lambda: _moe_case(target, tokens=512, dtype="float16")
+    out["fused_moe/mixtral-float32-t64"] = lambda: _moe_case(target, tokens=64, dtype="float32")
+    # Qwen1.5-MoE-A2.7B: 60 small experts, top-4, intermediate 1408 (not a multiple of 128)
+    out["fused_moe/qwen2moe-bf16-t256"] = lambda: _moe_case(target, tokens=256, experts=60, top_k=4, hidden=2048,
+                                                             inter=1408)
     return out
 
 
@@ -171,11 +197,19 @@ def sweep_cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
             name = f"sweep/attention-{step}-{dtype}-h{head_size}-gqa{qpk}{'-fp8cache' if fp8 else ''}"
             out[name] = lambda kw=kw: _attention_case(target, **kw)
     dtypes = ("float16", "bfloat16", "float32")
-    for kind, dtype, hidden in itertools.product(("rms_norm", "silu_and_mul", "quant"), dtypes,
+    for kind, dtype, hidden in itertools.product(("rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "quant"), dtypes,
                                                  (2048, 5120, 7168, 8192, 16384)):  # 1B .. 405B-class widths
         out[f"sweep/{kind}-{dtype}-hidden{hidden}"] = lambda kw=dict(kind=kind, dtype=dtype, hidden=hidden): \
             _elementwise_case(target, **kw)
     for kind, dtype, head in itertools.product(("rotary_neox", "rotary_gptj"), dtypes, (64, 128, 256)):
         out[f"sweep/{kind}-{dtype}-head{head}"] = lambda kw=dict(kind=kind, dtype=dtype, head=head): \
             _elementwise_case(target, **kw)
+    # fused MoE: Mixtral (8 x 14336, top-2) and Qwen-MoE (60 x 1408, top-4) x token counts x dtypes
+    for (model, shape), tokens, dtype in itertools.product(
+        (("mixtral", dict(experts=8, top_k=2, hidden=4096, inter=14336)),
+         ("qwen2moe", dict(experts=60, top_k=4, hidden=2048, inter=1408))),
+        (1, 16, 64, 256, 1024, 4096), dtypes,
+    ):
+        out[f"sweep/fused_moe-{model}-{dtype}-t{tokens}"] = lambda kw=dict(tokens=tokens, dtype=dtype, **shape): \
+            _moe_case(target, **kw)
     return out
