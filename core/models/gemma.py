@@ -41,7 +41,7 @@ from halserve.layers import (
     get_rope,
 )
 from halserve.layers.rotary import RotaryEmbedding
-from halserve.models.llama import LlamaForCausalLM, head_size_of, layer_sliding_windows
+from halserve.models.llama import LlamaAttention, LlamaForCausalLM, head_size_of, layer_sliding_windows
 
 VERSIONS = {"gemma": 1, "gemma2": 2, "gemma3_text": 3}
 
@@ -131,14 +131,7 @@ class GemmaAttention(nn.Module):
                               sliding_window=sliding_window, logits_soft_cap=attention_logits_soft_cap(hf_config),
                               prefix=f"{prefix}.attn")
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hk) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.has_qk_norm:  # per head: [T * H, D]
-            q = self.q_norm(q.reshape(-1, self.head_size)).view(-1, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.head_size)).view(-1, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+    forward = LlamaAttention.forward  # (the same projections, q/k norms and rotary; only the modules differ)
 
 
 class GemmaDecoderLayer(nn.Module):

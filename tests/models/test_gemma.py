@@ -9,12 +9,10 @@ import json
 import logging
 import math
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.config import EngineConfig
@@ -25,7 +23,7 @@ from halserve.worker.backend_selection import select_attention_backend
 from engine_helpers import hf_greedy
 from model_factory import make_tokenizer
 from test_llama_family import check_against_hf
-from test_tensor_parallel import PROMPTS, _rank_main, run_model
+from test_tensor_parallel import assert_two_ranks_match_one
 
 VOCAB, HIDDEN = 512, 64
 CONFIGS = {
@@ -113,15 +111,7 @@ def test_gemma2_two_ranks_match_one(tmp_path):
     """Heads, KV heads (one per rank), gate/up and a vocab of 301 split over two ranks; the
     window (4) is shorter than the longest prompt plus its decode."""
     path = gemma2_checkpoint(tmp_path / "ckpt", vocab_size=301, sliding_window=4)
-    want = run_model(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out_file = str(tmp_path / "tp2.pt")
-    mp.start_processes(_rank_main, args=(2, port, path, out_file), nprocs=2, join=True, start_method="spawn")
-    got = torch.load(out_file)
-    assert got.shape == want.shape == (sum(map(len, PROMPTS)) + len(PROMPTS), 301)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert_two_ranks_match_one(path, tmp_path, 301)
 
 
 class NoSoftCapBackend(TorchAttentionBackend):

@@ -6,11 +6,9 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.config import EngineConfig
@@ -19,7 +17,7 @@ from halserve.platforms.cpu import CpuPlatform
 from model_factory import _randomize, make_tokenizer
 from paged_harness import PagedHarness
 from test_llama_family import ATOL, hf_model, prompts_for
-from test_tensor_parallel import PROMPTS, _rank_main, run_model
+from test_tensor_parallel import assert_two_ranks_match_one
 
 HIDDEN, HEAD_SIZE = 64, 16  # 4 heads of 16 unless a test says otherwise
 ORIGINAL_MAX = 16  # original_max_position_embeddings of the LongRoPE checkpoints
@@ -146,15 +144,7 @@ def test_two_ranks_match_one_with_fused_checkpoint_tensors(tmp_path):
     contiguous slice of the fused rows would hand rank 0 all of q and rank 1 the k/v heads."""
     path = make_phi3(tmp_path / "ckpt", num_heads=4, num_kv_heads=2, vocab_size=301,
                      rope=longrope(8), partial_rotary_factor=0.5)
-    want = run_model(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out_file = str(tmp_path / "tp2.pt")
-    mp.start_processes(_rank_main, args=(2, port, path, out_file), nprocs=2, join=True, start_method="spawn")
-    got = torch.load(out_file)
-    assert got.shape == want.shape == (sum(map(len, PROMPTS)) + len(PROMPTS), 301)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert_two_ranks_match_one(path, tmp_path, 301)
 
 
 def test_llm_generate_matches_transformers(tmp_path):

@@ -47,9 +47,8 @@ def _rank_main(rank: int, world_size: int, port: int, path: str, out_file: str) 
         destroy_distributed()
 
 
-@pytest.mark.slow  # two spawned processes: ~15 s of CPU
-def test_two_ranks_match_one(tmp_path):
-    path = make_checkpoint(tmp_path / "ckpt", "qwen2", vocab_size=301, num_heads=4, num_kv_heads=2)
+def assert_two_ranks_match_one(path: str, tmp_path, vocab_size: int) -> None:
+    """The checkpoint at ``path`` run by two gloo ranks (two spawned processes) gives the logits of one rank."""
     want = run_model(path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,8 +56,14 @@ def test_two_ranks_match_one(tmp_path):
     out_file = str(tmp_path / "tp2.pt")
     mp.start_processes(_rank_main, args=(2, port, path, out_file), nprocs=2, join=True, start_method="spawn")
     got = torch.load(out_file)
-    assert got.shape == want.shape == (sum(map(len, PROMPTS)) + len(PROMPTS), 301)
+    assert got.shape == want.shape == (sum(map(len, PROMPTS)) + len(PROMPTS), vocab_size)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow  # two spawned processes: ~15 s of CPU
+def test_two_ranks_match_one(tmp_path):
+    path = make_checkpoint(tmp_path / "ckpt", "qwen2", vocab_size=301, num_heads=4, num_kv_heads=2)
+    assert_two_ranks_match_one(path, tmp_path, 301)
 
 
 def test_rank_counts_that_do_not_split_the_model_are_refused_before_any_rank_starts(tmp_path):
