@@ -20,7 +20,6 @@ from peft_reference import adapter_modules, halserve_greedy, hf_greedy_logprobs,
 from test_gemma import gemma2_checkpoint
 from test_moe import checkpoint, tokenizer  # noqa: F401  (fixtures: tiny MoE checkpoints written by transformers)
 
-pytest.importorskip("peft")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 DENSE_MLP = ["gate_proj", "up_proj", "down_proj"]
 
