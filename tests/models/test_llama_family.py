@@ -22,8 +22,8 @@ TEXTS = [
 ATOL = 1e-4
 
 
-def load(path: str):
-    config = EngineConfig(model=path, dtype="float32")
+def load(path: str, max_model_len: int | None = None):
+    config = EngineConfig(model=path, dtype="float32", max_model_len=max_model_len)
     platform = CpuPlatform()
     info = get_model_info(config, platform)
     return load_model(config, info, platform, TorchAttentionBackend, progress=False), info
@@ -42,8 +42,9 @@ def prompts_for(path: str, texts=TEXTS) -> list[list[int]]:
     return [tok(t).input_ids for t in texts]
 
 
-def check_against_hf(path: str, *, decode_steps: int = 4, block_size: int = 4, texts=TEXTS):
-    model, _ = load(path)
+def check_against_hf(path: str, *, decode_steps: int = 4, block_size: int = 4, texts=TEXTS,
+                     max_model_len: int | None = None):
+    model, _ = load(path, max_model_len)
     hf = hf_model(path)
     prompts = prompts_for(path, texts)
     harness = PagedHarness(model, TorchAttentionBackend, block_size=block_size)

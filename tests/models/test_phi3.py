@@ -10,13 +10,11 @@ import os
 import pytest
 import torch
 
-from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.config import EngineConfig
-from halserve.models.loader import get_model_info, load_model
+from halserve.models.loader import get_model_info
 from halserve.platforms.cpu import CpuPlatform
 from model_factory import _randomize, make_tokenizer
-from paged_harness import PagedHarness
-from test_llama_family import ATOL, hf_model, prompts_for
+from test_llama_family import check_against_hf, prompts_for
 from test_tensor_parallel import assert_two_ranks_match_one
 
 HIDDEN, HEAD_SIZE = 64, 16  # 4 heads of 16 unless a test says otherwise
@@ -69,45 +67,10 @@ def make_phi3(tmp_dir, *, num_heads: int = 4, num_kv_heads: int = 2, rope: dict 
     return path
 
 
-def load(path: str, max_model_len: int | None = None):
-    config = EngineConfig(model=path, dtype="float32", max_model_len=max_model_len)
-    platform = CpuPlatform()
-    info = get_model_info(config, platform)
-    return load_model(config, info, platform, TorchAttentionBackend, progress=False)
-
-
-def check_against_hf(path: str, texts: list[str], *, max_model_len: int | None = None, decode_steps: int = 4):
-    """As test_llama_family.check_against_hf (one flattened prefill: all-token logits; then
-    batched greedy decodes through the paged cache against HF generate), with max_model_len."""
-    model = load(path, max_model_len)
-    hf = hf_model(path)
-    prompts = prompts_for(path, texts)
-    harness = PagedHarness(model, TorchAttentionBackend, block_size=4)
-    logits = harness.step([(f"r{i}", p) for i, p in enumerate(prompts)])
-    offset, generated = 0, []
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            want = hf(torch.tensor([prompt])).logits[0]  # [len, vocab]
-            got = logits[offset : offset + len(prompt)]
-            torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4, msg=lambda m: f"prompt {i}: {m}")
-            generated.append([int(got[-1].argmax())])
-            offset += len(prompt)
-    for _ in range(decode_steps - 1):
-        logits = harness.step([(f"r{i}", [g[-1]]) for i, g in enumerate(generated)])
-        for i, g in enumerate(generated):
-            g.append(int(logits[i].argmax()))
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=decode_steps, do_sample=False,
-                              pad_token_id=0)[0, len(prompt):].tolist()
-            assert generated[i] == out, f"prompt {i}: halserve {generated[i]} vs HF {out}"
-    return model
-
-
 def test_plain_rope_gqa_sliding_window(tmp_path):
     # 4 query heads over 1 KV head; every layer slides a window of 6, shorter than the prompts
     path = make_phi3(tmp_path, num_kv_heads=1, sliding_window=6)
-    model = check_against_hf(path, SHORT_TEXTS + LONG_TEXTS[:2])
+    model = check_against_hf(path, texts=SHORT_TEXTS + LONG_TEXTS[:2])
     assert [layer.sliding_window for layer in model.attention_layers] == [6, 6]
     assert model.attention_layers[0].num_kv_heads == 1
 
@@ -115,26 +78,26 @@ def test_plain_rope_gqa_sliding_window(tmp_path):
 def test_longrope_below_original_max_uses_short_factors(tmp_path):
     # served with max_model_len = original max: no sequence can pass it, HF never switches to long
     path = make_phi3(tmp_path, rope=longrope(HEAD_SIZE))
-    check_against_hf(path, SHORT_TEXTS, max_model_len=ORIGINAL_MAX)
+    check_against_hf(path, texts=SHORT_TEXTS, max_model_len=ORIGINAL_MAX)
 
 
 @pytest.mark.parametrize("extra", [{}, {"attention_factor": 0.8}], ids=["implied_attention_factor", "given"])
 def test_longrope_above_original_max_uses_long_factors(tmp_path, extra):
     # max_model_len 64 > 16: long factors, as HF uses for prompts longer than the original max
     path = make_phi3(tmp_path, rope=longrope(HEAD_SIZE, **extra))
-    check_against_hf(path, LONG_TEXTS)
+    check_against_hf(path, texts=LONG_TEXTS)
 
 
 def test_partial_rotary_with_longrope_and_tied_embeddings(tmp_path):
     # Phi-4-mini's shape of config: 0.75 of each head rotated (12 of 16 dims), tied embeddings
     path = make_phi3(tmp_path, rope=longrope(12), partial_rotary_factor=0.75, tie_word_embeddings=True)
-    model = check_against_hf(path, LONG_TEXTS[:2])
+    model = check_against_hf(path, texts=LONG_TEXTS[:2])
     assert model.model.layers[0].self_attn.rotary_emb.rotary_dim == 12
 
 
 def test_partial_rotary_plain_rope(tmp_path):
     path = make_phi3(tmp_path, partial_rotary_factor=0.5)
-    model = check_against_hf(path, SHORT_TEXTS + LONG_TEXTS[:1])
+    model = check_against_hf(path, texts=SHORT_TEXTS + LONG_TEXTS[:1])
     assert model.model.layers[0].self_attn.rotary_emb.rotary_dim == 8
 
 
