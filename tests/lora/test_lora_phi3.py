@@ -60,9 +60,9 @@ def test_adapter_names_checked_against_phi3_checkpoint_names(phi3, tmp_path):
     from halserve.config import EngineConfig
     from halserve.lora.manager import LoRAManager
     from lora_factory import make_adapter
-    from test_phi3 import load
+    from test_llama_family import load
 
-    model = load(phi3.base)
+    model, _ = load(phi3.base)
     manager = LoRAManager(model, EngineConfig(model=phi3.base, enable_lora=True), model.lm_head.weight.device,
                           model.lm_head.weight.dtype)
     assert manager.targetable == set(TARGETS)
