@@ -5,6 +5,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from halserve.attention_backends.base import KV_CACHE_DTYPES
 from halserve.pooler_config import PoolerConfig
+from halserve.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_CPU_LORAS = 8
@@ -57,6 +58,9 @@ class EngineConfig(BaseModel):
     """Adapters of a higher rank r are refused."""
     max_cpu_loras: int | None = Field(default=None, ge=1)
     """Adapters each worker keeps loaded (LRU); None: ``max(max_loras, DEFAULT_MAX_CPU_LORAS)``."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (``{"method": "ngram", "num_speculative_tokens": 4}``); a dict or JSON
+    string is accepted (vLLM's ``speculative_config``). None: off."""
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -78,6 +82,11 @@ class EngineConfig(BaseModel):
     @classmethod
     def _pooler_config(cls, value: object) -> object:
         return None if value is None else PoolerConfig.parse(value)
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative_config(cls, value: object) -> object:
+        return None if value is None else SpeculativeConfig.parse(value)
 
     @model_validator(mode="after")
     def _lora_limits(self) -> "EngineConfig":

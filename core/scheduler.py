@@ -17,10 +17,12 @@ from halserve.kv_cache.manager import KVCacheManager, cdiv
 from halserve.lora.admission import Admission, LoRAAdmission
 from halserve.request import Request, RequestId, RequestStatus
 from halserve.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from halserve.spec_decode.verify import count_accepted
 from halserve.structured_output import no_token_stop_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
+    from halserve.spec_decode.ngram import NgramProposer
     from halserve.structured_output import StructuredOutputManager
 
 
@@ -34,6 +36,9 @@ class SchedulerStats:
     prefix_cache_queries: int  # cumulative, tokens looked up at admission
     prefix_cache_hits: int  # cumulative, tokens found in the prefix cache
     num_preemptions: int  # cumulative
+    spec_num_drafts: int = 0  # cumulative: decode steps that carried draft tokens
+    spec_num_draft_tokens: int = 0  # cumulative: draft tokens checked by the model
+    spec_num_accepted_tokens: int = 0  # cumulative: of which accepted
 
 
 class Scheduler:
@@ -48,6 +53,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         structured_outputs: "StructuredOutputManager | None" = None,
         max_loras: int | None = None,
+        spec_proposer: "NgramProposer | None" = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -74,6 +80,9 @@ class Scheduler:
         self.structured_outputs = structured_outputs  # compiles grammars; None: constrained requests refused
         # at most max_loras adapters among running requests; None: LoRA off (adapter requests refused)
         self.lora_admission = None if max_loras is None else LoRAAdmission(max_loras, max_overtakes=max_num_seqs)
+        # speculative decoding: proposes draft tokens for decoding requests; None: off
+        self.spec_proposer = spec_proposer
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int) -> Scheduler:
@@ -87,6 +96,7 @@ class Scheduler:
             num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             max_loras=config.max_loras if config.enable_lora else None,
+            spec_proposer=make_spec_proposer(config),
         )
 
     # -- requests in ------------------------------------------------------------------
@@ -157,7 +167,9 @@ class Scheduler:
         Algorithm (one token budget, ``max_num_batched_tokens``, per step):
         1. Running requests, in priority order, each get what they still need (1 token for
            a decode, the rest of the prompt for an unfinished chunked prefill), cut to the
-           remaining budget. When blocks run out, preempt by recompute the lowest-priority
+           remaining budget. With speculative decoding a decode also carries the drafts the
+           proposer finds (as budget, max_tokens and max_model_len allow; dropped first when
+           blocks are short). When blocks run out, preempt by recompute the lowest-priority
            (latest-arrived) running request -- possibly the one being scheduled -- until
            the allocation succeeds.
         2. Unless step 1 preempted someone (memory is tight: let running requests drain),
@@ -172,6 +184,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         cached_reqs: list[CachedRequestData] = []
         new_reqs: list[NewRequestData] = []
         num_preempted = 0
@@ -182,7 +195,12 @@ class Scheduler:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             assert num_new_tokens > 0, f"running request {request.request_id} has nothing to compute"
-            while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
+            drafts = self._propose_drafts(request, token_budget)
+            while (new_block_ids := kv.allocate_slots(request, num_new_tokens,
+                                                      num_lookahead_tokens=len(drafts))) is None:
+                if drafts:  # short of blocks: give up the drafts before preempting anyone
+                    drafts = []
+                    continue
                 victim = self.running.pop()  # sorted by priority: the last is the lowest
                 self._preempt(victim)
                 num_preempted += 1
@@ -191,6 +209,9 @@ class Scheduler:
             if new_block_ids is None:  # it preempted itself; it was the last running request
                 break
             cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+            if drafts:
+                spec_tokens[request.request_id] = drafts
+                num_new_tokens += len(drafts)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             index += 1
@@ -247,8 +268,25 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=finished_req_ids,
             num_preempted=num_preempted,
+            scheduled_spec_decode_tokens=spec_tokens,
             **self._grammar_bitmask(num_scheduled_tokens),
         )
+
+    def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:
+        """Draft tokens for a decoding request (speculative decoding), at most what the budget
+        leaves after its own token and what max_tokens and max_model_len leave after the
+        bonus token. None for prefills, and for grammar-constrained requests: their masks
+        follow the grammar one sampled token at a time."""
+        if self.spec_proposer is None or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        params = request.sampling_params
+        if request.grammar is not None or getattr(params, "pooling", None) is not None:
+            return []
+        max_drafts = min(token_budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                         self.max_model_len - request.num_tokens)
+        if max_drafts <= 0:
+            return []
+        return self.spec_proposer.propose(request.all_token_ids, max_drafts)
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Block until a waiting request's grammar compiles, at most ``timeout`` seconds (for an
@@ -293,11 +331,14 @@ class Scheduler:
         position = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         logprobs = model_runner_output.logprobs
         outputs: list[EngineCoreOutput] = []
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(RequestId(req_id))
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += num_tokens
+            drafts = spec_tokens.get(req_id, ())
+            # drafts are not the request's tokens until accepted (added below)
+            request.num_computed_tokens += num_tokens - len(drafts)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a partial prefill chunk samples nothing (anything sampled is discarded)
             i = position.get(req_id)
@@ -306,11 +347,9 @@ class Scheduler:
             new_token_ids: list[int] = []
             if i is not None and i < len(pooled) and pooled[i] is not None:  # a pooling request: its result ends it
                 request.status = RequestStatus.FINISHED_STOPPED
-            elif req_id in model_runner_output.no_token_req_ids:  # its constraints left nothing to sample
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = no_token_stop_reason(req_id, request.sampling_params, request.grammar, None)
             else:
-                assert sampled, f"{req_id} completed its prefill/decode but the model runner sampled no token"
+                no_token = req_id in model_runner_output.no_token_req_ids  # its constraints left nothing (more)
+                assert sampled or no_token, f"{req_id} completed its prefill/decode but the model runner sampled no token"
                 waive_min_tokens = req_id in model_runner_output.min_tokens_waived
                 for token_id in sampled:
                     if request.grammar is not None and not request.grammar.follow(token_id, request.output_token_ids):
@@ -323,13 +362,22 @@ class Scheduler:
                     new_token_ids.append(token_id)
                     if request.check_stop(self.max_model_len, waive_min_tokens):
                         break
+                if no_token and not request.is_finished:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    request.stop_reason = no_token_stop_reason(req_id, request.sampling_params, request.grammar, None)
+                if drafts:
+                    num_accepted = count_accepted(drafts, sampled)
+                    request.num_computed_tokens += num_accepted  # their K/V was written while checking them
+                    self.spec_num_drafts += 1
+                    self.spec_num_draft_tokens += len(drafts)
+                    self.spec_num_accepted_tokens += num_accepted
             sample_logprobs = logprobs[i] if i is not None and i < len(logprobs) and new_token_ids else None
             prompt_logprobs = model_runner_output.prompt_logprobs
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
                     new_token_ids=new_token_ids,
-                    new_logprobs=None if sample_logprobs is None else [sample_logprobs],
+                    new_logprobs=None if sample_logprobs is None else sample_logprobs[: len(new_token_ids)],
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
@@ -391,8 +439,21 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
         )
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; only possible (True) when no request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+def make_spec_proposer(config: "EngineConfig") -> "NgramProposer | None":
+    """The draft proposer ``config.speculative_config`` asks for; None when it is off."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    from halserve.spec_decode.ngram import NgramProposer
+
+    return NgramProposer(spec.min_ngram, spec.prompt_lookup_max, spec.num_speculative_tokens)

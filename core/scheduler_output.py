@@ -51,6 +51,9 @@ class SchedulerOutput:
     # allowed next tokens, one row each (bit t of a row: token t allowed), [k, ceil(vocab / 32)] int32
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: "torch.Tensor | None" = None
+    # speculative decoding: req_id -> draft tokens fed after its last token this step (counted
+    # in num_scheduled_tokens: 1 + len(drafts)); the runner samples at every one of those positions
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -71,8 +74,11 @@ class SampleLogprobs:
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # the requests scheduled this step, in the runner's batch order
-    sampled_token_ids: list[list[int]]  # per request: [token] when it sampled, [] mid-prefill (partial chunk)
-    logprobs: list[SampleLogprobs | None]  # per request, when its sampling params asked for logprobs
+    # per request: [token] when it sampled, [] mid-prefill (partial chunk); with drafts, the
+    # accepted drafts then the token sampled after them (1 .. len(drafts) + 1 tokens)
+    sampled_token_ids: list[list[int]]
+    # per request, when its sampling params asked for logprobs: one entry per sampled token
+    logprobs: list[list[SampleLogprobs] | None]
     # per request: with its first sampled token, the logprobs of prompt tokens 1.. when it
     # asked for prompt_logprobs (None otherwise; [] = no request asked this step)
     prompt_logprobs: list[list[SampleLogprobs] | None] = field(default_factory=list)

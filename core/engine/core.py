@@ -26,7 +26,7 @@ class EngineCore:
         from halserve.models.loader import get_model_info
         from halserve.platforms import resolve_platform
         from halserve.plugins import get_plugin_manager
-        from halserve.scheduler import Scheduler
+        from halserve.scheduler import Scheduler, make_spec_proposer
         from halserve.structured_output import StructuredOutputManager
 
         start = time.perf_counter()
@@ -60,6 +60,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             structured_outputs=StructuredOutputManager(self._load_tokenizer, self.model_info.vocab_size),
             max_loras=config.max_loras if config.enable_lora else None,
+            spec_proposer=make_spec_proposer(config),
         )
         self.lora_registry = None  # with enable_lora: the adapters the workers hold (halserve.lora.registry)
         if config.enable_lora:

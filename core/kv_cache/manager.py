@@ -95,10 +95,15 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[BlockId] | None:
         """Grow ``request``'s table to hold ``num_new_tokens`` more tokens after its
         ``num_computed_tokens`` plus the ``new_computed_blocks`` prefix hit (only on the
         first allocation of a request or of a resumed one).
+
+        ``num_lookahead_tokens``: slots for that many speculative (draft) tokens after
+        them, which are not the request's tokens yet: their blocks are neither hashed nor
+        cached until the drafts are accepted and computed as real tokens.
 
         Returns the ids of the blocks appended to the table (hits first), or None when the
         pool cannot supply them; then nothing changed.
@@ -117,10 +122,10 @@ class KVCacheManager:
         assert num_total <= request.num_tokens, (
             f"{req_id}: scheduling up to token {num_total} but only {request.num_tokens} exist"
         )
-        assert self.max_model_len is None or num_total <= self.max_model_len
+        assert self.max_model_len is None or num_total + num_lookahead_tokens <= self.max_model_len
 
         num_have = (0 if is_first else len(req_blocks)) + len(new_computed_blocks)
-        num_new_blocks = max(0, cdiv(num_total, self.block_size) - num_have)
+        num_new_blocks = max(0, cdiv(num_total + num_lookahead_tokens, self.block_size) - num_have)
         # Hits on free cached blocks take them out of the free queue too.
         num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         if num_new_blocks + num_revived > self.block_pool.get_num_free_blocks():

@@ -9,7 +9,8 @@ Per step (R scheduled requests, T tokens)::
     seq_lens        [R]     c_r + n_r
     slot_mapping    [T]     block_table[r, pos // block_size] * block_size + pos % block_size
     logits_indices          last token of each request that reaches the end of its known
-                            tokens this step (requests mid-prefill sample nothing)
+                            tokens this step (requests mid-prefill sample nothing); with
+                            speculative decoding, its last token and each draft after it
     pool_indices            the same for pooling requests (embed, classify): they end with the
                             pooled result, never compute logits nor sample (a classifier has no LM head)
     prompt_indices          tokens whose logits score the next prompt token, for requests
@@ -30,6 +31,7 @@ import torch
 
 from halserve.attention_backends.base import AttentionMetadata
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from halserve.spec_decode.verify import count_accepted
 from halserve.worker.backend_selection import select_attention_backend
 from halserve.worker.runner_state import CachedRequestState, StepInputs
 
@@ -45,6 +47,8 @@ class ModelRunner:
     # Whether it pools (embed, classify). A runner that does not (XLA) samples a token for a pooling
     # request like for any other, which then ends without a result (the API reports that).
     supports_pooling: bool = True
+    # Whether it checks draft tokens (speculative decoding: several logits rows per request).
+    supports_speculative_decoding: bool = True
 
     def __init__(self, config: "EngineConfig", platform: "Platform", model_info: "ModelInfo") -> None:
         self.config = config
@@ -52,6 +56,9 @@ class ModelRunner:
         self.info = model_info
         self.device = platform.device()
         self.block_size = config.block_size
+        if config.speculative_config is not None and not self.supports_speculative_decoding:
+            raise ValueError(f"the {type(self).__name__} of platform {platform.name!r} does not support speculative "
+                             "decoding; drop speculative_config (--speculative-config) or use another platform")
         self.max_blocks_per_req = -(-model_info.max_model_len // config.block_size)
         self.attn_backend_cls = select_attention_backend(config, platform, model_info)
         self.model: torch.nn.Module | None = None
@@ -186,6 +193,7 @@ class ModelRunner:
         states = [self.requests[i] for i in req_ids]
         num_reqs = len(states)
         bs = self.block_size
+        spec = out.scheduled_spec_decode_tokens
 
         num_sched = np.fromiter((out.num_scheduled_tokens[i] for i in req_ids), dtype=np.int64, count=num_reqs)
         computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
@@ -206,7 +214,12 @@ class ModelRunner:
         block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)  # 0 = null block
         for r, state in enumerate(states):
             c, n = int(computed[r]), int(num_sched[r])
-            token_ids.extend(state.token_slice(c, c + n))
+            drafts = spec.get(state.req_id) if spec else None
+            if drafts:  # its last token, then the drafts to check
+                token_ids.extend(state.token_slice(c, c + n - len(drafts)))
+                token_ids.extend(drafts)
+            else:
+                token_ids.extend(state.token_slice(c, c + n))
             if state.prompt_logprobs is not None:
                 # the logits at position p score prompt token p + 1 (the last prompt position
                 # scores the first output token: that is the sampled token's logprob)
@@ -227,6 +240,14 @@ class ModelRunner:
         is_pooling = np.fromiter((self.supports_pooling and s.sampling_params.pooling is not None for s in states),
                                  dtype=bool, count=num_reqs)
         sample_mask, pool_mask = done_mask & ~is_pooling, done_mask & is_pooling
+        sample_rows = [r for r in range(num_reqs) if sample_mask[r]]
+        logits_indices = query_start_loc[1:][sample_mask] - 1
+        sample_drafts = None
+        if spec:  # a request with k drafts samples at its last k + 1 positions
+            sample_drafts = [spec.get(states[r].req_id, []) for r in sample_rows]
+            logits_indices = np.concatenate(
+                [np.arange(end - len(d), end + 1) for end, d in zip(logits_indices, sample_drafts)]
+            ).astype(np.int64)
         qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
         seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
         common = AttentionMetadata(
@@ -248,8 +269,9 @@ class ModelRunner:
             positions=torch.from_numpy(positions),
             common=common,
             seq_lens=seq_lens,
-            sample_rows=[r for r in range(num_reqs) if sample_mask[r]],
-            logits_indices=torch.from_numpy(query_start_loc[1:][sample_mask] - 1),
+            sample_rows=sample_rows,
+            logits_indices=torch.from_numpy(logits_indices),
+            sample_drafts=sample_drafts,
             pool_rows=[r for r in range(num_reqs) if pool_mask[r]],
             pool_indices=torch.from_numpy(query_start_loc[1:][pool_mask] - 1),
             prompt_indices=prompt_indices,
@@ -311,30 +333,46 @@ class ModelRunner:
         min_tokens_waived: set[str] = set()
         if logits is not None:
             rows = [step.states[r] for r in step.sample_rows]
+            drafts = step.sample_drafts or [[]] * len(rows)
+            # one logits row per position that samples: a request's last token, then each draft
+            # (whose row sees the drafts before it as outputs: penalties, min_tokens, seeds)
+            row_states = [s for s, d in zip(rows, drafts) for _ in range(len(d) + 1)]
+            row_outputs = [s.output_token_ids + d[:j] if j else s.output_token_ids
+                           for s, d in zip(rows, drafts) for j in range(len(d) + 1)]
             bitmask = scheduler_output.grammar_bitmask
-            if bitmask is not None:  # structured outputs: the scheduler's allowed next tokens
+            if bitmask is not None:  # structured outputs: the scheduler's allowed next tokens (never with drafts)
                 from halserve.structured_output import apply_grammar_bitmask
 
-                row_of = {s.req_id: j for j, s in enumerate(rows)}
+                row_of = {s.req_id: j for j, s in enumerate(row_states)}
                 grammar_rows = [row_of[i] for i in scheduler_output.grammar_req_ids]
                 logits = apply_grammar_bitmask(logits, torch.tensor(grammar_rows, device=logits.device), bitmask)
-            out = self.sampler.sample(logits, self._sampling_metadata(rows, logits.device))
+            out = self.sampler.sample(logits, self._sampling_metadata(row_states, row_outputs, logits.device))
             tokens = out.sampled_token_ids.tolist()
             has_token = out.has_token.tolist()
-            waived = out.min_tokens_waived.tolist() if out.min_tokens_waived is not None else [False] * len(rows)
-            for j, r in enumerate(step.sample_rows):
-                tok = tokens[j]
-                state = step.states[r]
+            waived = out.min_tokens_waived.tolist() if out.min_tokens_waived is not None else [False] * len(tokens)
+            row = 0
+            for r, state, draft in zip(step.sample_rows, rows, drafts):
                 if state.prompt_logprobs is not None:  # the prompt is all scored: send it with the first token
                     prompt_logprobs[r], state.prompt_logprobs = state.prompt_logprobs, None
-                if not has_token[j]:
-                    no_token_req_ids.add(state.req_id)
-                    continue
-                state.output_token_ids.append(tok)
-                sampled_token_ids[r] = [tok]
-                logprobs[r] = out.logprobs[j]
-                if waived[j]:
-                    min_tokens_waived.add(state.req_id)
+                # accept drafts while the sampled token equals them (spec_decode/verify.py), then one more
+                new_tokens, new_logprobs = [], []
+                for j in range(len(draft) + 1):
+                    if not has_token[row + j]:
+                        no_token_req_ids.add(state.req_id)
+                        break
+                    new_tokens.append(tokens[row + j])
+                    new_logprobs.append(out.logprobs[row + j])
+                    if waived[row + j]:
+                        min_tokens_waived.add(state.req_id)
+                    if j == len(draft) or tokens[row + j] != draft[j]:
+                        break
+                row += len(draft) + 1
+                state.output_token_ids.extend(new_tokens)
+                sampled_token_ids[r] = new_tokens
+                if new_logprobs and new_logprobs[0] is not None:
+                    logprobs[r] = new_logprobs
+                if draft:  # K/V of the rejected drafts is stale: not computed
+                    step.seq_lens[r] -= len(draft) - count_accepted(draft, new_tokens)
         for r in step.pool_rows:  # (a pooling request's result ends it: the scheduler appends no token)
             state = step.states[r]
             pooled[r], state.pooled = state.pooled, None
@@ -346,13 +384,13 @@ class ModelRunner:
                                  prompt_logprobs=prompt_logprobs, pooled=pooled, no_token_req_ids=no_token_req_ids,
                                  min_tokens_waived=min_tokens_waived)
 
-    def _sampling_metadata(self, rows: list[CachedRequestState], device: torch.device):
+    def _sampling_metadata(self, rows: list[CachedRequestState], outputs: list[list[int]], device: torch.device):
         from halserve.sampling import SamplingMetadata
 
         return SamplingMetadata.build(
             params=[s.sampling_params for s in rows],
             prompt_token_ids=[s.prompt_token_ids for s in rows],
-            output_token_ids=[s.output_token_ids for s in rows],
+            output_token_ids=outputs,
             eos_token_ids=self.info.eos_token_ids,
             vocab_size=self.info.vocab_size,
             device=device,

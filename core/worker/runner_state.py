@@ -31,7 +31,10 @@ class StepInputs:
     common: AttentionMetadata  # host tensors
     seq_lens: np.ndarray  # [R] context length after this step
     sample_rows: list[int]  # requests that sample a token this step
-    logits_indices: torch.Tensor  # [len(sample_rows)] their last token in the batch
+    logits_indices: torch.Tensor  # [L] their last token in the batch (and their drafts': see sample_drafts)
+    # speculative decoding: per sample row its draft tokens (k of them: k + 1 logits rows, the
+    # positions of its last token and drafts); None when no request has drafts (L = len(sample_rows))
+    sample_drafts: list[list[int]] | None = None
     # pooling requests (embed, classify) that reach their prompt's end this step: they end with
     # their pooled result and sample no token
     pool_rows: list[int] = dataclasses.field(default_factory=list)

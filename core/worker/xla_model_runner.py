@@ -20,6 +20,7 @@ from halserve.worker.xla_buckets import metadata_to_device, pad_step
 class XlaModelRunner(ModelRunner):
     grad_mode = staticmethod(torch.no_grad)
     supports_pooling = False  # (embedding requests end without an embedding: the API says so)
+    supports_speculative_decoding = False  # (its buckets pad one logits row per request)
 
     def load_model(self) -> None:
         if self.info.runner == "pooling":  # (its requests all classify, which needs pooling)

@@ -72,7 +72,7 @@ class FakeWorker:
                 tok = self.next_token(req_id, st.tokens)
                 st.tokens.append(tok)
                 sampled.append([tok])
-                logprobs.append(SampleLogprobs(tok, -0.5, 1, [tok], [-0.5]) if self.logprobs else None)
+                logprobs.append([SampleLogprobs(tok, -0.5, 1, [tok], [-0.5])] if self.logprobs else None)
             else:
                 sampled.append([])
                 logprobs.append(None)

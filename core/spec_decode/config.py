@@ -1,0 +1,55 @@
+"""``speculative_config``: which drafter proposes tokens and how many (vLLM's names)."""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SPEC_METHODS = ("ngram",)
+
+
+class SpeculativeConfig(BaseModel):
+    """``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1}``: each step, a decoding request whose last ``n`` tokens
+    (``prompt_lookup_min <= n <= prompt_lookup_max``, longest first) occurred earlier in its
+    prompt or output proposes the up to ``num_speculative_tokens`` tokens that followed
+    them there; the model checks them all in one forward."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(ge=1, le=32)
+    prompt_lookup_max: int = Field(default=4, ge=1)
+    prompt_lookup_min: int | None = Field(default=None, ge=1)
+    """None: the same as ``prompt_lookup_max`` (vLLM's default)."""
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min is not None and self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+    @property
+    def min_ngram(self) -> int:
+        return self.prompt_lookup_min if self.prompt_lookup_min is not None else self.prompt_lookup_max
+
+    @classmethod
+    def parse(cls, value: object) -> "SpeculativeConfig":
+        """From a dict, a JSON string (``--speculative-config``) or an instance."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON ({exc.msg}): {value!r}; "
+                                 'e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(value).__name__}")
+        method = value.get("method", "ngram")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method {method!r} is not supported; use one of "
+                             f"{', '.join(SPEC_METHODS)}")
+        return cls.model_validate(value)
