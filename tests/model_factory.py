@@ -7,7 +7,7 @@
 ``make_checkpoint(tmp_dir, arch="llama"|"mistral"|"qwen2"|"qwen3", *, vocab_size=512,
 hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=None,
 intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=False,
-rope_scaling=None, sliding_window=None, max_shard_size=None, seed=0, added_tokens=(), **overrides) -> str``
+rope_scaling=None, sliding_window=None, max_shard_size=None, seed=0, added_tokens=(), layer_scale=1.0, **overrides) -> str``
 
 writes into ``tmp_dir`` (created if needed; returned as a str):
 - ``config.json`` + ``model.safetensors`` (or shards + index when ``max_shard_size``,
@@ -20,6 +20,10 @@ writes into ``tmp_dir`` (created if needed; returned as a str):
   ``<s>`` (1, prepended on encode), ``</s>`` (2), ``<|system|>``, ``<|user|>``,
   ``<|assistant|>``; ``added_tokens`` (e.g. ``("<think>", "</think>")``) as ordinary
   added tokens; and a Jinja chat template using them.
+
+``layer_scale`` < 1 shrinks the decoder layers' weights: the next token then depends mostly on
+the current one, so greedy text soon repeats itself (what prompt-lookup speculative decoding
+needs to accept drafts), while attention still moves the logits.
 
 ``rope_scaling`` is a dict like ``{"rope_type": "llama3", "factor": 8.0, ...}``;
 ``sliding_window`` turns the window on (Qwen2/3: for layers >= ``max_window_layers``,
@@ -140,8 +144,9 @@ def _hf_config(arch: str, *, vocab_size, hidden_size, num_layers, num_heads, num
     return config
 
 
-def _randomize(model: torch.nn.Module, hidden_size: int, seed: int) -> None:
-    """Weights at std 1/sqrt(hidden), biases ~0.1, norm weights around 1: spread-out logits."""
+def _randomize(model: torch.nn.Module, hidden_size: int, seed: int, layer_scale: float = 1.0) -> None:
+    """Weights at std 1/sqrt(hidden), biases ~0.1, norm weights around 1: spread-out logits.
+    ``layer_scale`` multiplies the decoder layers' weights (not the embeddings nor the LM head)."""
     gen = torch.Generator().manual_seed(seed)
     std = 1.0 / math.sqrt(hidden_size)
     with torch.no_grad():
@@ -152,7 +157,7 @@ def _randomize(model: torch.nn.Module, hidden_size: int, seed: int) -> None:
             elif name.endswith("bias"):
                 param.copy_(0.1 * noise)
             else:
-                param.copy_(std * noise)
+                param.copy_(std * noise * (layer_scale if ".layers." in name else 1.0))
 
 
 def make_checkpoint(tmp_dir, arch: str = "llama", *, vocab_size: int = 512, hidden_size: int = 64,
@@ -160,7 +165,7 @@ def make_checkpoint(tmp_dir, arch: str = "llama", *, vocab_size: int = 512, hidd
                     intermediate_size: int = 128, max_position_embeddings: int = 512,
                     tie_word_embeddings: bool = False, rope_scaling: dict | None = None,
                     sliding_window: int | None = None, max_shard_size: str | int | None = None, seed: int = 0,
-                    added_tokens: tuple[str, ...] = (), **overrides) -> str:
+                    added_tokens: tuple[str, ...] = (), layer_scale: float = 1.0, **overrides) -> str:
     """Write a tiny random checkpoint + tokenizer into ``tmp_dir``; see the module docstring."""
     import transformers
     from transformers import GenerationConfig
@@ -177,7 +182,7 @@ def make_checkpoint(tmp_dir, arch: str = "llama", *, vocab_size: int = 512, hidd
     )
     torch.manual_seed(seed)
     model = getattr(transformers, ARCHS[arch][1])(config).to(torch.float32)
-    _randomize(model, hidden_size, seed)
+    _randomize(model, hidden_size, seed, layer_scale)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     model.save_pretrained(path, safe_serialization=True, **save_kwargs)

@@ -34,6 +34,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help="speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; "
+        "the draft acceptance is printed too",
+    )
     parser.add_argument("--output-json", default=None, help="also write the figures to this file")
 
 
@@ -95,6 +100,7 @@ def _make_llm(llm_class: Any, args: argparse.Namespace) -> Any:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         attention_backend=args.attention_backend,
+        speculative_config=args.speculative_config,
     )
 
 
@@ -127,6 +133,14 @@ def _measure(llm: Any, args: argparse.Namespace, SamplingParams: Any) -> int:  #
         f"{result['output_tokens_per_s']:.2f} output tokens/s "
         f"({num_out} output tokens in {elapsed:.2f} s)"
     )
+    stats = llm.llm_engine.core.get_stats()
+    if stats.spec_num_drafts:  # (counted over the warm-up too)
+        result["spec_num_draft_tokens"] = stats.spec_num_draft_tokens
+        result["spec_num_accepted_tokens"] = stats.spec_num_accepted_tokens
+        result["spec_acceptance_rate"] = stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+        print(f"Speculative decoding: {stats.spec_num_accepted_tokens} of {stats.spec_num_draft_tokens} draft tokens "
+              f"accepted ({result['spec_acceptance_rate']:.1%}) over {stats.spec_num_drafts} drafts, "
+              f"{stats.spec_num_accepted_tokens / stats.spec_num_drafts:.2f} accepted per draft")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -41,6 +41,22 @@ def parse_pooler_config(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_speculative_config(text: str) -> Any:
+    """``'{"method": "ngram", "num_speculative_tokens": 4}'`` -> SpeculativeConfig (vLLM's --speculative-config)."""
+    from pydantic import ValidationError
+
+    from halserve.spec_decode.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'value'}: {e['msg']}"
+                             for e in exc.errors(include_url=False))
+        raise argparse.ArgumentTypeError(problems) from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_lora_module(text: str) -> Any:
     """``name=path`` or vLLM's JSON form -> LoRAModulePath (one --lora-modules entry)."""
     from halserve.entrypoints.openai.serving_lora import LoRAModulePath
@@ -160,6 +176,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV cache of shared prompt prefixes",
     )
+    g.add_argument(
+        "--speculative-config", type=parse_speculative_config, default=None, metavar="JSON",
+        help="speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (prompt-lookup drafts checked in one forward)",
+    )
 
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) by name")
@@ -228,6 +249,7 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
+            speculative_config=args.speculative_config,
         )
     except ValidationError as exc:
         lines = []
