@@ -90,7 +90,10 @@ class IncrementalDetokenizer:
 
         ``stop_terminated``: the last id is the EOS or a stop_token_id that ended the
         request; its text is left out unless include_stop_str_in_output (as vLLM).
-        Once a stop string matched, further calls change nothing.
+        Stop strings are checked after each token: when one matches, the tokens after the
+        one that completed it (a step can bring several: speculative decoding) are dropped,
+        so ``output_token_ids`` ends with that token. Once a stop string matched, further
+        calls change nothing.
         """
         if not new_token_ids or self.stop_string is not None:
             return None
@@ -115,15 +118,14 @@ class IncrementalDetokenizer:
             # Stop strings completed within the first min_tokens tokens do not count.
             if len(self.output_token_ids) <= min_tokens:
                 self._stop_check_offset = len(self.output_text)
-        if skipped is not None:
+            elif params.stop and (stop := self._check_stop_strings()) is not None:
+                return stop
+        if skipped is not None:  # (it adds no text: no stop string can end in it)
             self._ids.append(skipped)
             self.output_token_ids.append(skipped)
             if offsets is not None:
                 offsets.append(len(self.output_text))
-
-        if not params.stop or len(self.output_token_ids) <= min_tokens:
-            return None
-        return self._check_stop_strings()
+        return None
 
     def _check_stop_strings(self) -> str | None:
         """Find a stop string that ends in the text added since the last check; cut the

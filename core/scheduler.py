@@ -277,7 +277,10 @@ class Scheduler:
         leaves after its own token and what max_tokens and max_model_len leave after the
         bonus token. None for prefills, and for grammar-constrained requests: their masks
         follow the grammar one sampled token at a time."""
-        if self.spec_proposer is None or request.num_tokens - request.num_computed_tokens != 1:
+        proposer = self.spec_proposer
+        if proposer is None or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        if proposer.disable_by_batch_size is not None and len(self.running) >= proposer.disable_by_batch_size:
             return []
         params = request.sampling_params
         if request.grammar is not None or getattr(params, "pooling", None) is not None:
@@ -286,7 +289,7 @@ class Scheduler:
                          self.max_model_len - request.num_tokens)
         if max_drafts <= 0:
             return []
-        return self.spec_proposer.propose(request.all_token_ids, max_drafts)
+        return proposer.propose(request.all_token_ids, max_drafts)
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Block until a waiting request's grammar compiles, at most ``timeout`` seconds (for an
@@ -456,4 +459,5 @@ def make_spec_proposer(config: "EngineConfig") -> "NgramProposer | None":
         return None
     from halserve.spec_decode.ngram import NgramProposer
 
-    return NgramProposer(spec.min_ngram, spec.prompt_lookup_max, spec.num_speculative_tokens)
+    return NgramProposer(spec.min_ngram, spec.prompt_lookup_max, spec.num_speculative_tokens,
+                         disable_by_batch_size=spec.disable_by_batch_size)

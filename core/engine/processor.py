@@ -330,20 +330,21 @@ class OutputProcessor:
             new_ids = list(out.new_token_ids)
             if new_ids and parent.first_token_time is None:
                 parent.first_token_time = now
+            # A request ended by eos or a stop token id: that token's text is not output (vLLM).
+            stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+            stop_str = None
+            if sample.detokenizer is not None and new_ids:
+                num_before = len(sample.detokenizer.output_token_ids)
+                stop_str = sample.detokenizer.update(new_ids, stop_terminated=stop_terminated)
+                if stop_str is not None:  # tokens after the one that completed it are dropped
+                    new_ids = new_ids[: len(sample.detokenizer.output_token_ids) - num_before]
             sample.token_ids.extend(new_ids)
             if out.new_logprobs and sample.logprobs is not None:
-                for entry in out.new_logprobs:
+                for entry in out.new_logprobs[: len(new_ids)]:
                     if entry is None:
                         continue
                     sample.logprobs.append(self._logprob_dict(entry))
                     sample.cumulative_logprob += entry.logprob
-            # A request ended by eos or a stop token id: that token's text is not output (vLLM).
-            stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
-            stop_str = (
-                sample.detokenizer.update(new_ids, stop_terminated=stop_terminated)
-                if sample.detokenizer is not None and new_ids
-                else None
-            )
             if out.finish_reason is not None:
                 sample.finish_reason = out.finish_reason
                 sample.stop_reason = out.stop_reason

@@ -23,6 +23,9 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_max: int = Field(default=4, ge=1)
     prompt_lookup_min: int | None = Field(default=None, ge=1)
     """None: the same as ``prompt_lookup_max`` (vLLM's default)."""
+    disable_by_batch_size: int | None = Field(default=None, ge=1)
+    """No drafts in a step that runs at least this many requests: a large batch already keeps the
+    device busy, and checking drafts costs compute. None: always draft."""
 
     @model_validator(mode="after")
     def _lookup_range(self) -> "SpeculativeConfig":

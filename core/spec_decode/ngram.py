@@ -14,12 +14,14 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
-    def __init__(self, min_n: int, max_n: int, num_speculative_tokens: int) -> None:
+    def __init__(self, min_n: int, max_n: int, num_speculative_tokens: int,
+                 disable_by_batch_size: int | None = None) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n = min_n
         self.max_n = max_n
         self.num_speculative_tokens = num_speculative_tokens
+        self.disable_by_batch_size = disable_by_batch_size  # (the scheduler's: no drafts for batches this big)
 
     def propose(self, token_ids: list[int], max_num_tokens: int | None = None) -> list[int]:
         """Draft tokens to follow ``token_ids`` (prompt + outputs), at most
