@@ -5,7 +5,10 @@ current ending occurred (vLLM's ``ngram`` method).
                        ^^^^^^^^^^^^              followed by "d e ... ": propose those
 
 The longest ``n`` in ``[min_n, max_n]`` with an earlier occurrence wins; among its
-occurrences the latest one (nearest context) does. Pure numpy on the host, O(len * n).
+occurrences, the latest one (nearest context) followed by a full ``k`` tokens does, else the
+earliest (the longest continuation: in a loop like "x y x y x y" the latest occurrence is
+followed by only a token or two, any earlier one by as many as the loop gives). Pure numpy
+on the host, O(len * n).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ class NgramProposer:
             windows = sliding_window_view(tokens[: num_tokens - 1], n)  # [num_tokens - n, n]
             starts = np.flatnonzero((windows == suffix).all(axis=1))
             if starts.size:
-                follow = int(starts[-1]) + n  # first token after the latest occurrence
+                full = starts[starts + n + k <= num_tokens]  # occurrences followed by k tokens
+                follow = int(full[-1] if full.size else starts[0]) + n  # first token after the occurrence
                 return tokens[follow : follow + k].tolist()
         return []

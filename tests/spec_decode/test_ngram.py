@@ -14,16 +14,19 @@ from halserve.spec_decode import NgramProposer, SpeculativeConfig, count_accepte
 def reference_propose(tokens, min_n, max_n, k):
     """Plain-Python statement of the proposer's contract: the longest suffix n-gram
     (max_n .. min_n) with an earlier occurrence (one starting before the suffix itself);
-    the up to k tokens after its latest such occurrence."""
+    the k tokens after its latest occurrence followed by k tokens, else the (fewer) tokens
+    after its earliest occurrence."""
     if k <= 0:
         return []
     for n in range(max_n, min_n - 1, -1):
         if n >= len(tokens):
             continue
         suffix = tokens[len(tokens) - n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == suffix]
+        if starts:
+            full = [s for s in starts if s + n + k <= len(tokens)]
+            start = full[-1] if full else starts[0]
+            return tokens[start + n:start + n + k]
     return []
 
 
@@ -43,6 +46,15 @@ def test_latest_occurrence_wins():
     tokens = [1, 2, 5, 1, 2, 6, 4, 1, 2]
     assert NgramProposer(2, 2, 2).propose(tokens) == [6, 4]  # not [5, 1] (the first occurrence)
     assert NgramProposer(1, 4, 1).propose(tokens) == [6]
+
+
+def test_in_a_loop_an_occurrence_followed_by_k_tokens_wins():
+    loop = [7, 8, 9] * 4  # the latest earlier "8 9" is followed by 1 token only
+    assert NgramProposer(2, 2, 4).propose(loop) == [7, 8, 9, 7]
+    assert NgramProposer(1, 3, 5).propose([3] * 6) == [3, 3, 3]  # none followed by 5: the earliest (longest)
+    assert NgramProposer(1, 3, 2).propose([3] * 6) == [3, 3]
+    tokens = [1, 2, 5, 6, 1, 2, 9, 1, 2]
+    assert NgramProposer(2, 2, 4).propose(tokens) == [5, 6, 1, 2]  # the latest is followed by 3 tokens only
 
 
 def test_caps_k_and_max_num_tokens():

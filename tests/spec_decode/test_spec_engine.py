@@ -195,7 +195,7 @@ PENALTIES = [
     dict(repetition_penalty=1.3),
     dict(frequency_penalty=0.5),
     dict(presence_penalty=0.5),
-    dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3),
+    dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1),
     dict(frequency_penalty=-0.8),  # rewards repeats: many drafts accepted
 ]
 

@@ -192,7 +192,10 @@ def check_schedule(sched, so):
         assert len(drafts) <= proposer.num_speculative_tokens
         assert len(drafts) <= request.max_tokens - request.num_output_tokens - 1, f"{req_id}: past max_tokens"
         assert len(drafts) <= sched.max_model_len - request.num_tokens, f"{req_id}: past max_model_len"
-        assert drafts == proposer.propose(request.all_token_ids)[: len(drafts)], f"{req_id}: not the proposal"
+        # (the proposal depends on the cap the scheduler passed: len(drafts) .. k)
+        proposals = [proposer.propose(request.all_token_ids, cap)
+                     for cap in range(len(drafts), proposer.num_speculative_tokens + 1)]
+        assert drafts in proposals, f"{req_id}: not the proposal"
         assert request.grammar is None
 
 
