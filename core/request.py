@@ -83,6 +83,8 @@ class Request:
     """Structured outputs: its matcher, from when it is first scheduled (kept across preemption)."""
     lora_request: "LoRARequest | None" = None
     """The LoRA adapter it runs with; None: the base model."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft-model speculation: the drafts the workers proposed for its next step ([] none)."""
     _all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

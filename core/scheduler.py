@@ -22,6 +22,7 @@ from halserve.structured_output import no_token_stop_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
+    from halserve.spec_decode.draft_model import WorkerDrafts
     from halserve.spec_decode.ngram import NgramProposer
     from halserve.structured_output import StructuredOutputManager
 
@@ -53,7 +54,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         structured_outputs: "StructuredOutputManager | None" = None,
         max_loras: int | None = None,
-        spec_proposer: "NgramProposer | None" = None,
+        spec_proposer: "NgramProposer | WorkerDrafts | None" = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -80,7 +81,8 @@ class Scheduler:
         self.structured_outputs = structured_outputs  # compiles grammars; None: constrained requests refused
         # at most max_loras adapters among running requests; None: LoRA off (adapter requests refused)
         self.lora_admission = None if max_loras is None else LoRAAdmission(max_loras, max_overtakes=max_num_seqs)
-        # speculative decoding: proposes draft tokens for decoding requests; None: off
+        # speculative decoding: proposes draft tokens for decoding requests (or, WorkerDrafts, says
+        # that the workers' draft model does); None: off
         self.spec_proposer = spec_proposer
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
 
@@ -196,10 +198,12 @@ class Scheduler:
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             assert num_new_tokens > 0, f"running request {request.request_id} has nothing to compute"
             drafts = self._propose_drafts(request, token_budget)
+            end = request.num_computed_tokens + num_new_tokens + len(drafts)
+            lookahead = len(drafts) + self._draft_model_lookahead(request, end)
             while (new_block_ids := kv.allocate_slots(request, num_new_tokens,
-                                                      num_lookahead_tokens=len(drafts))) is None:
-                if drafts:  # short of blocks: give up the drafts before preempting anyone
-                    drafts = []
+                                                      num_lookahead_tokens=lookahead)) is None:
+                if lookahead:  # short of blocks: give up the drafts before preempting anyone
+                    drafts, lookahead = [], 0
                     continue
                 victim = self.running.pop()  # sorted by priority: the last is the lowest
                 self._preempt(victim)
@@ -234,7 +238,10 @@ class Scheduler:
                 continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_computed, token_budget)
-            new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
+            lookahead = self._draft_model_lookahead(request, num_computed + num_new_tokens)
+            new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks, num_lookahead_tokens=lookahead)
+            if new_block_ids is None and lookahead:  # the draft model proposes fewer instead
+                new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
             if new_block_ids is None:
                 assert self.running, f"{request.request_id} does not fit an empty KV cache (add_request should refuse it)"
                 break
@@ -280,6 +287,7 @@ class Scheduler:
         proposer = self.spec_proposer
         if proposer is None or request.num_tokens - request.num_computed_tokens != 1:
             return []
+        worker_drafts, request.spec_token_ids = request.spec_token_ids, []  # (proposed for this step only)
         if proposer.disable_by_batch_size is not None and len(self.running) >= proposer.disable_by_batch_size:
             return []
         params = request.sampling_params
@@ -289,7 +297,20 @@ class Scheduler:
                          self.max_model_len - request.num_tokens)
         if max_drafts <= 0:
             return []
+        if proposer.from_worker:
+            return worker_drafts[:max_drafts]
         return proposer.propose(request.all_token_ids, max_drafts)
+
+    def _draft_model_lookahead(self, request: Request, end: int) -> int:
+        """Slots after this step's tokens (drafts included; they end at ``end``) where the
+        workers' draft model writes while proposing the next drafts: k for a request that
+        samples this step."""
+        proposer = self.spec_proposer
+        if proposer is None or not proposer.from_worker:
+            return 0
+        if end < request.num_tokens or getattr(request.sampling_params, "pooling", None) is not None:
+            return 0  # mid-prefill: nothing sampled, nothing proposed
+        return max(0, min(proposer.num_speculative_tokens, self.max_model_len - end))
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Block until a waiting request's grammar compiles, at most ``timeout`` seconds (for an
@@ -319,6 +340,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -365,6 +387,8 @@ class Scheduler:
                     new_token_ids.append(token_id)
                     if request.check_stop(self.max_model_len, waive_min_tokens):
                         break
+                if not request.is_finished and i < len(model_runner_output.spec_token_ids):
+                    request.spec_token_ids = model_runner_output.spec_token_ids[i]  # (for its next step)
                 if no_token and not request.is_finished:
                     request.status = RequestStatus.FINISHED_STOPPED
                     request.stop_reason = no_token_stop_reason(req_id, request.sampling_params, request.grammar, None)
@@ -452,11 +476,15 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
 
-def make_spec_proposer(config: "EngineConfig") -> "NgramProposer | None":
+def make_spec_proposer(config: "EngineConfig") -> "NgramProposer | WorkerDrafts | None":
     """The draft proposer ``config.speculative_config`` asks for; None when it is off."""
     spec = config.speculative_config
     if spec is None:
         return None
+    if spec.method == "draft_model":
+        from halserve.spec_decode.draft_model import WorkerDrafts
+
+        return WorkerDrafts(spec.num_speculative_tokens, disable_by_batch_size=spec.disable_by_batch_size)
     from halserve.spec_decode.ngram import NgramProposer
 
     return NgramProposer(spec.min_ngram, spec.prompt_lookup_max, spec.num_speculative_tokens,

@@ -91,3 +91,6 @@ class ModelRunnerOutput:
     # requests that sampled a stop token before min_tokens because the other constraints
     # allowed nothing else (a complete structured output): it ends them as after min_tokens
     min_tokens_waived: set[str] = field(default_factory=set)
+    # draft-model speculative decoding: per request (batch order), the drafts its draft model proposes
+    # for its next step ([] none); empty list when no draft model runs
+    spec_token_ids: list[list[int]] = field(default_factory=list)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 class SpeculativeConfig(BaseModel):
@@ -14,12 +14,20 @@ class SpeculativeConfig(BaseModel):
     "prompt_lookup_min": 1}``: each step, a decoding request whose last ``n`` tokens
     (``prompt_lookup_min <= n <= prompt_lookup_max``, longest first) occurred earlier in its
     prompt or output proposes the up to ``num_speculative_tokens`` tokens that followed
-    them there; the model checks them all in one forward."""
+    them there; the model checks them all in one forward.
+
+    ``{"model": "path/or/hub-id", "num_speculative_tokens": 4}`` (``method`` "draft_model",
+    implied by ``model``): a smaller model with the same vocabulary proposes the drafts, greedily,
+    in the workers (its KV cache shares the target's block tables)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram"] = "ngram"
+    method: Literal["ngram", "draft_model"] = "ngram"
     num_speculative_tokens: int = Field(ge=1, le=32)
+    model: str | None = None
+    """draft_model: the draft checkpoint (a local HF directory or a hub id)."""
+    revision: str | None = None
+    """draft_model: the draft checkpoint's revision."""
     prompt_lookup_max: int = Field(default=4, ge=1)
     prompt_lookup_min: int | None = Field(default=None, ge=1)
     """None: the same as ``prompt_lookup_max`` (vLLM's default)."""
@@ -29,6 +37,10 @@ class SpeculativeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _lookup_range(self) -> "SpeculativeConfig":
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative_config method "draft_model" needs "model": the draft checkpoint')
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError('speculative_config "model" is for method "draft_model", not "ngram"')
         if self.prompt_lookup_min is not None and self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
@@ -51,7 +63,8 @@ class SpeculativeConfig(BaseModel):
                                  'e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(value).__name__}")
-        method = value.get("method", "ngram")
+        method = value.get("method") or ("draft_model" if value.get("model") else "ngram")
+        value = {**value, "method": method}
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_config method {method!r} is not supported; use one of "
                              f"{', '.join(SPEC_METHODS)}")

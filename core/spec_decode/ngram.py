@@ -17,6 +17,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
+    from_worker = False  # (the scheduler calls ``propose``)
     def __init__(self, min_n: int, max_n: int, num_speculative_tokens: int,
                  disable_by_batch_size: int | None = None) -> None:
         if not 1 <= min_n <= max_n:

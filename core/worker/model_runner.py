@@ -65,6 +65,12 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.lora_manager = None  # a halserve.lora.manager.LoRAManager with enable_lora
+        self.drafter = None  # a DraftModelProposer when speculative_config's method is "draft_model"
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            from halserve.spec_decode.draft_model import DraftModelProposer
+
+            self.drafter = DraftModelProposer(config, platform, model_info)
         from halserve.sampling import Sampler
 
         self.sampler = Sampler()
@@ -85,6 +91,8 @@ class ModelRunner:
             from halserve.lora.manager import LoRAManager
 
             self.lora_manager = LoRAManager(self.model, self.config, self.device, self.info.dtype)
+        if self.drafter is not None:
+            self.drafter.load_model()
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -98,7 +106,8 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         shape = self.attn_backend_cls.kv_cache_shape(1, self.block_size, self._local_kv_heads(), self.info.head_size)
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return int(np.prod(shape)) * elem * len(self.model.attention_layers)
+        draft = 0 if self.drafter is None else self.drafter.bytes_per_block(self.kv_cache_dtype)
+        return int(np.prod(shape)) * elem * len(self.model.attention_layers) + draft
 
     def _local_kv_heads(self) -> int:
         layers = self.model.attention_layers if self.model is not None else []
@@ -131,6 +140,8 @@ class ModelRunner:
             cache = self.platform.allocate_kv_cache(shape, self.kv_cache_dtype)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.drafter is not None:  # (the same block ids: it shares the block tables)
+            self.drafter.initialize_kv_cache(num_blocks, self.kv_cache_dtype)
         logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, self.block_size, self.kv_cache_dtype)
 
     def warm_up(self) -> None:
@@ -185,7 +196,14 @@ class ModelRunner:
                 self.lora_manager.set_batch([s.lora_request for s in step.states], step.common.query_start_loc_cpu)
             # The forward runs even when nothing samples (a prefill chunk): it writes the KV cache.
             logits = self._forward(step)
-            return self._sample(step, logits if step.sample_rows else None, out)
+            output = self._sample(step, logits if step.sample_rows else None, out)
+            if self.drafter is not None:
+                rows = [r for r in step.sample_rows if output.sampled_token_ids[r]]
+                drafts = self.drafter.propose([step.states[r] for r in rows], self.info.max_model_len)
+                output.spec_token_ids = [[] for _ in step.req_ids]
+                for r, proposal in zip(rows, drafts):
+                    output.spec_token_ids[r] = proposal
+            return output
 
     def _prepare_inputs(self, out: SchedulerOutput) -> "StepInputs":
         """Host-side (numpy/CPU tensors) flattened inputs of one step."""
@@ -294,8 +312,11 @@ class ModelRunner:
         attn_metadata = self.attn_backend_cls.build_metadata(common)
         from halserve.forward_context import set_forward_context
 
+        input_ids, positions = step.input_ids.to(dev, non_blocking=True), step.positions.to(dev, non_blocking=True)
         with set_forward_context(attn_metadata):
-            hidden = self.model(step.input_ids.to(dev, non_blocking=True), step.positions.to(dev, non_blocking=True))
+            hidden = self.model(input_ids, positions)
+        if self.drafter is not None:  # the draft's K/V for the same tokens and slots
+            self.drafter.mirror(common, input_ids, positions)
         if step.prompt_indices:
             self._score_prompt(step, hidden)
         from halserve.worker.pooler import accumulate_prompt_rows, pool
