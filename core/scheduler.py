@@ -387,7 +387,7 @@ class Scheduler:
                     new_token_ids.append(token_id)
                     if request.check_stop(self.max_model_len, waive_min_tokens):
                         break
-                if not request.is_finished and i < len(model_runner_output.spec_token_ids):
+                if not request.is_finished and i is not None and i < len(model_runner_output.spec_token_ids):
                     request.spec_token_ids = model_runner_output.spec_token_ids[i]  # (for its next step)
                 if no_token and not request.is_finished:
                     request.status = RequestStatus.FINISHED_STOPPED

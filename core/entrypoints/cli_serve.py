@@ -179,7 +179,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument(
         "--speculative-config", type=parse_speculative_config, default=None, metavar="JSON",
         help="speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (prompt-lookup drafts checked in one forward)",
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (prompt-lookup drafts) or '{\"model\": DRAFT, "
+        "\"num_speculative_tokens\": 4}' (a draft model of the same vocabulary); drafts are checked in one forward",
     )
 
     g = p.add_argument_group("LoRA adapters")

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from halserve.attention_backends.base import AttentionMetadata
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from halserve.spec_decode.verify import count_accepted
 from halserve.worker.backend_selection import select_attention_backend
@@ -207,95 +206,9 @@ class ModelRunner:
 
     def _prepare_inputs(self, out: SchedulerOutput) -> "StepInputs":
         """Host-side (numpy/CPU tensors) flattened inputs of one step."""
-        req_ids = [r.req_id for r in out.scheduled_new_reqs] + [r.req_id for r in out.scheduled_cached_reqs]
-        states = [self.requests[i] for i in req_ids]
-        num_reqs = len(states)
-        bs = self.block_size
-        spec = out.scheduled_spec_decode_tokens
+        from halserve.worker.step_inputs import prepare_inputs
 
-        num_sched = np.fromiter((out.num_scheduled_tokens[i] for i in req_ids), dtype=np.int64, count=num_reqs)
-        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(num_sched, out=query_start_loc[1:])
-        total = int(query_start_loc[-1])
-        seq_lens = computed + num_sched
-
-        # positions: c_r + (t - query_start_loc[r]) for each token t of request r
-        req_of_token = np.repeat(np.arange(num_reqs), num_sched)
-        positions = np.arange(total, dtype=np.int64) + np.repeat(computed - query_start_loc[:-1], num_sched)
-
-        token_ids: list[int] = []
-        prompt_indices: list[int] = []
-        prompt_targets: list[int] = []
-        prompt_spans: list[tuple[int, int]] = []
-        max_blocks = int(-(-seq_lens.max() // bs))
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)  # 0 = null block
-        for r, state in enumerate(states):
-            c, n = int(computed[r]), int(num_sched[r])
-            drafts = spec.get(state.req_id) if spec else None
-            if drafts:  # its last token, then the drafts to check
-                token_ids.extend(state.token_slice(c, c + n - len(drafts)))
-                token_ids.extend(drafts)
-            else:
-                token_ids.extend(state.token_slice(c, c + n))
-            if state.prompt_logprobs is not None:
-                # the logits at position p score prompt token p + 1 (the last prompt position
-                # scores the first output token: that is the sampled token's logprob)
-                stop = min(c + n, len(state.prompt_token_ids) - 1)
-                if stop > c:
-                    first = int(query_start_loc[r])
-                    prompt_indices.extend(range(first, first + stop - c))
-                    prompt_targets.extend(state.prompt_token_ids[c + 1 : stop + 1])
-                    prompt_spans.append((r, stop - c))
-            ids = state.block_ids[:max_blocks]
-            block_table[r, : len(ids)] = ids
-        slot_mapping = block_table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-
-        # Requests that reach the end of their known tokens produce a new token, or, pooling
-        # requests, their pooled result.
-        num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
-        done_mask = seq_lens >= num_tokens
-        is_pooling = np.fromiter((self.supports_pooling and s.sampling_params.pooling is not None for s in states),
-                                 dtype=bool, count=num_reqs)
-        sample_mask, pool_mask = done_mask & ~is_pooling, done_mask & is_pooling
-        sample_rows = [r for r in range(num_reqs) if sample_mask[r]]
-        logits_indices = query_start_loc[1:][sample_mask] - 1
-        sample_drafts = None
-        if spec:  # a request with k drafts samples at its last k + 1 positions
-            sample_drafts = [spec.get(states[r].req_id, []) for r in sample_rows]
-            logits_indices = np.concatenate(
-                [np.arange(end - len(d), end + 1) for end, d in zip(logits_indices, sample_drafts)]
-            ).astype(np.int64)
-        qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
-        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-        common = AttentionMetadata(
-            num_actual_tokens=total,
-            num_reqs=num_reqs,
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=qsl_cpu,
-            seq_lens=seq_lens_cpu,
-            block_table=torch.from_numpy(block_table),
-            slot_mapping=torch.from_numpy(slot_mapping),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu,
-        )
-        return StepInputs(
-            req_ids=req_ids,
-            states=states,
-            input_ids=torch.tensor(token_ids, dtype=torch.long),
-            positions=torch.from_numpy(positions),
-            common=common,
-            seq_lens=seq_lens,
-            sample_rows=sample_rows,
-            logits_indices=torch.from_numpy(logits_indices),
-            sample_drafts=sample_drafts,
-            pool_rows=[r for r in range(num_reqs) if pool_mask[r]],
-            pool_indices=torch.from_numpy(query_start_loc[1:][pool_mask] - 1),
-            prompt_indices=prompt_indices,
-            prompt_targets=prompt_targets,
-            prompt_spans=prompt_spans,
-        )
+        return prepare_inputs(out, self.requests, self.block_size, self.supports_pooling)
 
     def _forward(self, step: "StepInputs") -> torch.Tensor | None:
         """Run the model on the step (writing its K/V); logits [len(sample_rows), vocab]
