@@ -276,30 +276,31 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
             num_preempted=num_preempted,
             scheduled_spec_decode_tokens=spec_tokens,
-            **self._grammar_bitmask(num_scheduled_tokens),
+            **self._grammar_bitmask(num_scheduled_tokens, spec_tokens),
         )
 
     def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:
         """Draft tokens for a decoding request (speculative decoding), at most what the budget
         leaves after its own token and what max_tokens and max_model_len leave after the
-        bonus token. None for prefills, and for grammar-constrained requests: their masks
-        follow the grammar one sampled token at a time."""
+        bonus token. None for prefills; under a grammar, only the drafts the grammar allows
+        (each draft position then gets its own mask, ``_grammar_bitmask``)."""
         proposer = self.spec_proposer
         if proposer is None or request.num_tokens - request.num_computed_tokens != 1:
             return []
         worker_drafts, request.spec_token_ids = request.spec_token_ids, []  # (proposed for this step only)
         if proposer.disable_by_batch_size is not None and len(self.running) >= proposer.disable_by_batch_size:
             return []
-        params = request.sampling_params
-        if request.grammar is not None or getattr(params, "pooling", None) is not None:
-            return []
+        grammar = request.grammar
+        if getattr(request.sampling_params, "pooling", None) is not None or (
+                grammar is not None and (grammar.gated or grammar.waits)):
+            return []  # (a grammar waiting for its start: the masks would start mid-step)
         max_drafts = min(token_budget - 1, request.max_tokens - request.num_output_tokens - 1,
                          self.max_model_len - request.num_tokens)
         if max_drafts <= 0:
             return []
-        if proposer.from_worker:
-            return worker_drafts[:max_drafts]
-        return proposer.propose(request.all_token_ids, max_drafts)
+        drafts = worker_drafts[:max_drafts] if proposer.from_worker else proposer.propose(request.all_token_ids,
+                                                                                          max_drafts)
+        return drafts if grammar is None else grammar.valid_prefix(drafts)
 
     def _draft_model_lookahead(self, request: Request, end: int) -> int:
         """Slots after this step's tokens (drafts included; they end at ``end``) where the
@@ -318,20 +319,24 @@ class Scheduler:
         if self.structured_outputs is not None:
             self.structured_outputs.wait(self.waiting, timeout)
 
-    def _grammar_bitmask(self, num_scheduled_tokens: dict[str, int]) -> dict:
-        """The SchedulerOutput fields for the requests that sample this step under a grammar."""
+    def _grammar_bitmask(self, num_scheduled_tokens: dict[str, int], spec_tokens: dict[str, list[int]]) -> dict:
+        """The SchedulerOutput fields for the requests that sample this step under a grammar:
+        one mask row per sampled position (with k drafts, k + 1 rows in a row, the req_id
+        repeated)."""
         if self.structured_outputs is None:
             return {}
-        req_ids, grammars = [], []
+        req_ids, grammars, drafts = [], [], []
         for req_id, num_tokens in num_scheduled_tokens.items():
             request = self.requests[RequestId(req_id)]
             grammar = request.grammar
             if grammar is not None and grammar.masks and request.num_computed_tokens + num_tokens >= request.num_tokens:
-                req_ids.append(req_id)
+                drafts.append(spec_tokens.get(req_id, []))
+                req_ids.extend([req_id] * (len(drafts[-1]) + 1))
                 grammars.append(grammar)
         if not grammars:
             return {}
-        return {"grammar_req_ids": req_ids, "grammar_bitmask": self.structured_outputs.grammar_bitmask(grammars)}
+        return {"grammar_req_ids": req_ids,
+                "grammar_bitmask": self.structured_outputs.grammar_bitmask(grammars, drafts)}
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop its K/V, restart it from scratch later (its outputs

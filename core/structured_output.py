@@ -152,6 +152,19 @@ class RequestGrammar:
             return True
         return self.matcher.is_terminated() or self.matcher.accept_token(token_id)
 
+    def valid_prefix(self, draft_token_ids: list[int]) -> list[int]:
+        """The leading drafts the grammar accepts, up to and including one that ends it (the
+        matcher is left as it was). Only for an active, ungated grammar."""
+        matcher = self.matcher
+        num_valid = 0
+        for token_id in draft_token_ids:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            num_valid += 1
+        if num_valid:
+            matcher.rollback(num_valid)
+        return draft_token_ids[:num_valid]
+
     def is_complete(self) -> bool:
         """The tokens under the constraint form a whole string of the grammar (EOS may end it)."""
         return self.active and (self.matcher.is_terminated() or self.matcher.is_completed())
@@ -281,16 +294,29 @@ class StructuredOutputManager:
         matcher = _xgrammar().GrammarMatcher(compiled)
         return RequestGrammar(params, matcher, waits=params.start_after is not None, gated=params.opened_by is not None)
 
-    def grammar_bitmask(self, grammars: list[RequestGrammar]) -> "torch.Tensor":
-        """[len(grammars), ceil(vocab / 32)] int32: bit t of a row says token t may come next
-        (a gated grammar's ``opened_by`` token stays allowed)."""
+    def grammar_bitmask(self, grammars: list[RequestGrammar],
+                        drafts: list[list[int]] | None = None) -> "torch.Tensor":
+        """[rows, ceil(vocab / 32)] int32: bit t of a row says token t may come next (a gated
+        grammar's ``opened_by`` token stays allowed). One row per grammar, or with ``drafts``
+        (speculative decoding: drafts its grammar accepts, ``RequestGrammar.valid_prefix``)
+        k + 1 rows for a grammar with k drafts: next after its output, then after each draft."""
         xgr = _xgrammar()
-        bitmask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
-        for i, grammar in enumerate(grammars):
-            grammar.matcher.fill_next_token_bitmask(bitmask, i)
-            if grammar.gated:
+        drafts = drafts or [[] for _ in grammars]
+        bitmask = xgr.allocate_token_bitmask(sum(len(d) + 1 for d in drafts), self.vocab_size)
+        row = 0
+        for grammar, draft in zip(grammars, drafts):
+            matcher = grammar.matcher
+            for j in range(len(draft) + 1):
+                if j:
+                    accepted = matcher.accept_token(draft[j - 1])
+                    assert accepted, "a draft its grammar refuses (valid_prefix cuts them)"
+                matcher.fill_next_token_bitmask(bitmask, row)
+                row += 1
+            if draft:
+                matcher.rollback(len(draft))
+            if grammar.gated:  # (never with drafts)
                 word, bit = divmod(grammar.params.opened_by, 32)
-                bitmask[i, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # (int32 words)
+                bitmask[row - 1, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # (int32 words)
         return bitmask
 
     def shutdown(self) -> None:

@@ -274,11 +274,16 @@ class ModelRunner:
             row_outputs = [s.output_token_ids + d[:j] if j else s.output_token_ids
                            for s, d in zip(rows, drafts) for j in range(len(d) + 1)]
             bitmask = scheduler_output.grammar_bitmask
-            if bitmask is not None:  # structured outputs: the scheduler's allowed next tokens (never with drafts)
+            if bitmask is not None:  # structured outputs: the scheduler's allowed next tokens
                 from halserve.structured_output import apply_grammar_bitmask
 
-                row_of = {s.req_id: j for j, s in enumerate(row_states)}
-                grammar_rows = [row_of[i] for i in scheduler_output.grammar_req_ids]
+                # (a req_id with k drafts comes k + 1 times, for its k + 1 rows in a row)
+                first_row = {s.req_id: j for j, s in reversed(list(enumerate(row_states)))}
+                seen: dict[str, int] = {}
+                grammar_rows = []
+                for req_id in scheduler_output.grammar_req_ids:
+                    grammar_rows.append(first_row[req_id] + seen.get(req_id, 0))
+                    seen[req_id] = seen.get(req_id, 0) + 1
                 logits = apply_grammar_bitmask(logits, torch.tensor(grammar_rows, device=logits.device), bitmask)
             out = self.sampler.sample(logits, self._sampling_metadata(row_states, row_outputs, logits.device))
             tokens = out.sampled_token_ids.tolist()

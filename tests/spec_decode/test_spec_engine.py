@@ -331,6 +331,34 @@ def test_structured_output_request_in_a_spec_batch(spec_ckpt, engine_factory):
     assert got[3].outputs[0].text in ("yes", "no", "maybe")
 
 
+@pytest.mark.parametrize("constraint", [
+    {"regex": "(the cat ){3,6}"},  # a repeating language: prompt lookup predicts it
+    {"json": {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "boolean"},
+                                                      "minItems": 6, "maxItems": 6}},
+              "required": ["xs"]}},
+], ids=["regex", "json"])
+def test_drafts_checked_under_a_grammar(spec_ckpt, engine_factory, constraint):
+    """A constrained request gets drafts its grammar allows, each position with its own mask;
+    the output is the one without speculation and stays in the grammar."""
+    import json
+
+    base = engine_factory(spec_ckpt, block_size=4)
+    spec = engine_factory(spec_ckpt, k=4, block_size=4)
+    prompts = [REPETITIVE[0], random_prompts([5], 512, seed=4)[0]]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=constraint),
+              SamplingParams(temperature=0.7, seed=2, max_tokens=60, structured_outputs=constraint)]
+    want, got, num_accepted = run_both(base, spec, prompts, params)
+    assert summary(got) == summary(want)
+    assert num_accepted > 0  # (only these two constrained requests ran)
+    for out in got:
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", text
+        if "regex" in constraint:
+            assert re.fullmatch(constraint["regex"], text), text
+        else:
+            assert len(json.loads(text)["xs"]) == 6, text
+
+
 # -- n > 1, preemption --------------------------------------------------------------------------------
 def test_parallel_sampling_and_preemption_identical(spec_ckpt, small_vocab_ckpt, engine_factory):
     prompts = random_prompts([30, 12, 45, 20, 8, 36], 512, seed=5) + REPETITIVE

@@ -195,8 +195,10 @@ def check_schedule(sched, so):
         # (the proposal depends on the cap the scheduler passed: len(drafts) .. k)
         proposals = [proposer.propose(request.all_token_ids, cap)
                      for cap in range(len(drafts), proposer.num_speculative_tokens + 1)]
-        assert drafts in proposals, f"{req_id}: not the proposal"
-        assert request.grammar is None
+        if request.grammar is None:
+            assert drafts in proposals, f"{req_id}: not the proposal"
+        else:  # cut where its grammar refuses a draft
+            assert not request.grammar.waits and any(p[: len(drafts)] == drafts for p in proposals), req_id
 
 
 def step(sched, worker):
@@ -610,29 +612,45 @@ def test_token_accounting_without_stops():
 
 # -- requests that never get drafts ------------------------------------------------------------------
 class _Grammar:
-    """Stands in for a structured-output matcher: accepts any token."""
+    """Stands in for a structured-output matcher: allows any token but ``refused`` ones;
+    ``waits``: its constraint has not started (a start_after marker)."""
 
     masks = True
+    gated = False
+
+    def __init__(self, waits=False, refused=()):
+        self.waits = waits
+        self.refused = set(refused)
+
+    def valid_prefix(self, drafts):
+        cut = next((i for i, t in enumerate(drafts) if t in self.refused), len(drafts))
+        return drafts[:cut]
 
     def follow(self, token_id, output_token_ids):
         return True
 
 
-def test_no_drafts_for_grammar_or_pooling_requests():
+def test_grammar_requests_get_only_the_drafts_their_grammar_allows():
     from halserve.pooling_params import PoolingParams
 
     sched, worker = make_scheduler(k=3), SpecWorker(next_token=cyclic_next)
-    prompt = [10, 11, 10, 11, 10, 11]
-    plain = make_request("plain", prompt, max_tokens=8)
-    constrained = make_request("g", prompt, max_tokens=8)
-    sched.add_request(plain)
-    sched.add_request(constrained)
-    constrained.grammar = _Grammar()
+    prompt = cycle_from(ALPHABET[0], 12)
+    plain = make_request("plain", prompt, max_tokens=12)
+    waiting = make_request("g", prompt, max_tokens=12)
+    refusing = make_request("h", prompt, max_tokens=12)
+    for request in (plain, waiting, refusing):
+        sched.add_request(request)
+    waiting.grammar = _Grammar(waits=True)
+    refused = SUCCESSOR[SUCCESSOR[prompt[-1]]]  # the second token of the cycle after the prompt
+    refusing.grammar = _Grammar(refused={refused})
     results, outputs = run_to_completion(sched, worker)
     assert any("plain" in so.scheduled_spec_decode_tokens for so in outputs)
-    assert not any("g" in so.scheduled_spec_decode_tokens for so in outputs)
-    assert results["g"][0] == results["plain"][0]
-    assert sum(1 for so in outputs if "g" in so.num_scheduled_tokens) == 8  # one token per step
+    assert not any("g" in so.scheduled_spec_decode_tokens for so in outputs)  # no masks yet: no drafts
+    h_drafts = [so.scheduled_spec_decode_tokens["h"] for so in outputs if "h" in so.scheduled_spec_decode_tokens]
+    assert h_drafts and all(refused not in d for d in h_drafts)
+    assert any(len(d) < 3 for d in h_drafts)  # cut before the refused token
+    assert results["g"][0] == results["h"][0] == results["plain"][0]
+    assert sum(1 for so in outputs if "g" in so.num_scheduled_tokens) == 12  # one token per step
     # a pooling request, were it ever to decode, is not drafted for
     pooled = make_request("p", prompt, max_tokens=8)
     pooled.sampling_params.pooling = PoolingParams()
@@ -640,9 +658,6 @@ def test_no_drafts_for_grammar_or_pooling_requests():
     pooled.num_computed_tokens = pooled.num_tokens - 1
     assert sched.spec_proposer.propose(pooled.all_token_ids)
     assert sched._propose_drafts(pooled, 64) == []
-    plain2 = make_request("q", prompt + [11], max_tokens=8)
-    plain2.num_computed_tokens = plain2.num_tokens - 1
-    assert sched._propose_drafts(plain2, 64) == sched.spec_proposer.propose(plain2.all_token_ids)
 
 
 def test_no_drafts_in_steps_running_disable_by_batch_size_requests():
