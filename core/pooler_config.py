@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from halserve.config_json import json_object
 from halserve.pooling_params import POOLING_TYPES
 
 logger = logging.getLogger(__name__)
@@ -72,15 +73,7 @@ class PoolerConfig(BaseModel):
         bad field and what it accepts."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"pooler config must be a JSON object, e.g. {{\"pooling_type\": \"MEAN\"}}; "
-                                 f"{value!r} is not JSON ({exc.msg})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler config must be a dict (a JSON object) with pooling_type and/or normalize, "
-                             f"got {value!r}")
+        value = json_object(value, "pooler config", '{"pooling_type": "MEAN", "normalize": false}')
         try:
             return cls(**value)
         except ValidationError as exc:

@@ -1,10 +1,11 @@
 """``speculative_config``: which drafter proposes tokens and how many (vLLM's names)."""
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from halserve.config_json import json_object
 
 SPEC_METHODS = ("ngram", "draft_model")
 
@@ -55,14 +56,7 @@ class SpeculativeConfig(BaseModel):
         """From a dict, a JSON string (``--speculative-config``) or an instance."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON ({exc.msg}): {value!r}; "
-                                 'e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(value).__name__}")
+        value = json_object(value, "speculative_config", '{"method": "ngram", "num_speculative_tokens": 4}')
         method = value.get("method") or ("draft_model" if value.get("model") else "ngram")
         value = {**value, "method": method}
         if method not in SPEC_METHODS:

@@ -15,6 +15,8 @@ from halserve.request import Request, RequestStatus
 from halserve.sampling_params import SamplingParams
 from halserve.scheduler import Scheduler
 from halserve.scheduler_output import ModelRunnerOutput, SampleLogprobs
+from scheduler_helpers import make_request
+from scheduler_helpers import run_to_completion as drive
 
 BS = 4
 
@@ -90,16 +92,6 @@ def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max
     )
 
 
-def make_request(req_id, prompt, max_tokens=4, eos=(), **params):
-    return Request(
-        request_id=req_id,
-        prompt_token_ids=list(prompt),
-        sampling_params=SamplingParams(max_tokens=max_tokens, **params),
-        max_tokens=max_tokens,
-        eos_token_ids=set(eos),
-    )
-
-
 def step(sched, worker):
     so = sched.schedule()
     return so, sched.update_from_output(so, worker.execute(so))
@@ -107,19 +99,7 @@ def step(sched, worker):
 
 def run_to_completion(sched, worker, max_steps=1000):
     """Returns {req_id: (tokens, finish_reason, stop_reason)} and the list of SchedulerOutputs."""
-    results, outputs = {}, []
-    for _ in range(max_steps):
-        if not sched.has_unfinished_requests():
-            break
-        so, outs = step(sched, worker)
-        outputs.append(so)
-        assert so.total_num_scheduled_tokens <= sched.max_num_batched_tokens
-        assert len(so.num_scheduled_tokens) <= sched.max_num_seqs
-        for o in outs:
-            toks, _, _ = results.get(o.request_id, ([], None, None))
-            results[o.request_id] = (toks + o.new_token_ids, o.finish_reason, o.stop_reason)
-    assert not sched.has_unfinished_requests(), "did not finish"
-    return results, outputs
+    return drive(sched, worker, step, max_steps)
 
 
 # -- basic flow -----------------------------------------------------------------------

@@ -145,7 +145,7 @@ def test_pooler_config_overrides_the_checkpoint(llama_path, hidden_states, tmp_p
     ({"pooling_type": 3}, "pooling_type must be one of LAST, MEAN, CLS, got 3"),
     ({"normalize": "yes"}, "normalize must be true or false, got 'yes'"),
     ({"pooling": "MEAN"}, "pooler config has no field 'pooling'; its fields are pooling_type, normalize"),
-    ("MEAN", "pooler config must be a JSON object"),
+    ("MEAN", "pooler config is not valid JSON"),
     (["MEAN"], "pooler config must be a dict"),
 ])
 def test_bad_pooler_config_is_a_clear_error(llama_path, value, message):

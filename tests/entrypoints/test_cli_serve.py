@@ -51,7 +51,7 @@ def test_unavailable_platform_fails_fast_with_the_probe_reason(checkpoint):
         (["--pooler-config", '{"pooling_type": "MAX"}'], "pooling_type must be one of LAST, MEAN, CLS, got 'MAX'"),
         (["--override-pooler-config", '{"normalize": 1}'], "normalize must be true or false, got 1"),
         (["--pooler-config", '{"pooling": "MEAN"}'], "has no field 'pooling'; its fields are pooling_type, normalize"),
-        (["--pooler-config", "MEAN"], "pooler config must be a JSON object"),
+        (["--pooler-config", "MEAN"], "pooler config is not valid JSON"),
     ],
 )
 def test_unsupported_or_invalid_flags_exit_2(checkpoint, flags, expected):

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from halserve.request import Request, RequestStatus
-from halserve.sampling_params import SamplingParams
+from halserve.request import RequestStatus
 from halserve.scheduler import Scheduler
 from halserve.scheduler_output import ModelRunnerOutput, SampleLogprobs
 from halserve.spec_decode import NgramProposer, count_accepted
+from scheduler_helpers import make_request as base_request
+from scheduler_helpers import run_to_completion as drive
 
 BS = 4
 
@@ -171,13 +172,7 @@ def make_scheduler(k=3, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64
 
 
 def make_request(req_id, prompt, max_tokens=8, eos=(), **params):
-    return Request(
-        request_id=req_id,
-        prompt_token_ids=list(prompt),
-        sampling_params=SamplingParams(max_tokens=max_tokens, **params),
-        max_tokens=max_tokens,
-        eos_token_ids=set(eos),
-    )
+    return base_request(req_id, prompt, max_tokens, eos, **params)
 
 
 def check_schedule(sched, so):
@@ -215,18 +210,7 @@ def step(sched, worker):
 
 def run_to_completion(sched, worker, max_steps=2000):
     """{req_id: (tokens, finish_reason, stop_reason)} and the list of SchedulerOutputs."""
-    results, outputs = {}, []
-    for _ in range(max_steps):
-        if not sched.has_unfinished_requests():
-            break
-        so, outs = step(sched, worker)
-        outputs.append(so)
-        assert so.total_num_scheduled_tokens <= sched.max_num_batched_tokens
-        assert len(so.num_scheduled_tokens) <= sched.max_num_seqs
-        for o in outs:
-            toks, _, _ = results.get(o.request_id, ([], None, None))
-            results[o.request_id] = (toks + o.new_token_ids, o.finish_reason, o.stop_reason)
-    assert not sched.has_unfinished_requests(), "did not finish"
+    results, outputs = drive(sched, worker, step, max_steps)
     assert sched.kv_cache_usage == 0.0
     return results, outputs
 
