@@ -98,3 +98,14 @@ def test_stop_string_inside_accepted_drafts_cuts_there(spec_client, client):
     want = client.completions.create(stop=[stop], **base).choices[0]
     got = spec_client.completions.create(stop=[stop], **base).choices[0]
     assert (got.text, got.finish_reason) == (want.text, want.finish_reason) == (text[: text.index(stop)], "stop")
+
+
+def test_streamed_completion_logprobs_cover_every_token(spec_client, client):
+    """Chunks may bring several tokens at once (accepted drafts): their logprobs come with them."""
+    kwargs = dict(model=SERVED_NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0.0, logprobs=1)
+    want = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in spec_client.completions.create(stream=True, **kwargs) if c.choices]
+    tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    assert tokens == want.logprobs.tokens
+    assert "".join(c.text for c in chunks) == want.text
+    assert any(c.logprobs and len(c.logprobs.tokens) > 1 for c in chunks)  # a multi-token step was streamed
