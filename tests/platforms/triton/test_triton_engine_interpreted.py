@@ -157,3 +157,25 @@ def test_rocm_stack_interpreted(gfx, fp8, monkeypatch, tmp_path):
     # wrongly): every request still runs to its length, and most first tokens agree
     assert [len(o.outputs[0].token_ids) for o in first] == [NEW_TOKENS] * len(prompts)
     assert sum(o.outputs[0].token_ids[0] == e[0] for o, e in zip(first, expected)) >= 2
+
+
+def test_cuda_stack_interpreted_with_speculative_decoding(interpreted_cuda, tmp_path):
+    """ngram drafts checked by the triton_paged kernel (each decode a short span over its cached
+    context, with the drafts' K/V written by the Triton cache kernel): greedy-identical to transformers."""
+    from engine_helpers import hf_greedy
+    from model_factory import make_checkpoint
+
+    path = make_checkpoint(str(tmp_path), "llama", hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64,
+                           layer_scale=0.6)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 20, 40)]
+    expected = hf_greedy(path, prompts, 24)
+    from halserve import LLM, SamplingParams
+
+    llm = LLM(path, platform="cuda", dtype="float32", block_size=BLOCK, max_num_batched_tokens=BUDGET,
+              attention_backend="triton_paged", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                   "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.llm_engine.core.get_stats().spec_num_accepted_tokens > 0
