@@ -73,10 +73,15 @@ class DraftModelProposer:
         if self.info.runner != "generate":
             raise ValueError(f"speculative_config draft model {spec.model!r} is a {self.info.architecture}, which has "
                              "no LM head to propose tokens; use a causal LM of the target's vocabulary")
+        # Sizes may differ by padding (Qwen2.5-0.5B has 151936 rows, Qwen2.5-7B 152064): drafts are
+        # taken among the ids both have. A draft of another tokenizer is not an error (every draft
+        # is checked), only useless: nothing is accepted.
+        self.target_vocab_size = target_info.vocab_size
+        self.num_shared_ids = min(self.info.vocab_size, target_info.vocab_size)
         if self.info.vocab_size != target_info.vocab_size:
-            raise ValueError(f"speculative_config draft model {spec.model!r} has a vocabulary of {self.info.vocab_size} "
-                             f"tokens but the target model has {target_info.vocab_size}; the draft must share the "
-                             "target's tokenizer (e.g. a smaller model of the same family)")
+            logger.warning("draft model %s has %d vocabulary rows, the target %d: drafts are taken among the first "
+                           "%d ids; the two must share a tokenizer for drafts to be accepted", spec.model,
+                           self.info.vocab_size, target_info.vocab_size, self.num_shared_ids)
         self.attn_backend_cls = select_attention_backend(self.config, platform, self.info)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -107,7 +112,7 @@ class DraftModelProposer:
     def mirror(self, common: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Step 1: the target step's inputs (device tensors) through the draft, for its K/V."""
         with set_forward_context(self.attn_backend_cls.build_metadata(common)):
-            self.model(input_ids, positions)
+            self.model(self._embeddable(input_ids), positions)
 
     def propose(self, states: list["CachedRequestState"], max_model_len: int) -> list[list[int]]:
         """Step 2: up to k drafts after each request's last token (its state is up to date)."""
@@ -138,9 +143,16 @@ class DraftModelProposer:
                                          block_table=common.block_table.to(dev), slot_mapping=common.slot_mapping.to(dev))
             input_ids = torch.tensor([tokens[r] for r in rows], dtype=torch.long, device=dev)
             with set_forward_context(self.attn_backend_cls.build_metadata(common)):
-                hidden = self.model(input_ids, torch.from_numpy(positions).to(dev))
-            proposals = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+                hidden = self.model(self._embeddable(input_ids), torch.from_numpy(positions).to(dev))
+            proposals = self.model.compute_logits(hidden)[:, : self.num_shared_ids].argmax(dim=-1).tolist()
             for r, token in zip(rows, proposals):
                 drafts[r].append(token)
                 tokens[r] = token
         return drafts
+
+    def _embeddable(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Ids past a smaller draft vocabulary (a target-only token) become its last id: the
+        draft only guesses worse there, and every draft is checked anyway."""
+        if self.info.vocab_size < self.target_vocab_size:
+            return input_ids.clamp(max=self.info.vocab_size - 1)
+        return input_ids

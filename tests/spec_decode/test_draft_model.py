@@ -2,7 +2,8 @@
 k}``): outputs equal those without speculation; a draft that is the target itself proposes
 exactly the target's greedy tokens, so every draft is accepted -- which also checks that the
 draft's K/V (written in the target's slots, reused through the prefix cache and rebuilt after
-preemption) is right; bad drafts are refused with clear errors."""
+preemption) is right; a draft of another vocabulary size drafts among the shared ids; bad
+drafts are refused with clear errors."""
 from __future__ import annotations
 
 import random
@@ -108,13 +109,37 @@ def test_preemption_and_max_model_len(ckpts, prompts, reference):
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
 
 
-def test_bad_draft_models_are_refused(ckpts, tmp_path):
+@pytest.mark.parametrize("vocab_size", [300, 700])
+def test_a_draft_of_another_vocabulary_size_drafts_among_the_shared_ids(ckpts, prompts, reference, tmp_path,
+                                                                        caplog, vocab_size):
+    """(Qwen2.5-0.5B and -7B differ in padded vocabulary rows.) Drafts stay below both sizes."""
+    import logging
+
     from model_factory import make_checkpoint
 
     target, _ = ckpts
-    other_vocab = make_checkpoint(str(tmp_path / "v300"), "llama", vocab_size=300, num_layers=1)
-    with pytest.raises(ValueError, match="vocabulary of 300 tokens but the target model has 512"):
-        spec_llm(target, other_vocab, 2)
+    draft = make_checkpoint(str(tmp_path / f"v{vocab_size}"), "llama", vocab_size=vocab_size, num_layers=1)
+    with caplog.at_level(logging.WARNING, logger="halserve"):
+        llm = spec_llm(target, draft, 3)
+    try:
+        assert f"{vocab_size} vocabulary rows, the target 512" in caplog.text
+        runner = llm.llm_engine.core.executor.worker.model_runner
+        proposed, original = [], runner.drafter.propose
+
+        def recording(*args):
+            drafts = original(*args)
+            proposed.extend(drafts)
+            return drafts
+
+        runner.drafter.propose = recording
+        assert run(llm, prompts, PARAMS["greedy"]) == reference["greedy"]
+        assert proposed and max(t for d in proposed for t in d) < min(vocab_size, 512)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_bad_draft_models_are_refused(ckpts, tmp_path):
+    target, _ = ckpts
     with pytest.raises(ValueError, match="draft model .*/nowhere"):
         spec_llm(target, str(tmp_path / "nowhere"), 2)
     with pytest.raises(ValueError, match='"draft_model" needs "model"'):
