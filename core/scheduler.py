@@ -298,8 +298,10 @@ class Scheduler:
                          self.max_model_len - request.num_tokens)
         if max_drafts <= 0:
             return []
-        drafts = worker_drafts[:max_drafts] if proposer.from_worker else proposer.propose(request.all_token_ids,
-                                                                                          max_drafts)
+        if proposer.from_worker:
+            drafts = worker_drafts[:max_drafts]
+        else:
+            drafts = proposer.propose(request.all_token_ids, max_drafts, key=request.request_id)
         return drafts if grammar is None else grammar.valid_prefix(drafts)
 
     def _draft_model_lookahead(self, request: Request, end: int) -> int:
@@ -429,6 +431,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         del self._priority[request.request_id]
+        if self.spec_proposer is not None:
+            self.spec_proposer.forget(request.request_id)
         self._finished_req_ids.add(request.request_id)
         if self.lora_admission is not None:
             self.lora_admission.forget(request.request_id)

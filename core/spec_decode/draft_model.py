@@ -47,6 +47,9 @@ class WorkerDrafts:
         self.num_speculative_tokens = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
 
+    def forget(self, key: str) -> None:
+        """(Nothing kept per request on the scheduler's side.)"""
+
 
 class DraftModelProposer:
     """Owned by the model runner when ``speculative_config.method`` is "draft_model"."""

@@ -3,6 +3,7 @@ prefix count, and ``speculative_config`` parsing (dict, JSON string, errors)."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -95,7 +96,6 @@ def test_proposal_is_truncated_at_the_end_of_the_sequence():
 
 
 def test_proposer_matches_the_reference_on_random_sequences():
-    import random
 
     rng = random.Random(11)
     nonempty = 0
@@ -199,3 +199,16 @@ def test_unknown_keys_are_refused_not_ignored():
     with pytest.raises(ValueError) as info:
         SpeculativeConfig.parse({"num_speculative_tokens": 2, "num_lookahead_slots": 4})
     assert "num_lookahead_slots" in str(info.value) and "xtra" in str(info.value)  # pydantic: "Extra inputs ..."
+
+
+def test_a_keyed_sequence_gives_what_a_fresh_one_gives_as_it_grows():
+    """The scheduler's per-request buffer (``key``) is copied incrementally; it must never go stale."""
+    rng = random.Random(11)
+    proposer = NgramProposer(1, 4, 3)
+    tokens = [rng.randrange(5) for _ in range(3)]
+    for _ in range(600):  # past the buffer's first size (256): it grows
+        tokens.extend(rng.randrange(5) for _ in range(rng.randrange(1, 4)))
+        assert proposer.propose(tokens, key="r") == proposer.propose(tokens) == reference_propose(tokens, 1, 4, 3)
+    proposer.forget("r")
+    assert "r" not in proposer._buffers
+    assert proposer.propose([1, 2, 1], key="r") == [2, 1]  # a new sequence under a forgotten key
