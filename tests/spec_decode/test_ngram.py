@@ -96,7 +96,6 @@ def test_proposal_is_truncated_at_the_end_of_the_sequence():
 
 
 def test_proposer_matches_the_reference_on_random_sequences():
-
     rng = random.Random(11)
     nonempty = 0
     for _ in range(600):
