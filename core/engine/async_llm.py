@@ -12,25 +12,23 @@ on the asyncio side.
                  queues, metrics
                  stop-string aborts ------------->  EngineCore.abort_requests
 
-The engine thread blocks on its input queue when idle (no busy-spinning). EngineCore is
-only ever touched from that thread; ``get_stats`` reads the snapshot it publishes after
-every step. If the thread dies, every stream gets ``EngineDeadError`` and
-``is_healthy`` turns False.
+The engine thread (``EngineThread``, engine_thread.py) blocks on its input queue when idle
+(no busy-spinning). EngineCore is only ever touched from that thread; ``get_stats`` reads the
+snapshot it publishes after every step. If the thread dies, every stream gets
+``EngineDeadError`` and ``is_healthy`` turns False.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import functools
 import itertools
 import logging
-import queue
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+from halserve.engine.engine_thread import EngineThread
 from halserve.engine.request_stream import (
     EngineDeadError,
     PreparedRequest,
@@ -79,17 +77,12 @@ class AsyncLLM:
         self.model_info = getattr(engine_core, "model_info", None)
         self.stat_observers: list[StatsObserver] = list(stat_observers or [])
         self.dead_error: BaseException | None = None
-        self._stats = EngineStats()
         self._requests: dict[str, RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
-        self._pending_acks: set[asyncio.Future] = set()
-        self._input: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._engine_thread = EngineThread(engine_core, self._on_outputs, self._on_dead)
         self._shutdown = False
         self._ids = itertools.count()
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="halserve-tokenizer")
-        self._refresh_stats_now()
 
     @classmethod
     def from_config(cls, config: Any, stat_observers: list[StatsObserver] | None = None) -> "AsyncLLM":
@@ -119,11 +112,7 @@ class AsyncLLM:
 
     def start(self) -> None:
         """Start the engine thread, bound to the running event loop (idempotent)."""
-        if self._thread is not None:
-            return
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._engine_loop, name="halserve-engine", daemon=True)
-        self._thread.start()
+        self._engine_thread.start()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Abort every in-flight request (their streams end with finish_reason "abort"),
@@ -133,38 +122,19 @@ class AsyncLLM:
         self._shutdown = True
         for request_id in list(self._requests):
             self._finish_aborted(request_id)
-        self._input.put(("stop", None))
-        thread = self._thread
-        if thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
-            if thread.is_alive():
-                logger.warning("engine thread did not stop within %.0fs", timeout)
-        else:
-            self._shutdown_core()
+        await self._engine_thread.stop(timeout)
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     def request_shutdown(self) -> None:
         """Schedule ``shutdown()`` on the engine's event loop; safe from any thread or a
         signal handler."""
-        loop = self._loop
+        loop = self._engine_thread.loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.shutdown()))
 
-    def _shutdown_core(self) -> None:
-        try:
-            self.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - shutting down anyway
-            logger.exception("engine core shutdown failed")
-
     def get_stats(self) -> EngineStats:
         """The latest snapshot published by the engine thread (cheap, any thread)."""
-        return self._stats
-
-    def _refresh_stats_now(self) -> None:
-        try:
-            self._stats = self.engine_core.get_stats()
-        except Exception:  # noqa: BLE001 - stats are best effort before start
-            pass
+        return self._engine_thread.stats
 
     # ------------------------------------------------------------------ requests
     async def add_request(
@@ -234,16 +204,11 @@ class AsyncLLM:
             self._child_to_parent[child_id] = request_id
         # The core may still refuse it (e.g. it can never fit in the KV cache): wait for
         # the engine thread's verdict so that is a ValueError here, not a broken stream.
-        ack: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-        self._pending_acks.add(ack)
-        self._input.put(("add", (core_requests, ack)))
         try:
-            error = await ack
+            error = await self._engine_thread.add_requests(core_requests)
         except BaseException:
             self._drop(request_id, abort_core=True)
             raise
-        finally:
-            self._pending_acks.discard(ack)
         if error is not None:
             self._drop(request_id, abort_core=True)
             raise error
@@ -282,7 +247,8 @@ class AsyncLLM:
         ``lora_request``, if given), in lockstep: each step submits one one-token request per
         live beam of every prompt, all at once. Bad input raises ``ValueError`` (a prompt the
         engine refuses: at the first step). Cancelling the caller aborts the step's requests."""
-        from halserve.beam_search import BeamSearch, first_token_logprobs, run_beam_search_async, step_sampling_params
+        from halserve.beam_search import BeamSearch
+        from halserve.engine.async_beam_search import run_beam_searches
 
         self._check_alive()
         self.start()
@@ -297,47 +263,14 @@ class AsyncLLM:
             else:
                 _, ids = self.input_processor.tokenize(prompt)
             searches.append(BeamSearch(ids, params, info.eos_token_ids, info.max_model_len))
-        step_params = step_sampling_params(params)
-        step_ids = itertools.count()
-
-        async def run_one(tokens: list[int]) -> Any:
-            stream = await self.add_request({"prompt_token_ids": tokens}, step_params, f"{request_id}-{next(step_ids)}",
-                                            lora_request=lora_request)
-            try:
-                final = None
-                async for final in stream:
-                    pass
-            finally:
-                stream.close()
-            assert final is not None
-            return first_token_logprobs(final)
-
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
-        if lora_request is None:
-            return await run_beam_search_async(searches, run_one, decode)
-        # the adapter stays loaded between the steps' requests (an unload meanwhile waits for the end)
-        await self.run_in_engine(lambda core: core.hold_lora(lora_request, True))
-        try:
-            return await run_beam_search_async(searches, run_one, decode)
-        finally:
-            with contextlib.suppress(EngineDeadError):  # (a dead engine holds nothing)
-                await self.run_in_engine(lambda core: core.hold_lora(lora_request, False))
+        return await run_beam_searches(self, searches, params, request_id, lora_request)
 
     async def run_in_engine(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(engine_core)`` in the engine thread (the only one that may touch the core), between
         steps; its result, or its exception raised here."""
         self._check_alive()
         self.start()
-        ack: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._pending_acks.add(ack)
-        self._input.put(("call", (fn, ack)))
-        try:
-            result = await ack
-        finally:
-            self._pending_acks.discard(ack)
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return await self._engine_thread.call(fn)
 
     async def add_lora(self, lora_request: "LoRARequest") -> bool:
         """Load and validate a LoRA adapter on the workers (ValueError if it cannot be served)."""
@@ -367,7 +300,7 @@ class AsyncLLM:
         except Exception:  # noqa: BLE001 - the processor may already have dropped it
             logger.debug("output processor had no state for %s", request_id)
         if abort_core:
-            self._input.put(("abort", list(state.child_ids)))
+            self._engine_thread.abort(state.child_ids)
         return state
 
     def _finish_aborted(self, request_id: str) -> None:
@@ -388,72 +321,6 @@ class AsyncLLM:
         if self._shutdown:
             raise EngineDeadError("the engine is shut down")
 
-    # ------------------------------------------------------------------ engine thread
-    def _engine_loop(self) -> None:
-        core = self.engine_core
-        try:
-            while True:
-                block = not core.has_unfinished_requests()
-                if self._drain_input(block=block):
-                    break
-                if core.has_unfinished_requests():
-                    outputs = core.step()
-                    # Published from this thread only, so a newer snapshot is never
-                    # overwritten by an older one still queued for the event loop.
-                    self._stats = core.get_stats()
-                    if outputs:
-                        self._call_in_loop(self._on_outputs, outputs)
-                else:
-                    self._stats = core.get_stats()
-        except BaseException as exc:  # noqa: BLE001 - report to every stream, never hang them
-            logger.exception("engine thread died")
-            self._call_in_loop(self._on_dead, exc)
-        finally:
-            self._shutdown_core()
-
-    def _drain_input(self, block: bool) -> bool:
-        """Apply queued adds/aborts; returns True on "stop"."""
-        core = self.engine_core
-        while True:
-            try:
-                kind, payload = self._input.get(block=block)
-            except queue.Empty:
-                return False
-            block = False
-            if kind == "stop":
-                return True
-            if kind == "abort":
-                core.abort_requests(payload)
-            elif kind == "call":  # run_in_engine: the result, or the exception, goes back
-                fn, ack = payload
-                try:
-                    result = fn(core)
-                except Exception as exc:  # noqa: BLE001 - the caller's to handle
-                    result = exc
-                self._call_in_loop(_resolve, ack, result)
-            elif kind == "add":
-                requests, ack = payload
-                error: BaseException | None = None
-                added: list[str] = []
-                try:
-                    for req in requests:
-                        core.add_request(req)
-                        added.append(req.request_id)
-                except ValueError as exc:
-                    error = exc
-                    if added:
-                        core.abort_requests(added)
-                self._call_in_loop(_resolve, ack, error)
-
-    def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # loop closed between the check and the call
-            pass
-
     # ------------------------------------------------------------------ asyncio side
     def _on_outputs(self, core_outputs: list[Any]) -> None:
         # Outputs of requests aborted meanwhile (the core had not seen the abort yet).
@@ -467,7 +334,7 @@ class AsyncLLM:
             self._on_dead(exc)
             return
         if to_abort:
-            self._input.put(("abort", list(to_abort)))
+            self._engine_thread.abort(to_abort)
         now = time.time()
         for out in request_outputs:
             state = self._requests.get(out.request_id)
@@ -513,13 +380,7 @@ class AsyncLLM:
             self._requests.pop(request_id, None)
             state.stream._put(error)
         self._child_to_parent.clear()
-        for ack in list(self._pending_acks):
-            _resolve(ack, error)
-
-
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    if not future.done():
-        future.set_result(error)
+        self._engine_thread.fail_pending(error)
 
 
 def _prompt_size(prompt: Any) -> int:

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import Iterable
 from typing import Any, Callable
 
 from halserve.engine.types import EngineStats
@@ -84,7 +85,7 @@ class EngineThread:
         ``ValueError``) or None, or what ``fail_pending`` was given meanwhile."""
         return await self._send("add", core_requests)
 
-    def abort(self, child_ids: Any) -> None:
+    def abort(self, child_ids: Iterable[str]) -> None:
         """Queue an abort of these core request ids (ids the core no longer has are ignored)."""
         self._input.put(("abort", list(child_ids)))
 
