@@ -381,7 +381,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
             else:
                 no_token = req_id in model_runner_output.no_token_req_ids  # its constraints left nothing (more)
-                assert sampled or no_token, f"{req_id} completed its prefill/decode but the model runner sampled no token"
+                assert sampled or no_token, f"{req_id} completed its prefill/decode but the runner sampled no token"
                 waive_min_tokens = req_id in model_runner_output.min_tokens_waived
                 for token_id in sampled:
                     if request.grammar is not None and not request.grammar.follow(token_id, request.output_token_ids):

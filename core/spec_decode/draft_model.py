@@ -142,8 +142,10 @@ class DraftModelProposer:
                 slot_mapping=torch.from_numpy(slots), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
             )
             dev = self.device
-            common = dataclasses.replace(common, query_start_loc=qsl.to(dev), seq_lens=seq_lens.to(dev),
-                                         block_table=common.block_table.to(dev), slot_mapping=common.slot_mapping.to(dev))
+            common = dataclasses.replace(
+                common, query_start_loc=qsl.to(dev), seq_lens=seq_lens.to(dev),
+                block_table=common.block_table.to(dev), slot_mapping=common.slot_mapping.to(dev),
+            )
             input_ids = torch.tensor([tokens[r] for r in rows], dtype=torch.long, device=dev)
             with set_forward_context(self.attn_backend_cls.build_metadata(common)):
                 hidden = self.model(self._embeddable(input_ids), torch.from_numpy(positions).to(dev))
