@@ -39,3 +39,25 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
             )
             outs.append(y[0, len(ids):].tolist())
     return outs
+
+
+def assert_speculation_matches(path: str, prompts: list[list[int]], expected: list[list[int]], max_tokens: int,
+                               **engine_kwargs) -> None:
+    """Greedy generation with ngram drafts, then with a draft model (the target itself, so every
+    draft is accepted), gives ``expected``; drafts were accepted (the checkpoint must repeat itself,
+    e.g. ``make_checkpoint(..., layer_scale=0.6)``)."""
+    from halserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1},
+                 {"model": path, "num_speculative_tokens": 3}):
+        llm = LLM(path, speculative_config=spec, **engine_kwargs)
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            stats = llm.llm_engine.core.get_stats()
+        finally:
+            llm.llm_engine.shutdown()
+        assert [o.outputs[0].token_ids for o in outputs] == expected, spec
+        assert stats.spec_num_accepted_tokens > 0, spec
+        if "model" in spec:
+            assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens

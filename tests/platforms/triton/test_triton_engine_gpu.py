@@ -41,10 +41,8 @@ def test_speculative_decoding_on_cuda(tmp_path):
     """ngram drafts (and a draft model: the target itself) checked by the compiled triton_paged
     kernel: greedy-identical to transformers; the self-draft has every draft accepted."""
     import torch
-    from engine_helpers import hf_greedy
+    from engine_helpers import assert_speculation_matches, hf_greedy
     from model_factory import make_checkpoint
-
-    from halserve import LLM, SamplingParams
 
     if torch.version.hip:
         pytest.skip("the cuda platform")
@@ -52,16 +50,6 @@ def test_speculative_decoding_on_cuda(tmp_path):
                            layer_scale=0.6)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 20, 40, 90)]
-    expected = hf_greedy(path, prompts, NEW_TOKENS)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for spec in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1},
-                 {"model": path, "num_speculative_tokens": 3}):
-        llm = LLM(path, platform="cuda", dtype="float32", block_size=BLOCK, max_num_batched_tokens=BUDGET,
-                  attention_backend="triton_paged", speculative_config=spec)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == expected, spec
-        stats = llm.llm_engine.core.get_stats()
-        assert stats.spec_num_accepted_tokens > 0
-        if "model" in spec:
-            assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
-        llm.llm_engine.shutdown()
+    assert_speculation_matches(path, prompts, hf_greedy(path, prompts, NEW_TOKENS), NEW_TOKENS, platform="cuda",
+                               dtype="float32", block_size=BLOCK, max_num_batched_tokens=BUDGET,
+                               attention_backend="triton_paged")

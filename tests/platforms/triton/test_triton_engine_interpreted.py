@@ -163,25 +163,12 @@ def test_cuda_stack_interpreted_with_speculative_decoding(interpreted_cuda, tmp_
     """Drafts checked by the triton_paged kernel (each decode a short span over its cached
     context, with the drafts' K/V written by the Triton cache kernel), from prompt lookup and from
     a draft model (the target itself: every draft accepted): greedy-identical to transformers."""
-    from engine_helpers import hf_greedy
+    from engine_helpers import assert_speculation_matches, hf_greedy
     from model_factory import make_checkpoint
 
     path = make_checkpoint(str(tmp_path), "llama", hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64,
                            layer_scale=0.6)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 20, 40)]
-    expected = hf_greedy(path, prompts, 24)
-    from halserve import LLM, SamplingParams
-
-    for spec in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1},
-                 {"model": path, "num_speculative_tokens": 3}):
-        llm = LLM(path, platform="cuda", dtype="float32", block_size=BLOCK, max_num_batched_tokens=BUDGET,
-                  attention_backend="triton_paged", speculative_config=spec)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == expected, spec
-        stats = llm.llm_engine.core.get_stats()
-        assert stats.spec_num_accepted_tokens > 0
-        if "model" in spec:
-            assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
-        llm.llm_engine.shutdown()
+    assert_speculation_matches(path, prompts, hf_greedy(path, prompts, 24), 24, platform="cuda", dtype="float32",
+                               block_size=BLOCK, max_num_batched_tokens=BUDGET, attention_backend="triton_paged")
