@@ -87,7 +87,8 @@ class Scheduler:
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int) -> Scheduler:
+    def from_engine_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int,
+                           structured_outputs: "StructuredOutputManager | None" = None) -> Scheduler:
         """``num_blocks`` comes from KV-cache sizing and ``max_model_len`` from the model
         (``config.max_model_len`` may still be None)."""
         return cls(
@@ -97,6 +98,7 @@ class Scheduler:
             block_size=config.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
+            structured_outputs=structured_outputs,
             max_loras=config.max_loras if config.enable_lora else None,
             spec_proposer=make_spec_proposer(config),
         )

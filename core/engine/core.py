@@ -26,7 +26,7 @@ class EngineCore:
         from halserve.models.loader import get_model_info
         from halserve.platforms import resolve_platform
         from halserve.plugins import get_plugin_manager
-        from halserve.scheduler import Scheduler, make_spec_proposer
+        from halserve.scheduler import Scheduler
         from halserve.structured_output import StructuredOutputManager
 
         start = time.perf_counter()
@@ -51,16 +51,9 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = Scheduler(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.model_info.max_model_len,
-            block_size=config.block_size,
-            num_blocks=self.num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+        self.scheduler = Scheduler.from_engine_config(
+            config, num_blocks=self.num_blocks, max_model_len=self.model_info.max_model_len,
             structured_outputs=StructuredOutputManager(self._load_tokenizer, self.model_info.vocab_size),
-            max_loras=config.max_loras if config.enable_lora else None,
-            spec_proposer=make_spec_proposer(config),
         )
         self.lora_registry = None  # with enable_lora: the adapters the workers hold (halserve.lora.registry)
         if config.enable_lora:
