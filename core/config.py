@@ -40,6 +40,9 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     seed: int = 0
     tensor_parallel_size: int = Field(default=1, ge=1)
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    """Pipeline stages: the decoder layers are split into this many consecutive stages, each
+    ``tensor_parallel_size`` ranks wide (``world_size = tensor_parallel_size * pipeline_parallel_size``)."""
     distributed_executor_backend: str | None = None
     """Executor plugin name; None picks ``uni`` for one rank, else ``mp``."""
     quantization: str | None = None
@@ -89,11 +92,34 @@ class EngineConfig(BaseModel):
         return None if value is None else SpeculativeConfig.parse(value)
 
     @model_validator(mode="after")
+    def _pipeline_parallel(self) -> "EngineConfig":
+        if self.pipeline_parallel_size == 1:
+            return self
+        if self.enable_lora:
+            raise ValueError("LoRA (enable_lora) does not run with pipeline_parallel_size > 1 yet; "
+                             "use tensor_parallel_size to split the model instead")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("a draft model (speculative_config) does not run with pipeline_parallel_size > 1 yet; "
+                             "use the ngram method or tensor_parallel_size instead")
+        return self
+
+    @model_validator(mode="after")
     def _lora_limits(self) -> "EngineConfig":
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
                              "every running adapter stays loaded")
         return self
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (worker processes) the engine runs: tensor x pipeline parallel size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_name(self) -> str:
+        """The executor plugin to run: the one asked for, else ``uni`` for one rank, ``mp`` for more."""
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
     @property
     def resolved_max_cpu_loras(self) -> int:

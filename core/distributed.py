@@ -1,10 +1,19 @@
-"""Tensor-parallel state of this process and the collectives layers use.
+"""Tensor- and pipeline-parallel state of this process and the collectives layers use.
 
 One rank (the default) needs no setup: every collective is a no-op. A multi-rank
-executor's workers call ``init_distributed(backend, init_method, rank, world_size)``
-(the platform's ``dist_backend``; e.g. ``tcp://127.0.0.1:<port>``) before the model is
-built, because layers size their shards at construction; it joins the process group and
-makes every rank one tensor-parallel group. ``destroy_distributed()`` undoes both.
+executor's workers call ``init_distributed(backend, init_method, rank, world_size,
+tensor_parallel_size)`` (the platform's ``dist_backend``; e.g. ``tcp://127.0.0.1:<port>``)
+before the model is built, because layers size their shards at construction; it joins the
+process group and splits the ranks, stage-major, into pipeline stages of
+``tensor_parallel_size`` ranks each::
+
+    world_size 4, tensor_parallel_size 2:   stage 0 = ranks 0, 1    stage 1 = ranks 2, 3
+    rank = stage * tensor_parallel_size + tensor-parallel rank
+
+Each stage is one tensor-parallel group (its own process group, or the default group when
+there is one stage); a rank sends its stage's output to the rank of the same
+tensor-parallel index in the next stage (``pp_send`` / ``pp_recv``).
+``destroy_distributed()`` undoes it all.
 """
 from __future__ import annotations
 
@@ -21,7 +30,24 @@ class TensorParallelState:
     group: Any = None  # torch.distributed ProcessGroup; None = the default group
 
 
+@dataclass(frozen=True, slots=True)
+class PipelineParallelState:
+    rank: int  # this process's stage
+    size: int  # stages
+    prev_rank: int | None = None  # global rank this stage receives from; None on the first stage
+    next_rank: int | None = None  # global rank this stage sends to; None on the last stage
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+
 _state = TensorParallelState(rank=0, size=1)
+_pp_state = PipelineParallelState(rank=0, size=1)
 
 
 def init_tensor_parallel(rank: int, size: int, group: Any = None) -> TensorParallelState:
@@ -41,8 +67,9 @@ def init_tensor_parallel(rank: int, size: int, group: Any = None) -> TensorParal
 
 
 def init_distributed(backend: str, init_method: str | None, rank: int, world_size: int,
-                     timeout_s: float | None = None) -> TensorParallelState:
-    """Join the ``world_size``-rank process group and use all of it for tensor parallelism.
+                     timeout_s: float | None = None, tensor_parallel_size: int | None = None) -> TensorParallelState:
+    """Join the ``world_size``-rank process group and split it into pipeline stages of
+    ``tensor_parallel_size`` ranks (None: one stage, all ranks tensor-parallel).
 
     Called by each worker in ``init_device`` (one process per rank). ``init_method`` is a
     torch.distributed URL every rank can reach (``tcp://host:port``); None reads the
@@ -50,8 +77,12 @@ def init_distributed(backend: str, init_method: str | None, rank: int, world_siz
     """
     import datetime
 
+    global _pp_state
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} / world_size {world_size}: need 0 <= rank < world_size")
+    tp = world_size if tensor_parallel_size is None else tensor_parallel_size
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide world_size {world_size}")
     dist = torch.distributed
     if not dist.is_available():
         raise ValueError("torch.distributed is not available in this torch build; use tensor_parallel_size=1")
@@ -67,7 +98,19 @@ def init_distributed(backend: str, init_method: str | None, rank: int, world_siz
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=rank,
                                 world_size=world_size, **kwargs)
-    return init_tensor_parallel(rank, world_size, group=None)
+    num_stages, stage = world_size // tp, rank // tp
+    group = None  # one stage: the default group
+    if num_stages > 1:
+        for s in range(num_stages):  # (every rank creates every group, in the same order)
+            stage_group = dist.new_group(list(range(s * tp, (s + 1) * tp)))
+            if s == stage:
+                group = stage_group
+    _pp_state = PipelineParallelState(
+        rank=stage, size=num_stages,
+        prev_rank=rank - tp if stage > 0 else None,
+        next_rank=rank + tp if stage < num_stages - 1 else None,
+    )
+    return init_tensor_parallel(rank % tp, tp, group=group)
 
 
 def destroy_distributed() -> None:
@@ -80,8 +123,33 @@ def destroy_distributed() -> None:
 
 def destroy_tensor_parallel() -> None:
     """Back to a single rank (tests, worker shutdown)."""
-    global _state
+    global _state, _pp_state
     _state = TensorParallelState(rank=0, size=1)
+    _pp_state = PipelineParallelState(rank=0, size=1)
+
+
+def get_pp_state() -> PipelineParallelState:
+    return _pp_state
+
+
+def pp_send(tensors: dict[str, torch.Tensor]) -> None:
+    """Send this stage's output (e.g. hidden states and residual) to the next stage, in key order."""
+    dst = _pp_state.next_rank
+    if dst is None:
+        raise RuntimeError("the last pipeline stage has no next stage to send to")
+    for key in sorted(tensors):
+        torch.distributed.send(tensors[key].contiguous(), dst=dst)
+
+
+def pp_recv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Receive the previous stage's output into ``tensors`` (allocated with the right shapes and
+    dtypes: every stage knows the step's token count), in key order; returns them."""
+    src = _pp_state.prev_rank
+    if src is None:
+        raise RuntimeError("the first pipeline stage has no previous stage to receive from")
+    for key in sorted(tensors):
+        torch.distributed.recv(tensors[key], src=src)
+    return tensors
 
 
 def get_tp_state() -> TensorParallelState:
@@ -128,16 +196,20 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
 
 
 __all__ = [
+    "PipelineParallelState",
     "TensorParallelState",
     "destroy_distributed",
     "destroy_tensor_parallel",
     "divide",
+    "get_pp_state",
     "get_tp_group",
     "get_tp_rank",
     "get_tp_size",
     "get_tp_state",
     "init_distributed",
     "init_tensor_parallel",
+    "pp_recv",
+    "pp_send",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
 ]

@@ -1,7 +1,10 @@
 """The executor protocol: how the engine drives its workers, whatever their number.
 
     engine ──execute_model(SchedulerOutput)──▶ executor ──▶ worker rank 0 .. N-1
-           ◀──────────── ModelRunnerOutput ───────────── (rank 0's answer)
+           ◀──────────── ModelRunnerOutput ───────────── (the last pipeline stage's first rank)
+
+Ranks are laid out stage-major: rank = pipeline stage * tensor_parallel_size + tensor rank.
+Only the last stage samples; the other stages' workers answer ``execute_model`` with None.
 
 An executor starts the workers (in-process, one process per rank, or Ray actors), lets
 them load the model, measures how much memory is left for the KV cache, allocates it,
@@ -27,15 +30,44 @@ class Executor:
     description: ClassVar[str] = ""
 
     def __init__(self, config: "EngineConfig", platform_name: str, model_info: "ModelInfo") -> None:
-        if config.tensor_parallel_size > 1 and not self.supports_multiple_ranks:
+        if config.world_size > 1 and not self.supports_multiple_ranks:
             raise ValueError(
                 f"executor {self.name!r} runs a single rank but tensor_parallel_size="
-                f"{config.tensor_parallel_size}; use an executor that supports several ranks "
-                "(--distributed-executor-backend mp) or tensor_parallel_size=1"
+                f"{config.tensor_parallel_size} x pipeline_parallel_size={config.pipeline_parallel_size} "
+                "needs several; use an executor that supports several ranks "
+                "(--distributed-executor-backend mp or ray) or a size of 1"
             )
         self.config = config
         self.platform_name = platform_name
         self.model_info = model_info
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose ``execute_model`` answer the engine gets: the last stage's first rank."""
+        return self.config.world_size - self.config.tensor_parallel_size
+
+    def sampling_ranks(self) -> range:
+        """The ranks that sample (the last pipeline stage); they must all sample the same tokens."""
+        return range(self.output_rank, self.config.world_size)
+
+    def pick_output(self, results: list[Any]) -> "ModelRunnerOutput":
+        """The engine's answer from every rank's ``execute_model`` result (by rank; a rank other
+        than ``output_rank`` may have answered with only its sampled token ids). Raises when two
+        sampling ranks disagree: their request states diverged, and later steps would be garbage."""
+        output = results[self.output_rank]
+        for rank in self.sampling_ranks():
+            if rank == self.output_rank:
+                continue
+            tokens = results[rank]
+            tokens = getattr(tokens, "sampled_token_ids", tokens)
+            if tokens != output.sampled_token_ids:
+                raise RuntimeError(f"rank {rank} sampled {tokens} but rank {self.output_rank} sampled "
+                                   f"{output.sampled_token_ids}; the ranks' request states diverged")
+        return output
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
@@ -59,8 +91,8 @@ class Executor:
         return num_blocks
 
     def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
-        """Run one step on every rank; return rank 0's output."""
-        return self.collective_rpc("execute_model", scheduler_output)[0]
+        """Run one step on every rank; return the output rank's answer (``pick_output``)."""
+        return self.pick_output(self.collective_rpc("execute_model", scheduler_output))
 
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """(subclasses) Call ``Worker.<method>(*args, **kwargs)`` on every rank; results by rank."""

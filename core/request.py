@@ -85,6 +85,9 @@ class Request:
     """The LoRA adapter it runs with; None: the base model."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft-model speculation: the drafts the workers proposed for its next step ([] none)."""
+    num_output_tokens_sent: int = 0
+    """Pipeline parallelism: its output tokens the workers were sent so far (stages before the last
+    do not sample, so the scheduler sends them the new ones)."""
     _all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

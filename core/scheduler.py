@@ -55,6 +55,7 @@ class Scheduler:
         structured_outputs: "StructuredOutputManager | None" = None,
         max_loras: int | None = None,
         spec_proposer: "NgramProposer | WorkerDrafts | None" = None,
+        pipeline_parallel: bool = False,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -85,6 +86,8 @@ class Scheduler:
         # that the workers' draft model does); None: off
         self.spec_proposer = spec_proposer
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        # pipeline parallelism: cached requests carry their new output tokens (CachedRequestData)
+        self.pipeline_parallel = pipeline_parallel
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int,
@@ -101,6 +104,7 @@ class Scheduler:
             structured_outputs=structured_outputs,
             max_loras=config.max_loras if config.enable_lora else None,
             spec_proposer=make_spec_proposer(config),
+            pipeline_parallel=config.pipeline_parallel_size > 1,
         )
 
     # -- requests in ------------------------------------------------------------------
@@ -214,7 +218,11 @@ class Scheduler:
                     break
             if new_block_ids is None:  # it preempted itself; it was the last running request
                 break
-            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+            cached = CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            if self.pipeline_parallel:
+                cached.new_token_ids = request.output_token_ids[request.num_output_tokens_sent:]
+                request.num_output_tokens_sent = request.num_output_tokens
+            cached_reqs.append(cached)
             if drafts:
                 spec_tokens[request.request_id] = drafts
                 num_new_tokens += len(drafts)
@@ -255,6 +263,7 @@ class Scheduler:
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
+            request.num_output_tokens_sent = request.num_output_tokens
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,

@@ -37,6 +37,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]  # blocks appended to its table since the last step (often [])
     num_computed_tokens: int  # tokens in the KV cache before this step
+    # pipeline parallelism only: its output tokens sampled since the workers last heard of it (the
+    # stages before the last do not sample); [] otherwise
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The ``mp`` executor: one worker process per tensor-parallel rank on this machine.
+"""The ``mp`` executor: one worker process per rank (tensor x pipeline parallel) on this machine.
 
     engine process                                   worker processes ("spawn")
     MultiprocExecutor ──Pipe──▶ rank 0: Worker ─┐
@@ -10,10 +10,12 @@ then gathers the replies in rank order, so collectives inside the call (process-
 rendezvous, all-reduces in the forward) can meet. Waiting is on the pipes *and* the
 processes' sentinels: a rank that dies is reported at once instead of hanging the engine.
 
-Every rank keeps the same request state and samples the same tokens: the LM head
-all-gathers the full logits on every rank, every rank seeds its generators alike, so the
-sampler sees identical inputs. Ranks > 0 send back only their sampled token ids, which
-are checked against rank 0's (a mismatch would silently corrupt later steps).
+Every rank keeps the same request state. The last pipeline stage's ranks sample the same
+tokens: the LM head all-gathers the full logits on every rank of the stage, every rank seeds
+its generators alike, so the sampler sees identical inputs. Only the output rank sends back
+its whole ``ModelRunnerOutput``; the other ranks send their sampled token ids (None before the
+last stage), which are checked against the output rank's (a mismatch would silently corrupt
+later steps).
 
 Scripts that build an engine with this executor need the ``if __name__ == "__main__":``
 guard, as for any "spawn" multiprocessing: each worker imports the main module.
@@ -109,7 +111,7 @@ def _worker_main(conn, config, platform_name: str, model_info, rank: int, world_
                 else:
                     result = getattr(worker, method)(*args, **kwargs)
                 if tokens_only:
-                    result = result.sampled_token_ids
+                    result = None if result is None else result.sampled_token_ids
                 reply = ("ok", result)
             except BaseException as exc:  # reported to the engine, which decides
                 reply = _error_reply(exc)
@@ -136,13 +138,12 @@ def _worker_main(conn, config, platform_name: str, model_info, rank: int, world_
 class MultiprocExecutor(Executor):
     name = "mp"
     supports_multiple_ranks = True
-    description = "one worker process per tensor-parallel rank, torch.distributed with the platform's backend"
+    description = "one worker process per rank on this machine, torch.distributed with the platform's backend"
 
     def __init__(self, config, platform_name, model_info) -> None:
         super().__init__(config, platform_name, model_info)
         import multiprocessing
 
-        self.world_size = config.tensor_parallel_size
         self._failure: str | None = None  # why the executor is unusable, once it is
         self._is_shut_down = False
         self._conns: list = []
@@ -186,19 +187,17 @@ class MultiprocExecutor(Executor):
         """``Worker.<method>(*args, **kwargs)`` on every rank, results by rank. ``method`` may
         also be a picklable module-level function, called as ``method(worker, *args, **kwargs)``.
         A rank's exception is re-raised here (its traceback as the cause)."""
-        self._send_all(method, args, kwargs, tokens_only_from_rank=None)
+        self._send_all(method, args, kwargs, full_reply_rank=None)
         return self._gather(method)
 
     def execute_model(self, scheduler_output):
-        self._send_all("execute_model", (scheduler_output,), {}, tokens_only_from_rank=1)
+        self._send_all("execute_model", (scheduler_output,), {}, full_reply_rank=self.output_rank)
         results = self._gather("execute_model")
-        output = results[0]
-        for rank, tokens in enumerate(results[1:], start=1):
-            if tokens != output.sampled_token_ids:
-                self._failure = (f"tensor-parallel rank {rank} sampled {tokens} but rank 0 sampled "
-                                 f"{output.sampled_token_ids}; the ranks' request states diverged")
-                raise RuntimeError(self._failure)
-        return output
+        try:
+            return self.pick_output(results)
+        except RuntimeError as exc:
+            self._failure = str(exc)
+            raise
 
     def check_health(self) -> None:
         self._raise_if_failed()
@@ -233,10 +232,12 @@ class MultiprocExecutor(Executor):
                          "restart the engine")
         raise WorkerDiedError(self._failure)
 
-    def _send_all(self, method, args: tuple, kwargs: dict, tokens_only_from_rank: int | None) -> None:
+    def _send_all(self, method, args: tuple, kwargs: dict, full_reply_rank: int | None) -> None:
+        """Send the call to every rank; with ``full_reply_rank`` set (``execute_model``), the other
+        ranks answer with only their sampled token ids."""
         self._raise_if_failed()
         for rank, conn in enumerate(self._conns):
-            tokens_only = tokens_only_from_rank is not None and rank >= tokens_only_from_rank
+            tokens_only = full_reply_rank is not None and rank != full_reply_rank
             try:
                 conn.send((method, args, kwargs, tokens_only))
             except (BrokenPipeError, EOFError, OSError):

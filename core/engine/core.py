@@ -38,7 +38,7 @@ class EngineCore:
         self.config = config
         self.model_info = get_model_info(config, self.platform)
 
-        executor_name = config.distributed_executor_backend or ("uni" if config.tensor_parallel_size == 1 else "mp")
+        executor_name = config.executor_name
         reg = manager.executors.get(executor_name)
         if reg is None:
             raise ValueError(

@@ -158,6 +158,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("platform and parallelism")
     g.add_argument("--platform", default=None, help="platform plugin, e.g. cpu, cuda, rocm (default: HALSERVE_PLATFORM or auto-detect)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks to shard the model over")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages to split the decoder layers over (each --tensor-parallel-size ranks wide)")
     g.add_argument(
         "--distributed-executor-backend", default=None,
         help="executor plugin: uni, mp, ray (default: uni for one rank, mp for more)",
@@ -240,6 +242,7 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             enable_prefix_caching=args.enable_prefix_caching,
             seed=args.seed,
             tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
@@ -269,10 +272,11 @@ def check_features(config: Any, platform: Any) -> list[str]:
 
     manager = get_plugin_manager()
     problems = []
-    executor = config.distributed_executor_backend or ("uni" if config.tensor_parallel_size == 1 else "mp")
+    executor = config.executor_name
     if executor not in manager.executors:
         why = (
-            f"--tensor-parallel-size {config.tensor_parallel_size} needs the {executor!r} executor"
+            f"--tensor-parallel-size {config.tensor_parallel_size} --pipeline-parallel-size "
+            f"{config.pipeline_parallel_size} needs the {executor!r} executor"
             if config.distributed_executor_backend is None
             else f"--distributed-executor-backend {executor}: no such executor"
         )

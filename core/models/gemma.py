@@ -21,13 +21,14 @@ Forward works on the flattened batch: ``input_ids``/``positions`` [T] -> hidden 
 """
 from __future__ import annotations
 
+from itertools import islice
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
-from halserve.distributed import divide, get_tp_size
+from halserve.distributed import divide, get_pp_state, get_tp_size
 from halserve.layers import (
     Attention,
     GeluAndMul,
@@ -42,6 +43,7 @@ from halserve.layers import (
 )
 from halserve.layers.rotary import RotaryEmbedding
 from halserve.models.llama import LlamaAttention, LlamaForCausalLM, head_size_of, layer_sliding_windows
+from halserve.models.pipeline import IntermediateTensors, PPMissingLayer, make_layers
 
 VERSIONS = {"gemma": 1, "gemma2": 2, "gemma3_text": 3}
 
@@ -166,9 +168,14 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
-    def __init__(self, hf_config: Any, ctx: ModelContext, prefix: str = "model") -> None:
+    """Pipeline stages as in ``LlamaModel``."""
+
+    def __init__(self, hf_config: Any, ctx: ModelContext, prefix: str = "model", keep_embedding: bool = False) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, ctx)
+        pp = get_pp_state()
+        self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
+        self.embed_tokens = (VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, ctx)
+                             if pp.is_first or (keep_embedding and pp.is_last) else PPMissingLayer())
         # HF multiplies by sqrt(H) as a tensor of the model dtype (bfloat16: sqrt(3072) becomes 55.5)
         self.normalizer = torch.tensor(hf_config.hidden_size**0.5, dtype=ctx.dtype).item()
         head_size = head_size_of(hf_config)
@@ -176,17 +183,25 @@ class GemmaModel(nn.Module):
         # one rope table per layer type, shared by the layers of that type
         ropes = {t: rope_for_layer_type(hf_config, t, head_size, ctx) for t in dict.fromkeys(layer_types)}
         windows = layer_sliding_windows(hf_config)
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(hf_config, ctx, ropes[layer_types[i]], windows[i], f"{prefix}.layers.{i}")
-            for i in range(hf_config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            hf_config.num_hidden_layers,
+            lambda i, name: GemmaDecoderLayer(hf_config, ctx, ropes[layer_types[i]], windows[i], name),
+            prefix,
         )
-        self.norm = GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ctx)
+        self.norm = (GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ctx) if pp.is_last
+                     else PPMissingLayer())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) * self.normalizer  # [T, H]
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_stage:
+            hidden = self.embed_tokens(input_ids) * self.normalizer  # [T, H]
+            residual = None
+        else:
+            hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(positions, hidden, residual)
+        if not self.is_last_stage:
+            return {"hidden_states": hidden, "residual": residual}
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -197,19 +212,20 @@ class GemmaForCausalLM(nn.Module):
     # the same HF weight names and q/k/v, gate/up fusion as the Llama family
     STACKED_PARAMS = LlamaForCausalLM.STACKED_PARAMS
     load_weights = LlamaForCausalLM.load_weights
+    supports_pipeline_parallel = True
 
     def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
         super().__init__()
         _check_config(hf_config, gemma_version(hf_config))
         self.config = hf_config
-        self.model = GemmaModel(hf_config, ctx)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, ctx,
-                                      tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+        self.model = GemmaModel(hf_config, ctx, keep_embedding=self.tie_word_embeddings)
+        self.lm_head = (ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, ctx,
+                                       tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+                        if get_pp_state().is_last else PPMissingLayer())
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    forward = LlamaForCausalLM.forward
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)  # [N, vocab] float32
@@ -218,6 +234,4 @@ class GemmaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    @property
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+    attention_layers = LlamaForCausalLM.attention_layers

@@ -18,12 +18,13 @@ layer through ``make_mlp``.
 """
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
-from halserve.distributed import divide, get_tp_size
+from halserve.distributed import divide, get_pp_state, get_tp_size
 from halserve.layers import (
     Attention,
     MergedColumnParallelLinear,
@@ -37,6 +38,7 @@ from halserve.layers import (
     get_rope,
 )
 from halserve.layers.rotary import RotaryEmbedding
+from halserve.models.pipeline import IntermediateTensors, PPMissingLayer, is_other_stage_weight, make_layers
 
 
 def model_type(hf_config: Any) -> str:
@@ -152,24 +154,39 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder. Under pipeline parallelism it holds only its stage's layers (``start_layer`` ..
+    ``end_layer``; ``models/pipeline.py``): the first stage embeds, the last one applies the final
+    norm, and the others return their ``IntermediateTensors``."""
+
     def __init__(self, hf_config: Any, ctx: ModelContext, prefix: str = "model",
-                 make_mlp: MlpFactory | None = None) -> None:
+                 make_mlp: MlpFactory | None = None, keep_embedding: bool = False) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, ctx)
+        pp = get_pp_state()
+        self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
+        # (the last stage keeps it too when the LM head is tied to it: keep_embedding)
+        self.embed_tokens = (VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, ctx)
+                             if pp.is_first or (keep_embedding and pp.is_last) else PPMissingLayer())
         rotary = get_rope(hf_config, head_size_of(hf_config), ctx)  # one table shared by every layer
         windows = layer_sliding_windows(hf_config)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, ctx, rotary, windows[i], f"{prefix}.layers.{i}",
-                              make_mlp(i, f"{prefix}.layers.{i}.mlp") if make_mlp else None)
-            for i in range(hf_config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            hf_config.num_hidden_layers,
+            lambda i, name: LlamaDecoderLayer(hf_config, ctx, rotary, windows[i], name,
+                                              make_mlp(i, f"{name}.mlp") if make_mlp else None),
+            prefix,
         )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ctx)
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ctx) if pp.is_last else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, H]
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_stage:
+            hidden = self.embed_tokens(input_ids)  # [T, H]
+            residual = None
+        else:
+            hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(positions, hidden, residual)
+        if not self.is_last_stage:
+            return {"hidden_states": hidden, "residual": residual}
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -177,11 +194,15 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The model-module protocol the model runner relies on:
 
-    forward(input_ids [T], positions [T]) -> hidden [T, H]
+    forward(input_ids [T], positions [T], intermediate_tensors=None) -> hidden [T, H]
+        (before the last pipeline stage: IntermediateTensors; after the first, it reads them)
     compute_logits(hidden [N, H]) -> float32 [N, vocab]
-    attention_layers -> list[Attention] in layer order
+    attention_layers -> list[Attention] in layer order (this pipeline stage's)
     load_weights(iterable of (HF name, tensor)) -> set of loaded parameter names
+    supports_pipeline_parallel -> bool (class attribute)
     """
+
+    supports_pipeline_parallel = True
 
     # HF checkpoint name fragment -> (our fused parameter fragment, shard id)
     STACKED_PARAMS = [
@@ -195,20 +216,23 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, ctx: ModelContext, make_mlp: MlpFactory | None = None) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, ctx, make_mlp=make_mlp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, ctx,
-                                      tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+        self.model = LlamaModel(hf_config, ctx, make_mlp=make_mlp, keep_embedding=self.tie_word_embeddings)
+        self.lm_head = (ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, ctx,
+                                       tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+                        if get_pp_state().is_last else PPMissingLayer())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
     @property
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        model = self.model
+        return [layer.self_attn.attn for layer in islice(model.layers, model.start_layer, model.end_layer)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -218,6 +242,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue  # the same tensor as embed_tokens (some checkpoints store both)
+            if is_other_stage_weight(name, self):
+                continue  # (pipeline parallelism: another stage loads it)
             for hf_part, our_part, shard_id in self.STACKED_PARAMS:
                 if hf_part in name:
                     target = name.replace(hf_part, our_part)
@@ -237,6 +263,6 @@ class LlamaForCausalLM(nn.Module):
                                      f"expected {tuple(param.shape)}")
                 param.data.copy_(tensor)
             loaded.add(target)
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and "lm_head.weight" in params:
             loaded.add("lm_head.weight")
         return loaded

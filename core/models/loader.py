@@ -141,6 +141,8 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     head_size = head_size_of(hf_config)
     _check_tensor_parallel(config.tensor_parallel_size, num_heads, num_kv_heads, hf_config)
+    if config.pipeline_parallel_size > 1:
+        _check_pipeline_parallel(config.pipeline_parallel_size, arch, hf_config)
     windows = [w for w in layer_sliding_windows(hf_config) if w is not None]
     gen = _read_json(os.path.join(path, "generation_config.json"))
     eos = _as_list(gen.get("eos_token_id")) or _as_list(getattr(hf_config, "eos_token_id", None))
@@ -194,6 +196,18 @@ def _check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int, hf_config
                  and not (isinstance(intermediate, int) and intermediate % d)]
         raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {' and '.join(problems)}; "
                          f"sizes that fit: {', '.join(map(str, sizes))}")
+
+
+def _check_pipeline_parallel(pp: int, arch: str, hf_config: Any) -> None:
+    """Before any rank starts: the architecture splits into stages, and into ``pp`` of them."""
+    from halserve.models.pipeline import layer_partition
+
+    target = supported_architectures().get(arch)
+    model_cls = _import_architecture(target) if isinstance(target, str) else target
+    if not getattr(model_cls, "supports_pipeline_parallel", False):
+        raise ValueError(f"{arch} does not support pipeline parallelism; use pipeline_parallel_size=1 "
+                         "(tensor_parallel_size shards it instead)")
+    layer_partition(hf_config.num_hidden_layers, pp)
 
 
 # -- weights ---------------------------------------------------------------------------

@@ -47,6 +47,7 @@ def classifier_activation(hf_config: Any) -> str:
 
 class LlamaForSequenceClassification(nn.Module):
     STACKED_PARAMS = LlamaForCausalLM.STACKED_PARAMS
+    supports_pipeline_parallel = True
 
     def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
         super().__init__()

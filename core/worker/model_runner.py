@@ -48,6 +48,8 @@ class ModelRunner:
     supports_pooling: bool = True
     # Whether it checks draft tokens (speculative decoding: several logits rows per request).
     supports_speculative_decoding: bool = True
+    # Whether it runs one pipeline stage (pipeline_parallel_size > 1).
+    supports_pipeline_parallel: bool = True
 
     def __init__(self, config: "EngineConfig", platform: "Platform", model_info: "ModelInfo") -> None:
         self.config = config
@@ -59,6 +61,12 @@ class ModelRunner:
             raise ValueError(f"the {type(self).__name__} of platform {platform.name!r} does not support speculative "
                              "decoding; drop speculative_config (--speculative-config) or use another platform")
         self.max_blocks_per_req = -(-model_info.max_model_len // config.block_size)
+        from halserve.distributed import get_pp_state
+
+        self.pp = get_pp_state()  # this rank's pipeline stage (one stage: first and last)
+        if self.pp.size > 1 and not self.supports_pipeline_parallel:
+            raise ValueError(f"the {type(self).__name__} of platform {platform.name!r} does not support pipeline "
+                             "parallelism; use pipeline_parallel_size=1 (--pipeline-parallel-size)")
         self.attn_backend_cls = select_attention_backend(config, platform, model_info)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -156,7 +164,9 @@ class ModelRunner:
             input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             positions = torch.arange(num_tokens, device=self.device) % self.info.max_model_len
             with set_forward_context(None):
-                hidden = self.model(input_ids, positions)
+                hidden = self.model(input_ids, positions, self._intermediate_tensors(num_tokens, receive=False))
+            if not self.pp.is_last:
+                return
             head = self.model.classify if self.info.runner == "pooling" else self.model.compute_logits
             head(hidden[: min(num_tokens, self.config.max_num_seqs)])
 
@@ -181,20 +191,27 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if not self.pp.is_last:  # (the last stage sampled them itself)
+                state.output_token_ids.extend(cached.new_token_ids)
 
     # Gradient mode of a step; XLA cannot run under inference_mode, so its runner overrides.
     grad_mode = staticmethod(torch.inference_mode)
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's output; None on a pipeline stage before the last (it sends its hidden states on)."""
         with self.grad_mode():
             self._update_states(out)
             if out.is_empty:
-                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[]) if self.pp.is_last else None
             step = self._prepare_inputs(out)
             if self.lora_manager is not None:
                 self.lora_manager.set_batch([s.lora_request for s in step.states], step.common.query_start_loc_cpu)
             # The forward runs even when nothing samples (a prefill chunk): it writes the KV cache.
             logits = self._forward(step)
+            if not self.pp.is_last:
+                for r, state in enumerate(step.states):
+                    state.num_computed_tokens = int(step.seq_lens[r])
+                return None
             output = self._sample(step, logits if step.sample_rows else None, out)
             if self.drafter is not None:
                 rows = [r for r in step.sample_rows if output.sampled_token_ids[r]]
@@ -226,8 +243,14 @@ class ModelRunner:
         from halserve.forward_context import set_forward_context
 
         input_ids, positions = step.input_ids.to(dev, non_blocking=True), step.positions.to(dev, non_blocking=True)
+        intermediate = self._intermediate_tensors(len(input_ids), receive=True)
         with set_forward_context(attn_metadata):
-            hidden = self.model(input_ids, positions)
+            hidden = self.model(input_ids, positions, intermediate)
+        if not self.pp.is_last:
+            from halserve.distributed import pp_send
+
+            pp_send(hidden)
+            return None
         if self.drafter is not None:  # the draft's K/V for the same tokens and slots
             self.drafter.mirror(common, input_ids, positions)
         if step.prompt_indices:
@@ -243,6 +266,20 @@ class ModelRunner:
         if not step.sample_rows:
             return None
         return self.model.compute_logits(hidden.index_select(0, step.logits_indices.to(dev)))
+
+    def _intermediate_tensors(self, num_tokens: int, receive: bool):
+        """What this pipeline stage gets from the one before: None on the first stage, else the
+        previous stage's output (``receive``) or zeros of its shape (the warm-up)."""
+        if self.pp.is_first:
+            return None
+        from halserve.models.pipeline import empty_intermediate_tensors
+
+        tensors = empty_intermediate_tensors(num_tokens, self.info.hidden_size, self.info.dtype, self.device)
+        if not receive:
+            return {key: t.zero_() for key, t in tensors.items()}
+        from halserve.distributed import pp_recv
+
+        return pp_recv(tensors)
 
     def _score_prompt(self, step: "StepInputs", hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens this step's chunks cover, for requests that asked for

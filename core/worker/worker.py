@@ -52,6 +52,7 @@ class Worker:
                 init_method=self.distributed_init_method,
                 rank=self.rank,
                 world_size=self.world_size,
+                tensor_parallel_size=self.config.tensor_parallel_size,
             )
         self.platform.seed_everything(self.config.seed)
         module, _, cls_name = self.platform.model_runner_cls.partition(":")
@@ -70,7 +71,8 @@ class Worker:
     def warm_up(self) -> None:
         self.model_runner.warm_up()
 
-    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
+    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput | None":
+        """The step's output; None on ranks before the last pipeline stage (they do not sample)."""
         return self.model_runner.execute_model(scheduler_output)
 
     # -- LoRA adapters (enable_lora) -------------------------------------------------

@@ -21,6 +21,7 @@ class XlaModelRunner(ModelRunner):
     grad_mode = staticmethod(torch.no_grad)
     supports_pooling = False  # (embedding requests end without an embedding: the API says so)
     supports_speculative_decoding = False  # (its buckets pad one logits row per request)
+    supports_pipeline_parallel = False  # (its compiled graph is the whole model)
 
     def load_model(self) -> None:
         if self.info.runner == "pooling":  # (its requests all classify, which needs pooling)
