@@ -1,0 +1,193 @@
+"""Pipeline parallelism end to end: real worker processes (the ``mp`` executor), real
+torch.distributed (gloo) point-to-point sends of the hidden states between stages, against
+one rank and transformers. Engines are shared per module (starting ranks is the slow part)."""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+
+from engine_helpers import hf_greedy
+
+NEW_TOKENS = 12
+PROMPT_LENGTHS = [1, 7, 16, 37, 70, 5, 23, 48]  # 70 > the step budget: chunked prefill
+# 12 blocks of 16 hold 192 tokens, less than the 8 requests need together: some are preempted and
+# recomputed (measured on one rank: 2 preemptions), and a second run still finds prompt blocks cached
+ENGINE_KWARGS = dict(platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=64,
+                     num_kv_blocks=12, max_num_seqs=8)
+
+
+def _greedy(max_tokens: int = NEW_TOKENS, **extra):
+    from halserve import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)
+
+
+def _generate(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(c.token_ids) for o in outputs for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """3 layers over 2 stages (2 + 1); tied embeddings: the last stage keeps the embedding for its head."""
+    from model_factory import make_checkpoint
+
+    path = make_checkpoint(str(tmp_path_factory.mktemp("llama_pp")), "llama", num_layers=3, num_heads=4,
+                           num_kv_heads=2, tie_word_embeddings=True, attention_bias=True)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return path, prompts
+
+
+@pytest.fixture(scope="module")
+def one_rank(llama):
+    from halserve import LLM
+
+    path, _ = llama
+    llm = LLM(path, **ENGINE_KWARGS)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pp2(llama):
+    from halserve import LLM
+
+    path, _ = llama
+    llm = LLM(path, pipeline_parallel_size=2, **ENGINE_KWARGS)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def test_two_stages_greedy_match_one_rank_and_transformers(llama, one_rank, pp2):
+    from halserve.executors.mp import MultiprocExecutor
+
+    path, prompts = llama
+    executor = pp2.llm_engine.core.executor
+    assert isinstance(executor, MultiprocExecutor) and len(executor.worker_pids) == 2
+    assert executor.output_rank == 1
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    assert _tokens(_generate(one_rank, prompts, _greedy())) == expected
+    before = pp2.llm_engine.core.get_stats()
+    assert _tokens(_generate(pp2, prompts, _greedy())) == expected
+    stats = pp2.llm_engine.core.get_stats()
+    assert stats.num_preemptions > before.num_preemptions  # (the cache is too small for all at once)
+    # again: now the prompts' blocks are in the prefix cache of both stages
+    assert _tokens(_generate(pp2, prompts, _greedy())) == expected
+    assert pp2.llm_engine.core.get_stats().prefix_cache_hits > stats.prefix_cache_hits
+
+
+def _stage_layout(worker) -> tuple[int, int, int]:
+    """Run in a worker: (stage, attention layers, KV-cache tensors)."""
+    runner = worker.model_runner
+    return runner.pp.rank, len(runner.model.attention_layers), len(runner.kv_caches)
+
+
+def test_each_stage_holds_its_layers_kv_cache(pp2):
+    assert pp2.llm_engine.core.executor.collective_rpc(_stage_layout) == [(0, 2, 2), (1, 1, 1)]
+
+
+def test_sampling_logprobs_and_prompt_logprobs_match_one_rank(llama, one_rank, pp2):
+    """Only the last stage samples: seeded sampling, n > 1, penalties and logprobs are those of one rank."""
+    from halserve import SamplingParams
+
+    _, prompts = llama
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, n=2, max_tokens=8, logprobs=3, prompt_logprobs=2,
+                            repetition_penalty=1.2, ignore_eos=True)
+    want, got = _generate(one_rank, prompts[:4], params), _generate(pp2, prompts[:4], params)
+    assert _tokens(got) == _tokens(want)
+    for w, g in zip(want, got):
+        assert [e.keys() if e else None for e in g.prompt_logprobs] == \
+               [e.keys() if e else None for e in w.prompt_logprobs]
+        for wc, gc in zip(w.outputs, g.outputs):
+            assert wc.cumulative_logprob == pytest.approx(gc.cumulative_logprob, abs=1e-4)
+            assert [sorted(e) for e in gc.logprobs] == [sorted(e) for e in wc.logprobs]
+
+
+def test_ngram_speculation_through_two_stages(tmp_path):
+    """The scheduler proposes; the last stage verifies; the first stage gets the accepted tokens."""
+    from halserve import LLM
+    from model_factory import make_checkpoint
+
+    path = make_checkpoint(str(tmp_path), "llama", num_layers=2, layer_scale=0.6)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9]]
+    expected = hf_greedy(path, prompts, 24)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    llm = LLM(path, pipeline_parallel_size=2, speculative_config=spec, **ENGINE_KWARGS)
+    try:
+        assert _tokens(_generate(llm, prompts, _greedy(24))) == expected
+        assert llm.llm_engine.core.get_stats().spec_num_accepted_tokens > 0
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_classifier_on_two_stages_matches_transformers(tmp_path):
+    """A pooling model: the last stage pools and classifies."""
+    import torch
+
+    from classifier_factory import hf_logits, make_classifier
+    from halserve import LLM
+
+    path = make_classifier(tmp_path, "qwen2", num_labels=3)
+    reference = hf_logits(path)
+    prompts = [[1, 5, 9, 44, 3], list(range(3, 90))]
+    llm = LLM(path, pipeline_parallel_size=2, **ENGINE_KWARGS)
+    try:
+        outs = llm.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for ids, out in zip(prompts, outs):
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), reference(ids).softmax(-1), rtol=1e-4,
+                                   atol=1e-5)
+
+
+@pytest.mark.slow  # four worker processes on two cores
+def test_two_stages_of_two_tensor_parallel_ranks(llama):
+    from halserve import LLM
+
+    path, prompts = llama
+    llm = LLM(path, pipeline_parallel_size=2, tensor_parallel_size=2, **ENGINE_KWARGS)
+    try:
+        executor = llm.llm_engine.core.executor
+        assert executor.output_rank == 2 and list(executor.sampling_ranks()) == [2, 3]
+        assert _tokens(_generate(llm, prompts, _greedy())) == hf_greedy(path, prompts, NEW_TOKENS)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(distributed_executor_backend="uni"), "executor 'uni' runs a single rank"),
+    (dict(enable_lora=True), r"LoRA \(enable_lora\) does not run with pipeline_parallel_size > 1"),
+    (dict(speculative_config={"model": "MODEL", "num_speculative_tokens": 2}),
+     "a draft model .* does not run with pipeline_parallel_size > 1"),
+])
+def test_what_pipeline_parallelism_does_not_run_is_refused(llama, kwargs, match):
+    from halserve import LLM
+
+    path, _ = llama
+    kwargs = {k: ({**v, "model": path} if isinstance(v, dict) else v) for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=match):
+        LLM(path, pipeline_parallel_size=2, **ENGINE_KWARGS, **kwargs)
+
+
+def test_a_dead_first_stage_is_reported_and_the_engine_shuts_down_cleanly(llama, pp2):
+    """(Last in the module: it breaks the shared engine.)"""
+    from halserve.executors.mp import WorkerDiedError
+
+    _, prompts = llama
+    executor = pp2.llm_engine.core.executor
+    first_stage = executor.worker_pids[0]
+    os.kill(first_stage, 9)
+    with pytest.raises(WorkerDiedError, match="worker rank 0"):
+        _generate(pp2, prompts[:2], _greedy())
+    pp2.llm_engine.shutdown()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in executor.worker_pids):
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in executor.worker_pids)
