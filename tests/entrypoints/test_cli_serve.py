@@ -37,7 +37,9 @@ def test_unavailable_platform_fails_fast_with_the_probe_reason(checkpoint):
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        (["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"], "no such executor"),
+        (["--pipeline-parallel-size", "2", "--enable-lora"],
+         "LoRA (enable_lora) does not run with pipeline_parallel_size > 1"),
+        (["--pipeline-parallel-size", "0"], "--pipeline-parallel-size: Input should be greater than or equal to 1"),
         (["--distributed-executor-backend", "nope"], "no such executor"),
         (["--quantization", "no-such-quant"], "no quantization method"),
         (["--attention-backend", "no-such-backend"], "no attention backend"),
