@@ -95,9 +95,6 @@ class EngineConfig(BaseModel):
     def _pipeline_parallel(self) -> "EngineConfig":
         if self.pipeline_parallel_size == 1:
             return self
-        if self.enable_lora:
-            raise ValueError("LoRA (enable_lora) does not run with pipeline_parallel_size > 1 yet; "
-                             "use tensor_parallel_size to split the model instead")
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model":
             raise ValueError("a draft model (speculative_config) does not run with pipeline_parallel_size > 1 yet; "

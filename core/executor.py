@@ -21,6 +21,21 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker exited, or the executor is unusable because one did (or a call failed) earlier."""
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's formatted traceback as the ``__cause__`` of the error re-raised in the engine."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
 class Executor:
     """Base class of executors. Subclasses implement the methods marked (subclasses)."""
 

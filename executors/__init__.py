@@ -1,4 +1,5 @@
-"""Executors: how workers are started (``uni`` in-process; ``mp`` and ``ray`` later)."""
+"""Executors: how workers are started: ``uni`` (in-process), ``mp`` (one process per rank on this
+machine), ``ray`` (Ray actors in a placement group, on this machine or a cluster)."""
 from halserve.executor import Executor
 
 __all__ = ["Executor"]

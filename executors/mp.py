@@ -32,7 +32,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from halserve.executor import Executor
+from halserve.executor import Executor, RemoteTraceback, WorkerDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -42,21 +42,6 @@ _SHUTDOWN = "__shutdown__"
 _ERROR_GRACE_S = 5.0
 # How long shutdown waits for a graceful exit before terminating, then killing.
 _JOIN_TIMEOUT_S = 5.0
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process exited, or the executor is unusable because one did earlier."""
-
-
-class _RemoteTraceback(Exception):
-    """Carries a worker's formatted traceback as the ``__cause__`` of the re-raised error."""
-
-    def __init__(self, tb: str) -> None:
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return self.tb
 
 
 def _free_port() -> int:
@@ -265,7 +250,7 @@ class MultiprocExecutor(Executor):
             exc = pickle.loads(payload) if payload is not None else RuntimeError(
                 f"worker rank {rank} failed in {method!r}: {summary}")
             exc.add_note(f"(raised in {method!r} by worker rank {rank} of the mp executor)")
-            raise exc from _RemoteTraceback(f"\n(worker rank {rank})\n{tb}")
+            raise exc from RemoteTraceback(f"\n(worker rank {rank})\n{tb}")
         return [replies[r][1] for r in range(self.world_size)]
 
     def _collect_replies(self, method: str, replies: dict[int, tuple]) -> None:

@@ -29,6 +29,9 @@ class Platform:
     """The torch device type: ``cuda`` (CUDA and ROCm), ``xpu``, ``xla``, ``cpu``."""
     dist_backend: ClassVar[str]
     """torch.distributed backend: ``nccl``, ``gloo``, ``xccl``, ..."""
+    ray_device_key: ClassVar[str] = "GPU"
+    """The Ray resource one rank asks for (the ``ray`` executor): ``CPU`` (then as many as its
+    threads), ``GPU`` (CUDA, ROCm and XPU devices) or ``TPU``; one device per rank otherwise."""
     priority: ClassVar[int] = 0
     """Auto-detection order: the available platform with the highest priority wins."""
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
@@ -64,6 +67,7 @@ class Platform:
         return {
             "device_type": cls.device_type,
             "dist_backend": cls.dist_backend,
+            "ray_device_key": cls.ray_device_key,
             "priority": cls.priority,
             "supported_dtypes": list(cls.supported_dtypes),
             "default_dtype": cls.default_dtype,

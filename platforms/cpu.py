@@ -68,6 +68,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
+    ray_device_key = "CPU"
     priority = 0  # the fallback: every accelerator outranks it
     supported_dtypes = ("float32", "bfloat16", "float16")
     default_dtype = "float32"

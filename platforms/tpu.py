@@ -27,6 +27,7 @@ class TpuPlatform(Platform):
     name = "tpu"
     device_type = "xla"
     dist_backend = "xla"
+    ray_device_key = "TPU"
     priority = 70
     supported_dtypes = ("bfloat16", "float32")
     default_dtype = "bfloat16"

@@ -32,9 +32,10 @@ def halserve_attention_backends() -> list[type]:
 @hookimpl
 def halserve_executors() -> list[type]:
     from halserve.executors.mp import MultiprocExecutor
+    from halserve.executors.ray import RayExecutor  # imports ray only when one is built
     from halserve.executors.uni import UniExecutor
 
-    return [UniExecutor, MultiprocExecutor]
+    return [UniExecutor, MultiprocExecutor, RayExecutor]
 
 
 @hookimpl

@@ -35,6 +35,7 @@ from torch import nn
 from halserve.layers.fused_moe import FusedMoE
 from halserve.layers.linear import LinearBase
 from halserve.lora.layers import BaseLinearWithLoRA, LoRABatch, LoRAPair, wrap_linear
+from halserve.models.pipeline import is_other_stage_weight
 from halserve.lora.peft import (
     PeftLoRAConfig,
     adapter_error,
@@ -105,6 +106,7 @@ class LoRAManager:
                 self.layers[name] = wrapper
         self.routes = _checkpoint_routes(model)
         self.targetable = self._targetable_names()
+        self.model = model
         self._cpu: OrderedDict[int, tuple["LoRARequest", dict[str, LoRAPair]]] = OrderedDict()
         self._active: OrderedDict[int, "LoRARequest"] = OrderedDict()  # on the device
 
@@ -175,6 +177,8 @@ class LoRAManager:
         self._check_target_modules(lora, config)
         grouped: dict[str, dict[Any, tuple[str, torch.Tensor, torch.Tensor]]] = {}
         for module, pair in read_lora_weights(lora, adapter_dir).items():
+            if is_other_stage_weight(f"{module}.weight", self.model):
+                continue  # (pipeline parallelism: another stage's layer)
             a, b = pair["A"], pair["B"]
             if a.shape[0] != config.r or b.shape[1] != config.r:
                 raise adapter_error(lora, f"module {module!r}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "

@@ -163,7 +163,6 @@ def test_two_stages_of_two_tensor_parallel_ranks(llama):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(distributed_executor_backend="uni"), "executor 'uni' runs a single rank"),
-    (dict(enable_lora=True), r"LoRA \(enable_lora\) does not run with pipeline_parallel_size > 1"),
     (dict(speculative_config={"model": "MODEL", "num_speculative_tokens": 2}),
      "a draft model .* does not run with pipeline_parallel_size > 1"),
 ])

@@ -33,3 +33,27 @@ def test_tp2_mixed_batch_equals_tp1_and_merged(lora_models, loras, merged_output
         finally:
             llm.llm_engine.shutdown()
     assert results[2] == results[1] == expected
+
+
+def test_pp2_mixed_batch_equals_merged(lora_models, loras, merged_outputs):
+    """Pipeline parallelism: each stage loads its own layers' part of every adapter."""
+    from halserve import LLM
+
+    a1, a2 = loras
+    choice = [a1, a2, None, a2, a1]
+    batch = [lora_models.prompts[i % 4] for i in range(len(choice))]
+    reference = {None: "base", a1: "merged1", a2: "merged2"}
+    expected = [merged_outputs[reference[lora]][0][i % 4] for i, lora in enumerate(choice)]
+    llm = LLM(lora_models.base, pipeline_parallel_size=2, enable_lora=True, max_loras=2, **ENGINE_KWARGS)
+    try:
+        assert token_ids(llm.generate(prompt_dicts(batch), greedy(), use_tqdm=False, lora_request=choice)) == expected
+        loaded = llm.llm_engine.core.executor.collective_rpc(_adapted_layers, 1)
+    finally:
+        llm.llm_engine.shutdown()
+    assert [sorted({name.split(".")[2] for name in names}) for names in loaded] == [["0"], ["1"]]
+
+
+def _adapted_layers(worker, lora_id: int) -> list[str]:
+    """Run in a worker: the layer names adapter ``lora_id`` was loaded for on this rank."""
+    _, weights = worker.model_runner.lora_manager._cpu[lora_id]
+    return sorted(weights)
