@@ -34,6 +34,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    parser.add_argument("--distributed-executor-backend", default=None, help="uni, mp or ray (default: uni for "
+                        "one rank, mp for more)")
     parser.add_argument(
         "--speculative-config", default=None, metavar="JSON",
         help="speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; "
@@ -101,6 +105,9 @@ def _make_llm(llm_class: Any, args: argparse.Namespace) -> Any:
         seed=args.seed,
         attention_backend=args.attention_backend,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 
