@@ -109,6 +109,24 @@ class Executor:
         """Run one step on every rank; return the output rank's answer (``pick_output``)."""
         return self.pick_output(self.collective_rpc("execute_model", scheduler_output))
 
+    # -- overlapped steps (pipeline parallelism) ---------------------------------------
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine may have in flight at once: with several pipeline stages, an executor
+        that implements ``submit_model``/``collect_model`` lets each stage work on its own batch.
+        1 (the default): one step at a time."""
+        return 1
+
+    def submit_model(self, scheduler_output: "SchedulerOutput") -> Any:
+        """(subclasses, with ``max_concurrent_batches`` > 1) Start a step on every rank without waiting;
+        returns a handle for ``collect_model``. Steps run on each rank in the order submitted."""
+        return self.execute_model(scheduler_output)
+
+    def collect_model(self, handle: Any) -> "ModelRunnerOutput":
+        """(subclasses) The output of the step ``submit_model`` started (waiting for it); handles are
+        collected in the order they were submitted."""
+        return handle
+
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """(subclasses) Call ``Worker.<method>(*args, **kwargs)`` on every rank; results by rank."""
         raise NotImplementedError

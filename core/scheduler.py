@@ -56,6 +56,7 @@ class Scheduler:
         max_loras: int | None = None,
         spec_proposer: "NgramProposer | WorkerDrafts | None" = None,
         pipeline_parallel: bool = False,
+        max_concurrent_batches: int = 1,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -88,12 +89,21 @@ class Scheduler:
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         # pipeline parallelism: cached requests carry their new output tokens (CachedRequestData)
         self.pipeline_parallel = pipeline_parallel
+        # Batches the engine may have in flight at once (one per pipeline stage). With more than one,
+        # a scheduled request is "in flight" until its batch's output comes back: later batches skip
+        # it and never preempt it, and each batch takes at most its share of the running requests,
+        # so that the stages work on different batches at the same time.
+        if max_concurrent_batches < 1:
+            raise ValueError(f"max_concurrent_batches must be >= 1, got {max_concurrent_batches}")
+        self.max_concurrent_batches = max_concurrent_batches
+        self._in_flight: dict[str, Request] = {}  # req_id -> the request its unreturned batch computes
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int,
-                           structured_outputs: "StructuredOutputManager | None" = None) -> Scheduler:
+                           structured_outputs: "StructuredOutputManager | None" = None,
+                           max_concurrent_batches: int = 1) -> Scheduler:
         """``num_blocks`` comes from KV-cache sizing and ``max_model_len`` from the model
-        (``config.max_model_len`` may still be None)."""
+        (``config.max_model_len`` may still be None); ``max_concurrent_batches`` from the executor."""
         return cls(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -105,6 +115,7 @@ class Scheduler:
             max_loras=config.max_loras if config.enable_lora else None,
             spec_proposer=make_spec_proposer(config),
             pipeline_parallel=config.pipeline_parallel_size > 1,
+            max_concurrent_batches=max_concurrent_batches,
         )
 
     # -- requests in ------------------------------------------------------------------
@@ -197,10 +208,15 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         num_preempted = 0
 
-        # 1. running requests
+        # 1. running requests (with batches in flight: those not in one, up to this batch's share)
+        in_flight = self._in_flight
+        share = -(-len(self.running) // self.max_concurrent_batches)
         index = 0
-        while index < len(self.running) and token_budget > 0:
+        while index < len(self.running) and token_budget > 0 and len(cached_reqs) < share:
             request = self.running[index]
+            if request.request_id in in_flight:
+                index += 1
+                continue
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             assert num_new_tokens > 0, f"running request {request.request_id} has nothing to compute"
             drafts = self._propose_drafts(request, token_budget)
@@ -211,7 +227,7 @@ class Scheduler:
                 if lookahead:  # short of blocks: give up the drafts before preempting anyone
                     drafts, lookahead = [], 0
                     continue
-                victim = self.running.pop()  # sorted by priority: the last is the lowest
+                victim = self._pop_victim()
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is request:
@@ -238,6 +254,9 @@ class Scheduler:
         while (not num_preempted and len(self.waiting) > num_skipped and token_budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[num_skipped]
+            if request.request_id in in_flight:  # (an aborted request's id, reused before its batch came back)
+                num_skipped += 1
+                continue
             if self.structured_outputs is not None and not self.structured_outputs.is_ready(request):
                 num_skipped += 1
                 continue
@@ -279,6 +298,8 @@ class Scheduler:
             token_budget -= num_new_tokens
 
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        if self.max_concurrent_batches > 1:
+            in_flight.update((req_id, self.requests[req_id]) for req_id in num_scheduled_tokens)
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -289,6 +310,25 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             **self._grammar_bitmask(num_scheduled_tokens, spec_tokens),
         )
+
+    def _pop_victim(self) -> Request:
+        """Take the lowest-priority running request that is not in flight out of ``running`` (the
+        running list is sorted by priority; the request being scheduled is never in flight)."""
+        for j in range(len(self.running) - 1, -1, -1):
+            if self.running[j].request_id not in self._in_flight:
+                return self.running.pop(j)
+        raise AssertionError("every running request is in flight, including the one being scheduled")
+
+    def unschedule_empty(self, scheduler_output: SchedulerOutput) -> None:
+        """Take back an empty step that will not be executed (batches in flight): its finished
+        request ids go with the next step instead."""
+        assert scheduler_output.is_empty
+        self._finished_req_ids |= scheduler_output.finished_req_ids
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests in batches the engine has not had back yet."""
+        return len(self._in_flight)
 
     def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:
         """Draft tokens for a decoding request (speculative decoding), at most what the budget
@@ -375,10 +415,12 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         outputs: list[EngineCoreOutput] = []
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        overlapping = self.max_concurrent_batches > 1
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(RequestId(req_id))
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            scheduled = self._in_flight.pop(req_id, None) if overlapping else request
+            if request is None or request.status != RequestStatus.RUNNING or request is not scheduled:
+                continue  # aborted while the step ran (and maybe its id reused since)
             drafts = spec_tokens.get(req_id, ())
             # drafts are not the request's tokens until accepted (added below)
             request.num_computed_tokens += num_tokens - len(drafts)

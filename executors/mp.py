@@ -23,6 +23,7 @@ guard, as for any "spawn" multiprocessing: each worker imports the main module.
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import pickle
@@ -30,6 +31,7 @@ import socket
 import sys
 import time
 import traceback
+from collections import deque
 from typing import Any, Callable
 
 from halserve.executor import Executor, RemoteTraceback, WorkerDiedError
@@ -134,6 +136,9 @@ class MultiprocExecutor(Executor):
         self._conns: list = []
         self._procs: list = []
         self._pids: list[int] = []
+        self._tickets = itertools.count()
+        self._pending_steps: deque[int] = deque()  # submitted steps whose replies are not read yet
+        self._finished_steps: dict[int, Any] = {}  # ticket -> ModelRunnerOutput, read but not collected
         rpc_timeout = os.environ.get("HALSERVE_MP_RPC_TIMEOUT_S")
         self.rpc_timeout_s = float(rpc_timeout) if rpc_timeout else None  # None: wait while ranks live
         ctx = multiprocessing.get_context("spawn")
@@ -172,14 +177,36 @@ class MultiprocExecutor(Executor):
         """``Worker.<method>(*args, **kwargs)`` on every rank, results by rank. ``method`` may
         also be a picklable module-level function, called as ``method(worker, *args, **kwargs)``.
         A rank's exception is re-raised here (its traceback as the cause)."""
+        while self._pending_steps:  # (the replies of steps still in flight come first down the pipes)
+            self._read_oldest_step()
         self._send_all(method, args, kwargs, full_reply_rank=None)
         return self._gather(method)
 
     def execute_model(self, scheduler_output):
+        return self.collect_model(self.submit_model(scheduler_output))
+
+    # -- overlapped steps: one in flight per pipeline stage ------------------------------
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.config.pipeline_parallel_size
+
+    def submit_model(self, scheduler_output) -> int:
+        """Send the step to every rank (each runs its calls in order); a ticket for ``collect_model``."""
         self._send_all("execute_model", (scheduler_output,), {}, full_reply_rank=self.output_rank)
+        ticket = next(self._tickets)
+        self._pending_steps.append(ticket)
+        return ticket
+
+    def collect_model(self, ticket: int):
+        while ticket not in self._finished_steps:
+            self._read_oldest_step()
+        return self._finished_steps.pop(ticket)
+
+    def _read_oldest_step(self) -> None:
         results = self._gather("execute_model")
+        ticket = self._pending_steps.popleft()
         try:
-            return self.pick_output(results)
+            self._finished_steps[ticket] = self.pick_output(results)
         except RuntimeError as exc:
             self._failure = str(exc)
             raise

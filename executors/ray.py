@@ -217,7 +217,17 @@ class RayExecutor(Executor):
         return self._gather(self._submit(method, args, kwargs, full_reply_rank=None), method)
 
     def execute_model(self, scheduler_output):
-        refs = self._submit("execute_model", (scheduler_output,), {}, full_reply_rank=self.output_rank)
+        return self.collect_model(self.submit_model(scheduler_output))
+
+    # -- overlapped steps: one in flight per pipeline stage (an actor runs its calls in order) --
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.config.pipeline_parallel_size
+
+    def submit_model(self, scheduler_output) -> list:
+        return self._submit("execute_model", (scheduler_output,), {}, full_reply_rank=self.output_rank)
+
+    def collect_model(self, refs: list):
         results = self._gather(refs, "execute_model")
         try:
             return self.pick_output(results)

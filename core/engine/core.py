@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from halserve.config import EngineConfig
@@ -51,9 +52,13 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
+        # with pipeline stages, one batch per stage in flight (executors that can overlap steps)
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self._batches: deque = deque()  # (SchedulerOutput, the executor's handle) submitted, not collected
         self.scheduler = Scheduler.from_engine_config(
             config, num_blocks=self.num_blocks, max_model_len=self.model_info.max_model_len,
             structured_outputs=StructuredOutputManager(self._load_tokenizer, self.model_info.vocab_size),
+            max_concurrent_batches=self.max_concurrent_batches,
         )
         self.lora_registry = None  # with enable_lora: the adapters the workers hold (halserve.lora.registry)
         if config.enable_lora:
@@ -119,6 +124,8 @@ class EngineCore:
 
     def step(self) -> list:
         """Schedule, run the model once, and return what each request produced."""
+        if self.max_concurrent_batches > 1:
+            return self._step_overlapped()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
@@ -126,6 +133,31 @@ class EngineCore:
         if scheduler_output.is_empty:  # every unfinished request waits for its grammar to compile
             self.scheduler.wait_for_grammars(timeout=self.GRAMMAR_POLL_S)
             return []
+        return self._finish_step(scheduler_output, runner_output)
+
+    def _step_overlapped(self) -> list:
+        """Pipeline stages: keep up to ``max_concurrent_batches`` steps in flight (each of different
+        requests: the scheduler skips those in flight), so that stage s works on step t while stage
+        s + 1 works on step t - 1. Returns [] while filling the pipeline, then the oldest step's outputs."""
+        batches = self._batches
+        if len(batches) < self.max_concurrent_batches and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty:
+                batches.append((scheduler_output, self.executor.submit_model(scheduler_output)))
+                if len(batches) < self.max_concurrent_batches:
+                    return []  # (the caller steps again: schedule the next batch before waiting)
+            elif batches:  # what is left is in flight: wait for it instead
+                self.scheduler.unschedule_empty(scheduler_output)
+            else:  # nothing in flight, nothing to run: every request waits for its grammar
+                self.executor.execute_model(scheduler_output)  # (an empty step drops finished requests)
+                self.scheduler.wait_for_grammars(timeout=self.GRAMMAR_POLL_S)
+                return []
+        if not batches:
+            return []
+        scheduler_output, handle = batches.popleft()
+        return self._finish_step(scheduler_output, self.executor.collect_model(handle))
+
+    def _finish_step(self, scheduler_output, runner_output) -> list:
         self.num_steps += 1
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.lora_registry is not None:
@@ -146,7 +178,7 @@ class EngineCore:
                 self.lora_registry.release()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._batches)
 
     def get_stats(self) -> EngineStats:
         # The scheduler's snapshot, plus what only the engine knows.

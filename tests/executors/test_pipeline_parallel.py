@@ -83,6 +83,23 @@ def test_two_stages_greedy_match_one_rank_and_transformers(llama, one_rank, pp2)
     assert pp2.llm_engine.core.get_stats().prefix_cache_hits > stats.prefix_cache_hits
 
 
+def test_the_two_stages_work_on_two_batches_at_once(llama, one_rank, pp2, monkeypatch):
+    """A second batch (of other requests) is submitted while the first is in flight."""
+    core = pp2.llm_engine.core
+    assert core.max_concurrent_batches == 2
+    in_flight_at_submit = []
+    submit = core.executor.submit_model
+
+    def recording_submit(scheduler_output):
+        in_flight_at_submit.append(len(core._batches))
+        return submit(scheduler_output)
+
+    monkeypatch.setattr(core.executor, "submit_model", recording_submit)
+    _, prompts = llama
+    assert _tokens(_generate(pp2, prompts, _greedy())) == _tokens(_generate(one_rank, prompts, _greedy()))
+    assert in_flight_at_submit.count(1) > len(in_flight_at_submit) // 2
+
+
 def _stage_layout(worker) -> tuple[int, int, int]:
     """Run in a worker: (stage, attention layers, KV-cache tensors)."""
     runner = worker.model_runner
