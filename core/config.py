@@ -92,16 +92,6 @@ class EngineConfig(BaseModel):
         return None if value is None else SpeculativeConfig.parse(value)
 
     @model_validator(mode="after")
-    def _pipeline_parallel(self) -> "EngineConfig":
-        if self.pipeline_parallel_size == 1:
-            return self
-        spec = self.speculative_config
-        if spec is not None and spec.method == "draft_model":
-            raise ValueError("a draft model (speculative_config) does not run with pipeline_parallel_size > 1 yet; "
-                             "use the ngram method or tensor_parallel_size instead")
-        return self
-
-    @model_validator(mode="after")
     def _lora_limits(self) -> "EngineConfig":
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "

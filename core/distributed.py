@@ -17,6 +17,8 @@ tensor-parallel index in the next stage (``pp_send`` / ``pp_recv``).
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +134,17 @@ def get_pp_state() -> PipelineParallelState:
     return _pp_state
 
 
+@contextlib.contextmanager
+def whole_model_stage() -> Iterator[None]:
+    """Build a whole model on a pipeline stage (a draft model, which runs on the last stage only)."""
+    global _pp_state
+    saved, _pp_state = _pp_state, PipelineParallelState(rank=0, size=1)
+    try:
+        yield
+    finally:
+        _pp_state = saved
+
+
 def pp_send(tensors: dict[str, torch.Tensor]) -> None:
     """Send this stage's output (e.g. hidden states and residual) to the next stage, in key order."""
     dst = _pp_state.next_rank
@@ -210,6 +223,7 @@ __all__ = [
     "init_tensor_parallel",
     "pp_recv",
     "pp_send",
+    "whole_model_stage",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
 ]

@@ -67,7 +67,7 @@ class DraftModelProposer:
         self.config = config.model_copy(update=dict(
             model=spec.model, revision=spec.revision, tokenizer=None, quantization=None, enable_lora=False,
             dtype=str(target_info.dtype).removeprefix("torch."), max_model_len=target_info.max_model_len,
-            pooler_config=None, speculative_config=None,
+            pooler_config=None, speculative_config=None, pipeline_parallel_size=1,
         ))
         try:
             self.info = get_model_info(self.config, platform)
@@ -91,9 +91,11 @@ class DraftModelProposer:
 
     # -- setup (the runner calls these next to its own) ------------------------------------
     def load_model(self) -> None:
+        from halserve.distributed import whole_model_stage
         from halserve.models.loader import load_model
 
-        self.model = load_model(self.config, self.info, self.platform, self.attn_backend_cls, progress=False)
+        with whole_model_stage():  # (pipeline parallelism: it runs whole, on the last stage)
+            self.model = load_model(self.config, self.info, self.platform, self.attn_backend_cls, progress=False)
         logger.info("loaded draft model %s (%s, attention backend %s)", self.info.model_path,
                     self.info.architecture, self.attn_backend_cls.name)
 

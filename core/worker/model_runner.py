@@ -74,7 +74,7 @@ class ModelRunner:
         self.lora_manager = None  # a halserve.lora.manager.LoRAManager with enable_lora
         self.drafter = None  # a DraftModelProposer when speculative_config's method is "draft_model"
         spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model":
+        if spec is not None and spec.method == "draft_model" and self.pp.is_last:  # (it needs the sampled tokens)
             from halserve.spec_decode.draft_model import DraftModelProposer
 
             self.drafter = DraftModelProposer(config, platform, model_info)
@@ -229,7 +229,8 @@ class ModelRunner:
 
     def _forward(self, step: "StepInputs") -> torch.Tensor | None:
         """Run the model on the step (writing its K/V); logits [len(sample_rows), vocab]
-        float32, or None when no request samples this step."""
+        float32, or None when no request samples this step. A pipeline stage runs its layers on
+        what the stage before sent, and sends its output on (None before the last stage)."""
         dev = self.device
         c = step.common
         common = dataclasses.replace(

@@ -37,8 +37,6 @@ def test_unavailable_platform_fails_fast_with_the_probe_reason(checkpoint):
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        (["--pipeline-parallel-size", "2", "--speculative-config", '{"model": "x", "num_speculative_tokens": 2}'],
-         "a draft model (speculative_config) does not run with pipeline_parallel_size > 1"),
         (["--pipeline-parallel-size", "0"], "--pipeline-parallel-size: Input should be greater than or equal to 1"),
         (["--distributed-executor-backend", "nope"], "no such executor"),
         (["--quantization", "no-such-quant"], "no quantization method"),

@@ -127,21 +127,16 @@ def test_sampling_logprobs_and_prompt_logprobs_match_one_rank(llama, one_rank, p
             assert [sorted(e) for e in gc.logprobs] == [sorted(e) for e in wc.logprobs]
 
 
-def test_ngram_speculation_through_two_stages(tmp_path):
-    """The scheduler proposes; the last stage verifies; the first stage gets the accepted tokens."""
-    from halserve import LLM
+def test_speculation_through_two_stages(tmp_path):
+    """ngram: the scheduler proposes, the last stage verifies, the first gets the accepted tokens.
+    A draft model: whole, on the last stage only (it needs the sampled tokens), sharing its block tables."""
+    from engine_helpers import assert_speculation_matches
     from model_factory import make_checkpoint
 
     path = make_checkpoint(str(tmp_path), "llama", num_layers=2, layer_scale=0.6)
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9]]
-    expected = hf_greedy(path, prompts, 24)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
-    llm = LLM(path, pipeline_parallel_size=2, speculative_config=spec, **ENGINE_KWARGS)
-    try:
-        assert _tokens(_generate(llm, prompts, _greedy(24))) == expected
-        assert llm.llm_engine.core.get_stats().spec_num_accepted_tokens > 0
-    finally:
-        llm.llm_engine.shutdown()
+    assert_speculation_matches(path, prompts, hf_greedy(path, prompts, 24), 24, pipeline_parallel_size=2,
+                               **ENGINE_KWARGS)
 
 
 def test_classifier_on_two_stages_matches_transformers(tmp_path):
@@ -178,18 +173,16 @@ def test_two_stages_of_two_tensor_parallel_ranks(llama):
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(distributed_executor_backend="uni"), "executor 'uni' runs a single rank"),
-    (dict(speculative_config={"model": "MODEL", "num_speculative_tokens": 2}),
-     "a draft model .* does not run with pipeline_parallel_size > 1"),
-])
-def test_what_pipeline_parallelism_does_not_run_is_refused(llama, kwargs, match):
+def test_what_pipeline_parallelism_cannot_run_is_refused_before_any_rank_starts(llama, monkeypatch):
     from halserve import LLM
 
     path, _ = llama
-    kwargs = {k: ({**v, "model": path} if isinstance(v, dict) else v) for k, v in kwargs.items()}
-    with pytest.raises(ValueError, match=match):
-        LLM(path, pipeline_parallel_size=2, **ENGINE_KWARGS, **kwargs)
+    with pytest.raises(ValueError, match="executor 'uni' runs a single rank"):
+        LLM(path, pipeline_parallel_size=2, distributed_executor_backend="uni", **ENGINE_KWARGS)
+    monkeypatch.setenv("HALSERVE_PP_LAYER_PARTITION", "1,1")
+    with pytest.raises(ValueError, match="HALSERVE_PP_LAYER_PARTITION='1,1' must give 2 stage sizes >= 1 summing "
+                                         "to the model's 3 layers"):
+        LLM(path, pipeline_parallel_size=2, **ENGINE_KWARGS)
 
 
 def test_a_dead_first_stage_is_reported_and_the_engine_shuts_down_cleanly(llama, pp2):
