@@ -2,7 +2,10 @@
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 \
         /path/to/vllm-venv/bin/python benchmarks/vllm_throughput.py MODEL N I O [--json FILE] \
-        [--speculative-config JSON]
+        [--speculative-config JSON] [--tensor-parallel-size N] [--pipeline-parallel-size N] \
+        [--distributed-executor-backend mp|ray]
+
+(several ranks on CPU: VLLM_CPU_OMP_THREADS_BIND gives each rank its cores, e.g. "0|1")
 
 Same prompts as ``halserve bench throughput`` (numpy default_rng(seed) ids in [10, vocab)),
 greedy, ignore_eos, prefix caching off, float32. Prints output tokens/s.
@@ -19,8 +22,12 @@ def main() -> None:
     model, n, i, o = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     out_json = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
     spec = sys.argv[sys.argv.index("--speculative-config") + 1] if "--speculative-config" in sys.argv else None
-    llm = LLM(model=model, dtype="float32", enable_prefix_caching=False, seed=0, max_num_seqs=256,
-              **({"speculative_config": json.loads(spec)} if spec else {}))
+    extra = {"speculative_config": json.loads(spec)} if spec else {}
+    for flag, cast in (("--tensor-parallel-size", int), ("--pipeline-parallel-size", int),
+                       ("--distributed-executor-backend", str)):
+        if flag in sys.argv:
+            extra[flag.removeprefix("--").replace("-", "_")] = cast(sys.argv[sys.argv.index(flag) + 1])
+    llm = LLM(model=model, dtype="float32", enable_prefix_caching=False, seed=0, max_num_seqs=256, **extra)
     vocab = llm.get_tokenizer().vocab_size if hasattr(llm.get_tokenizer(), "vocab_size") else 8192
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": p} for p in rng.integers(min(10, vocab - 1), vocab, size=(n, i)).tolist()]

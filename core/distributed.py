@@ -30,6 +30,7 @@ class TensorParallelState:
     rank: int  # this process's index in the tensor-parallel group
     size: int  # ranks in the group
     group: Any = None  # torch.distributed ProcessGroup; None = the default group
+    comm: Any = None  # the platform's faster collectives for this group (all_reduce, all_gather), if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,13 @@ def init_distributed(backend: str, init_method: str | None, rank: int, world_siz
     return init_tensor_parallel(rank % tp, tp, group=group)
 
 
+def set_tp_communicator(comm: Any) -> None:
+    """Use ``comm`` (``supports(x)``, ``all_reduce(x)``, ``all_gather(x, dim)``) for this process's
+    tensor-parallel collectives on the tensors it supports (``Platform.make_tp_communicator``)."""
+    global _state
+    _state = TensorParallelState(rank=_state.rank, size=_state.size, group=_state.group, comm=comm)
+
+
 def destroy_distributed() -> None:
     """Leave the process group (if any) and go back to a single rank. Idempotent."""
     destroy_tensor_parallel()
@@ -195,6 +203,8 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the tensor-parallel ranks (no-op for one rank)."""
     if _state.size == 1:
         return x
+    if _state.comm is not None and _state.comm.supports(x):
+        return _state.comm.all_reduce(x)
     torch.distributed.all_reduce(x, group=_state.group)
     return x
 
@@ -203,6 +213,8 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     """Concatenate every rank's ``x`` along ``dim`` in rank order (no-op for one rank)."""
     if _state.size == 1:
         return x
+    if _state.comm is not None and _state.comm.supports(x):
+        return _state.comm.all_gather(x, dim)
     parts = [torch.empty_like(x) for _ in range(_state.size)]
     torch.distributed.all_gather(parts, x.contiguous(), group=_state.group)
     return torch.cat(parts, dim=dim)
@@ -223,6 +235,7 @@ __all__ = [
     "init_tensor_parallel",
     "pp_recv",
     "pp_send",
+    "set_tp_communicator",
     "whole_model_stage",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",

@@ -62,6 +62,12 @@ class Platform:
             return ProbeResult(False, f"probe of {cls.name!r} returned {result!r} instead of a ProbeResult with a reason")
         return result
 
+    def make_tp_communicator(self, group: Any, rank: int, size: int) -> Any:
+        """Faster tensor-parallel collectives than torch.distributed's for this platform, or None.
+        Called by every rank of a tensor-parallel group (``group``: its process group, None for the
+        default one) after torch.distributed is initialised; see ``halserve.distributed.set_tp_communicator``."""
+        return None
+
     @classmethod
     def describe(cls) -> dict[str, Any]:
         return {

@@ -89,6 +89,13 @@ class CpuPlatform(Platform):
             torch.set_num_threads(threads)
         keep_freed_memory()
 
+    def make_tp_communicator(self, group, rank: int, size: int):
+        """Shared-memory all-reduce/all-gather when the ranks share this machine (``cpu_kernels/shm_comm.py``;
+        ``HALSERVE_CPU_SHM_COMM=0`` keeps gloo)."""
+        from halserve.platforms.cpu_kernels.shm_comm import make_shm_communicator
+
+        return make_shm_communicator(group, rank, size)
+
     def device_count(self) -> int:
         return 1
 

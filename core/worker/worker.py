@@ -47,13 +47,17 @@ class Worker:
         if self.world_size > 1:
             from halserve.distributed import init_distributed
 
-            init_distributed(
+            from halserve.distributed import set_tp_communicator
+
+            tp = init_distributed(
                 backend=self.platform.dist_backend,
                 init_method=self.distributed_init_method,
                 rank=self.rank,
                 world_size=self.world_size,
                 tensor_parallel_size=self.config.tensor_parallel_size,
             )
+            if tp.size > 1:
+                set_tp_communicator(self.platform.make_tp_communicator(tp.group, tp.rank, tp.size))
         self.platform.seed_everything(self.config.seed)
         module, _, cls_name = self.platform.model_runner_cls.partition(":")
         runner_cls = getattr(importlib.import_module(module), cls_name)

@@ -39,7 +39,8 @@ def load() -> object | None:
             from torch.utils.cpp_extension import load as load_ext
 
             here = os.path.dirname(os.path.abspath(__file__))
-            sources = [os.path.join(here, name) for name in ("paged_attention.cpp", "paged_prefill.cpp", "elementwise.cpp")]
+            names = ("paged_attention.cpp", "paged_prefill.cpp", "elementwise.cpp", "shm_comm.cpp")
+            sources = [os.path.join(here, name) for name in names]
             logger.info("building halserve's native CPU attention kernel (once per machine)")
             _module = load_ext(
                 name="halserve_cpu_paged_attention",

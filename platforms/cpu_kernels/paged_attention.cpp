@@ -348,6 +348,11 @@ void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, t
 
 torch::Tensor silu_and_mul(torch::Tensor x);
 
+int64_t shm_all_reduce(torch::Tensor buffer, torch::Tensor x, int64_t rank, int64_t world, int64_t slot_bytes,
+                       int64_t seq);
+int64_t shm_all_gather(torch::Tensor buffer, torch::Tensor x, torch::Tensor out, int64_t rank, int64_t world,
+                       int64_t slot_bytes, int64_t seq);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm (float32)");
   m.def("rotary", &rotary, "rotary embedding of q and k (float32, neox or gpt-j pairs)");
@@ -356,6 +361,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_supported", &paged_prefill_supported, "whether paged_prefill runs this head/block configuration");
   m.def("paged_prefill", &paged_prefill,
         "flash-style prefill attention over the paged [2, blocks, Hk, B*D] float32 cache, all spans in one call");
+  m.def("shm_all_reduce", &shm_all_reduce, "sum x over the ranks mapping one shared buffer, in place");
+  m.def("shm_all_gather", &shm_all_gather, "every rank's x, through one shared buffer");
   m.def("paged_decode", &paged_decode,
         "paged attention decode over a [2, blocks, Hk, B*D] float32 cache (keys stored [D, B] per block)");
 }
