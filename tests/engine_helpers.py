@@ -61,3 +61,31 @@ def assert_speculation_matches(path: str, prompts: list[list[int]], expected: li
         assert stats.spec_num_accepted_tokens > 0, spec
         if "model" in spec:
             assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+def greedy_params(max_tokens: int, **extra):
+    from halserve import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)
+
+
+def generate_ids(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    """Every completion's token ids (each request's ``n`` of them in turn), prompts given as token ids."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(c.token_ids) for o in outputs for c in o.outputs]
+
+
+def assert_greedy_matches_one_rank(path: str, prompts: list[list[int]], llm, max_tokens: int, label: str,
+                                   **engine_kwargs) -> None:
+    """``llm`` (several ranks) gives transformers' greedy tokens, as one rank does, prompt by prompt."""
+    from halserve import LLM
+
+    expected = hf_greedy(path, prompts, max_tokens)
+    one_rank = LLM(path, **engine_kwargs)
+    try:
+        assert generate_ids(one_rank, prompts, greedy_params(max_tokens)) == expected
+    finally:
+        one_rank.llm_engine.shutdown()
+    got = generate_ids(llm, prompts, greedy_params(max_tokens))
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"{label} prompt {i} (len {len(prompts[i])}) differs from transformers"

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from engine_helpers import hf_greedy
+from engine_helpers import assert_greedy_matches_one_rank, generate_ids, greedy_params, hf_greedy
 
 NEW_TOKENS = 12
 PROMPT_LENGTHS = [1, 7, 16, 37, 70]  # under, at and over a block; 70 > the step budget: chunked
@@ -20,14 +20,7 @@ ENGINE_KWARGS = dict(platform="cpu", dtype="float32", block_size=16, max_num_bat
 
 
 def _greedy(max_tokens: int = NEW_TOKENS):
-    from halserve import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def _generate(llm, prompts, params) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
+    return greedy_params(max_tokens)
 
 
 def _children() -> set[int]:
@@ -86,19 +79,8 @@ def test_mp_is_registered_and_default_for_several_ranks(tp2_llm):
 
 
 def test_tp2_greedy_matches_tp1_and_transformers(llama, tp2_llm):
-    from halserve import LLM
-
     path, prompts = llama
-    expected = hf_greedy(path, prompts, NEW_TOKENS)
-    tp1 = LLM(path, **ENGINE_KWARGS)
-    try:
-        got_tp1 = _generate(tp1, prompts, _greedy())
-    finally:
-        tp1.llm_engine.shutdown()
-    got_tp2 = _generate(tp2_llm, prompts, _greedy())
-    assert got_tp1 == expected
-    for i, (g, e) in enumerate(zip(got_tp2, expected)):
-        assert g == e, f"tp=2 prompt {i} (len {len(prompts[i])}) differs from transformers"
+    assert_greedy_matches_one_rank(path, prompts, tp2_llm, NEW_TOKENS, "tp=2", **ENGINE_KWARGS)
 
 
 def test_tp2_per_request_state_matches_tp1(llama, tp2_llm):
@@ -142,7 +124,7 @@ def test_tp2_replicated_kv_head_tied_odd_vocab(tmp_path):
     llm = LLM(path, tensor_parallel_size=2, **ENGINE_KWARGS)
     try:
         assert [kv for _, kv, _, _ in _executor_of(llm).collective_rpc(_attention_layout)] == [1, 1]
-        got = _generate(llm, prompts, _greedy(8))
+        got = generate_ids(llm, prompts, _greedy(8))
     finally:
         llm.llm_engine.shutdown()
     assert got == hf_greedy(path, prompts, 8)
@@ -155,11 +137,11 @@ def test_tp2_seeded_sampling_is_reproducible(llama, tp2_llm):
 
     _, prompts = llama
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=8, ignore_eos=True)
-    first = _generate(tp2_llm, prompts, params)
-    second = _generate(tp2_llm, prompts[::-1], params)[::-1]
+    first = generate_ids(tp2_llm, prompts, params)
+    second = generate_ids(tp2_llm, prompts[::-1], params)[::-1]
     assert first == second
     unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-    assert all(len(t) == 8 for t in _generate(tp2_llm, prompts, unseeded))
+    assert all(len(t) == 8 for t in generate_ids(tp2_llm, prompts, unseeded))
 
 
 def test_tp2_worker_death_raises_and_shutdown_leaves_no_children(llama, tp2_llm):
@@ -172,7 +154,7 @@ def test_tp2_worker_death_raises_and_shutdown_leaves_no_children(llama, tp2_llm)
     os.kill(pids[1], signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pid \d+\) (died|could not be sent)"):
-        _generate(tp2_llm, prompts[:1], _greedy(2))
+        generate_ids(tp2_llm, prompts[:1], _greedy(2))
     assert time.monotonic() - start < 30, "a dead worker must be reported, not waited for"
     with pytest.raises(WorkerDiedError, match="rank 1"):
         executor.check_health()
@@ -195,7 +177,7 @@ def test_mp_with_one_rank(llama):
     pids = executor.worker_pids
     try:
         assert isinstance(executor, MultiprocExecutor) and len(pids) == 1
-        assert _generate(llm, prompts[:2], _greedy(4)) == [e[:4] for e in hf_greedy(path, prompts[:2], 4)]
+        assert generate_ids(llm, prompts[:2], _greedy(4)) == [e[:4] for e in hf_greedy(path, prompts[:2], 4)]
         # a failing call on the worker comes back as the worker's own exception type
         with pytest.raises(AttributeError, match="no_such_method"):
             executor.collective_rpc("no_such_method")

@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from engine_helpers import hf_greedy
+from engine_helpers import assert_greedy_matches_one_rank, generate_ids, greedy_params, hf_greedy
 
 NEW_TOKENS = 12
 PROMPT_LENGTHS = [1, 7, 16, 37, 70]  # under, at and over a block; 70 > the step budget: chunked
@@ -23,14 +23,7 @@ ENGINE_KWARGS = dict(platform="cpu", dtype="float32", block_size=16, max_num_bat
 
 
 def _greedy(max_tokens: int = NEW_TOKENS):
-    from halserve import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def _generate(llm, prompts, params) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
+    return greedy_params(max_tokens)
 
 
 def _executor_of(llm):
@@ -143,19 +136,8 @@ def test_actors_fill_a_placement_group(ray_llm):
 
 
 def test_greedy_matches_tp1_and_transformers(llama, ray_llm):
-    from halserve import LLM
-
     path, prompts = llama
-    expected = hf_greedy(path, prompts, NEW_TOKENS)
-    tp1 = LLM(path, **ENGINE_KWARGS)
-    try:
-        got_tp1 = _generate(tp1, prompts, _greedy())
-    finally:
-        tp1.llm_engine.shutdown()
-    got_ray = _generate(ray_llm, prompts, _greedy())
-    assert got_tp1 == expected
-    for i, (g, e) in enumerate(zip(got_ray, expected)):
-        assert g == e, f"ray tp=2 prompt {i} (len {len(prompts[i])}) differs from transformers"
+    assert_greedy_matches_one_rank(path, prompts, ray_llm, NEW_TOKENS, "ray tp=2", **ENGINE_KWARGS)
 
 
 def test_seeded_sampling_is_reproducible(llama, ray_llm):
@@ -165,11 +147,11 @@ def test_seeded_sampling_is_reproducible(llama, ray_llm):
 
     _, prompts = llama
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=8, ignore_eos=True)
-    first = _generate(ray_llm, prompts, params)
-    second = _generate(ray_llm, prompts[::-1], params)[::-1]
+    first = generate_ids(ray_llm, prompts, params)
+    second = generate_ids(ray_llm, prompts[::-1], params)[::-1]
     assert first == second
     unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-    assert all(len(t) == 8 for t in _generate(ray_llm, prompts, unseeded))
+    assert all(len(t) == 8 for t in generate_ids(ray_llm, prompts, unseeded))
 
 
 def test_worker_error_names_the_rank_and_leaves_the_engine_usable(llama, ray_llm):
@@ -184,7 +166,7 @@ def test_worker_error_names_the_rank_and_leaves_the_engine_usable(llama, ray_llm
     # every rank answered both calls: nothing is stuck, so the executor stays usable
     executor.check_health()
     assert executor.collective_rpc(_raise_on_rank, 5) == [0, 1]
-    assert [len(t) for t in _generate(ray_llm, prompts[:2], _greedy(3))] == [3, 3]
+    assert [len(t) for t in generate_ids(ray_llm, prompts[:2], _greedy(3))] == [3, 3]
 
 
 def test_unplaceable_ranks_are_a_clear_error(llama, ray_llm, monkeypatch):
@@ -217,7 +199,7 @@ def test_actor_death_raises_and_shutdown_leaves_no_workers(llama, ray_llm):
     os.kill(pids[1], signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pid \d+\) died .*restart the engine"):
-        _generate(ray_llm, prompts[:1], _greedy(2))
+        generate_ids(ray_llm, prompts[:1], _greedy(2))
     assert time.monotonic() - start < 30, "a dead actor must be reported, not waited for"
     with pytest.raises(WorkerDiedError, match="rank 1"):
         executor.check_health()
@@ -252,7 +234,7 @@ def test_pipeline_stages_as_ray_actors(llama):
         executor = _executor_of(llm)
         assert executor.output_rank == 1
         assert executor.collective_rpc(_stage_of) == [0, 1]
-        assert _generate(llm, prompts, _greedy()) == hf_greedy(path, prompts, NEW_TOKENS)
+        assert generate_ids(llm, prompts, _greedy()) == hf_greedy(path, prompts, NEW_TOKENS)
     finally:
         llm.llm_engine.shutdown()
     assert not ray.is_initialized()
