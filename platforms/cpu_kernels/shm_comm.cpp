@@ -77,6 +77,25 @@ void check_args(const torch::Tensor& buffer, const torch::Tensor& x, int64_t ran
   TORCH_CHECK(slot_bytes % x.element_size() == 0, "slot size not a multiple of the element size");
 }
 
+// Chunk by chunk (``slot_bytes`` at most): copy this rank's part of x into its slot, publish, wait
+// for every rank, then ``use(seq, element offset, elements)`` reads the slots. Returns the next seq.
+template <typename Use>
+int64_t exchange_chunks(uint8_t* base, const torch::Tensor& x, int64_t rank, int64_t world, int64_t slot_bytes,
+                        int64_t seq, Use&& use) {
+  const int64_t elem = x.element_size();
+  const int64_t per_chunk = slot_bytes / elem;
+  const int64_t total = x.numel();
+  const uint8_t* data = static_cast<const uint8_t*>(x.data_ptr());
+  for (int64_t start = 0; start < total; start += per_chunk, ++seq) {
+    const int64_t n = std::min(per_chunk, total - start);
+    std::memcpy(slot_of(base, world, slot_bytes, seq, rank), data + start * elem, n * elem);
+    publish(base, rank, seq);
+    wait_for_all(base, world, seq);
+    use(seq, start, n);
+  }
+  return seq;
+}
+
 }  // namespace
 
 // x += the other ranks' x, in place; returns the next chunk number.
@@ -84,20 +103,11 @@ int64_t shm_all_reduce(torch::Tensor buffer, torch::Tensor x, int64_t rank, int6
                        int64_t seq) {
   check_args(buffer, x, rank, world, slot_bytes);
   uint8_t* base = buffer.data_ptr<uint8_t>();
-  const int64_t elem = x.element_size();
-  const int64_t per_chunk = slot_bytes / elem;
-  const int64_t total = x.numel();
-  uint8_t* data = static_cast<uint8_t*>(x.data_ptr());
-  for (int64_t start = 0; start < total; start += per_chunk, ++seq) {
-    const int64_t n = std::min(per_chunk, total - start);
-    std::memcpy(slot_of(base, world, slot_bytes, seq, rank), data + start * elem, n * elem);
-    publish(base, rank, seq);
-    wait_for_all(base, world, seq);
+  return exchange_chunks(base, x, rank, world, slot_bytes, seq, [&](int64_t s, int64_t start, int64_t n) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "shm_all_reduce", [&] {
-      sum_slots<scalar_t>(base, world, slot_bytes, seq, reinterpret_cast<scalar_t*>(data) + start, n);
+      sum_slots<scalar_t>(base, world, slot_bytes, s, x.data_ptr<scalar_t>() + start, n);
     });
-  }
-  return seq;
+  });
 }
 
 // out[r] = rank r's x (out: [world, x.numel()] of x's dtype); returns the next chunk number.
@@ -108,18 +118,11 @@ int64_t shm_all_gather(torch::Tensor buffer, torch::Tensor x, torch::Tensor out,
               "all_gather: out must be a contiguous [world, numel] tensor of x's dtype");
   uint8_t* base = buffer.data_ptr<uint8_t>();
   const int64_t elem = x.element_size();
-  const int64_t per_chunk = slot_bytes / elem;
   const int64_t total = x.numel();
-  const uint8_t* data = static_cast<const uint8_t*>(x.data_ptr());
   uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
-  for (int64_t start = 0; start < total; start += per_chunk, ++seq) {
-    const int64_t n = std::min(per_chunk, total - start);
-    std::memcpy(slot_of(base, world, slot_bytes, seq, rank), data + start * elem, n * elem);
-    publish(base, rank, seq);
-    wait_for_all(base, world, seq);
+  return exchange_chunks(base, x, rank, world, slot_bytes, seq, [&](int64_t s, int64_t start, int64_t n) {
     for (int64_t r = 0; r < world; ++r) {
-      std::memcpy(dst + (r * total + start) * elem, slot_of(base, world, slot_bytes, seq, r), n * elem);
+      std::memcpy(dst + (r * total + start) * elem, slot_of(base, world, slot_bytes, s, r), n * elem);
     }
-  }
-  return seq;
+  });
 }

@@ -14,7 +14,6 @@ import pytest
 from engine_helpers import assert_greedy_matches_one_rank, generate_ids, greedy_params, hf_greedy
 
 NEW_TOKENS = 12
-PROMPT_LENGTHS = [1, 7, 16, 37, 70]  # under, at and over a block; 70 > the step budget: chunked
 ENGINE_KWARGS = dict(platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=64,
                      num_kv_blocks=64, max_num_seqs=8)
 
@@ -26,18 +25,6 @@ def _greedy(max_tokens: int = NEW_TOKENS):
 def _children() -> set[int]:
     """Our descendant processes, zombies included (a zombie is a child nobody reaped)."""
     return {c.pid for c in psutil.Process().children(recursive=True)}
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    """num_heads 4, num_kv_heads 2: two ranks hold two q heads and one kv head each."""
-    from model_factory import make_checkpoint
-
-    path = make_checkpoint(str(tmp_path_factory.mktemp("llama_tp")), "llama", num_layers=2, num_heads=4,
-                           num_kv_heads=2, attention_bias=True, mlp_bias=True)
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENGTHS]
-    return path, prompts
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import sys
 import time
@@ -17,7 +16,6 @@ import pytest
 from engine_helpers import assert_greedy_matches_one_rank, generate_ids, greedy_params, hf_greedy
 
 NEW_TOKENS = 12
-PROMPT_LENGTHS = [1, 7, 16, 37, 70]  # under, at and over a block; 70 > the step budget: chunked
 ENGINE_KWARGS = dict(platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=64,
                      num_kv_blocks=64, max_num_seqs=8)
 
@@ -52,18 +50,6 @@ def _raise_on_rank(worker, rank: int) -> int:
     if worker.rank == rank:
         raise ValueError(f"bad value on rank {worker.rank}")
     return worker.rank
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    """num_heads 4, num_kv_heads 2: two ranks hold two q heads and one kv head each."""
-    from model_factory import make_checkpoint
-
-    path = make_checkpoint(str(tmp_path_factory.mktemp("llama_ray")), "llama", num_layers=2, num_heads=4,
-                           num_kv_heads=2, attention_bias=True, mlp_bias=True)
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENGTHS]
-    return path, prompts
 
 
 @pytest.fixture(scope="module")
