@@ -213,13 +213,19 @@ class ModelRunner:
                     state.num_computed_tokens = int(step.seq_lens[r])
                 return None
             output = self._sample(step, logits if step.sample_rows else None, out)
-            if self.drafter is not None:
+            if self.drafter is not None and self._drafting_enabled():
                 rows = [r for r in step.sample_rows if output.sampled_token_ids[r]]
                 drafts = self.drafter.propose([step.states[r] for r in rows], self.info.max_model_len)
                 output.spec_token_ids = [[] for _ in step.req_ids]
                 for r, proposal in zip(rows, drafts):
                     output.spec_token_ids[r] = proposal
             return output
+
+    def _drafting_enabled(self) -> bool:
+        """Whether the draft model proposes after this step: not while ``disable_by_batch_size`` or more
+        requests run (the scheduler would drop the drafts; its K/V is still written, by ``mirror``)."""
+        limit = self.config.speculative_config.disable_by_batch_size
+        return limit is None or len(self.requests) < limit
 
     def _prepare_inputs(self, out: SchedulerOutput) -> "StepInputs":
         """Host-side (numpy/CPU tensors) flattened inputs of one step."""

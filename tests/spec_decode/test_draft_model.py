@@ -156,3 +156,28 @@ def test_two_ranks(ckpts, prompts, reference):
     finally:
         llm.llm_engine.shutdown()
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+
+
+def test_the_draft_model_does_not_propose_for_batches_of_disable_by_batch_size(ckpts, prompts, reference):
+    """Its drafts would be dropped: it proposes only once fewer than 3 requests are left."""
+    llm = LLM(ckpts[0], speculative_config={"model": ckpts[0], "num_speculative_tokens": 2,
+                                            "disable_by_batch_size": 3}, **KW)
+    runner = llm.llm_engine.core.executor.worker.model_runner
+    running_at_proposal = []
+    propose = runner.drafter.propose
+
+    def recording_propose(states, max_model_len):
+        running_at_proposal.append(len(runner.requests))
+        return propose(states, max_model_len)
+
+    runner.drafter.propose = recording_propose
+    lengths = [6 * (i + 1) for i in range(len(prompts))]  # (they finish one after another)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    try:
+        got = [tokens for tokens, _ in run(llm, prompts, params)]
+        stats = llm.llm_engine.core.get_stats()
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == [tokens[:n] for (tokens, _), n in zip(reference["greedy"], lengths)]
+    assert running_at_proposal and max(running_at_proposal) < 3
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0  # (the target drafts for itself)
