@@ -89,3 +89,15 @@ def assert_greedy_matches_one_rank(path: str, prompts: list[list[int]], llm, max
     got = generate_ids(llm, prompts, greedy_params(max_tokens))
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"{label} prompt {i} (len {len(prompts[i])}) differs from transformers"
+
+
+def assert_seeded_sampling_is_reproducible(llm, prompts: list[list[int]]) -> None:
+    """A seeded request gives the same tokens whatever the batch order (on several ranks: the ranks
+    agree on every sampled token, which the executor checks each step); unseeded ones run too."""
+    from halserve import SamplingParams
+
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=8, ignore_eos=True)
+    first = generate_ids(llm, prompts, params)
+    assert first == generate_ids(llm, prompts[::-1], params)[::-1]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    assert all(len(t) == 8 for t in generate_ids(llm, prompts, unseeded))

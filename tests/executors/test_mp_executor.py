@@ -11,7 +11,13 @@ import time
 import psutil
 import pytest
 
-from engine_helpers import assert_greedy_matches_one_rank, generate_ids, greedy_params, hf_greedy
+from engine_helpers import (
+    assert_greedy_matches_one_rank,
+    assert_seeded_sampling_is_reproducible,
+    generate_ids,
+    greedy_params,
+    hf_greedy,
+)
 
 NEW_TOKENS = 12
 ENGINE_KWARGS = dict(platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=64,
@@ -120,15 +126,8 @@ def test_tp2_replicated_kv_head_tied_odd_vocab(tmp_path):
 def test_tp2_seeded_sampling_is_reproducible(llama, tp2_llm):
     """Random sampling: the ranks must agree on every token (the executor checks each step)
     and a seeded request gives the same tokens every time."""
-    from halserve import SamplingParams
-
     _, prompts = llama
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=8, ignore_eos=True)
-    first = generate_ids(tp2_llm, prompts, params)
-    second = generate_ids(tp2_llm, prompts[::-1], params)[::-1]
-    assert first == second
-    unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-    assert all(len(t) == 8 for t in generate_ids(tp2_llm, prompts, unseeded))
+    assert_seeded_sampling_is_reproducible(tp2_llm, prompts)
 
 
 def test_tp2_worker_death_raises_and_shutdown_leaves_no_children(llama, tp2_llm):

@@ -13,7 +13,13 @@ import time
 import psutil
 import pytest
 
-from engine_helpers import assert_greedy_matches_one_rank, generate_ids, greedy_params, hf_greedy
+from engine_helpers import (
+    assert_greedy_matches_one_rank,
+    assert_seeded_sampling_is_reproducible,
+    generate_ids,
+    greedy_params,
+    hf_greedy,
+)
 
 NEW_TOKENS = 12
 ENGINE_KWARGS = dict(platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=64,
@@ -129,15 +135,8 @@ def test_greedy_matches_tp1_and_transformers(llama, ray_llm):
 def test_seeded_sampling_is_reproducible(llama, ray_llm):
     """The ranks must agree on every sampled token (checked each step) and a seeded request
     gives the same tokens every time, whatever the batch order."""
-    from halserve import SamplingParams
-
     _, prompts = llama
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=8, ignore_eos=True)
-    first = generate_ids(ray_llm, prompts, params)
-    second = generate_ids(ray_llm, prompts[::-1], params)[::-1]
-    assert first == second
-    unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-    assert all(len(t) == 8 for t in generate_ids(ray_llm, prompts, unseeded))
+    assert_seeded_sampling_is_reproducible(ray_llm, prompts)
 
 
 def test_worker_error_names_the_rank_and_leaves_the_engine_usable(llama, ray_llm):
