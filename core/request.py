@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from concurrent.futures import Future
 
     from halserve.lora.request import LoRARequest
+    from halserve.multimodal.processing import MultiModalFeature
     from halserve.sampling_params import SamplingParams
     from halserve.structured_output import RequestGrammar
 
@@ -85,6 +86,8 @@ class Request:
     """The LoRA adapter it runs with; None: the base model."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft-model speculation: the drafts the workers proposed for its next step ([] none)."""
+    mm_features: "list[MultiModalFeature] | None" = None
+    """Its images (placeholder runs in the prompt, pixel values, content hashes); None: none."""
     num_output_tokens_sent: int = 0
     """Pipeline parallelism: its output tokens the workers were sent so far (stages before the last
     do not sample, so the scheduler sends them the new ones)."""
@@ -99,9 +102,21 @@ class Request:
         return self._all_token_ids
 
     @property
-    def block_hash_extra_keys(self) -> tuple | None:
-        """What besides token ids tells its K/V apart in the prefix cache (its adapter)."""
-        return None if self.lora_request is None else self.lora_request.block_hash_key
+    def block_hash_extra_keys(self):
+        """What besides token ids tells its K/V apart in the prefix cache: its adapter, and for a
+        block its images overlap, their content hashes (a function of the block's token span then)."""
+        lora_key = None if self.lora_request is None else self.lora_request.block_hash_key
+        if not self.mm_features:
+            return lora_key
+        from halserve.multimodal.processing import overlapping_identifiers
+
+        features = self.mm_features
+
+        def keys(start: int, end: int):
+            images = overlapping_identifiers(features, start, end)
+            return (lora_key, ("image", *images)) if images else lora_key
+
+        return keys
 
     @property
     def num_tokens(self) -> int:

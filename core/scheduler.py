@@ -292,6 +292,7 @@ class Scheduler:
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_computed,
                     lora_request=request.lora_request,
+                    mm_features=request.mm_features,
                 )
             )
             num_scheduled_tokens[request.request_id] = num_new_tokens

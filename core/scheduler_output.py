@@ -28,6 +28,7 @@ class NewRequestData:
     block_ids: list[int]  # the request's whole block table so far
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit), before this step
     lora_request: "LoRARequest | None" = None  # its LoRA adapter; None: the base model
+    mm_features: "list[MultiModalFeature] | None" = None  # its images; None: none
 
 
 @dataclass

@@ -11,7 +11,7 @@ def halserve_manifest() -> PluginManifest:
         name="builtin",
         version="0.1.0",
         api=">=1,<2",
-        description="torch reference kernels and attention, executors, Llama/Qwen/Mistral/Gemma/Phi-3/MoE models",
+        description="torch reference kernels and attention, executors, Llama/Qwen/Mistral/Gemma/Phi-3/MoE/LLaVA models",
     )
 
 
@@ -45,6 +45,7 @@ def halserve_model_architectures() -> dict[str, str]:
         "Gemma2ForCausalLM": "halserve.models.gemma:GemmaForCausalLM",
         "Gemma3ForCausalLM": "halserve.models.gemma:GemmaForCausalLM",
         "LlamaForCausalLM": "halserve.models.llama:LlamaForCausalLM",
+        "LlavaForConditionalGeneration": "halserve.models.llava:LlavaForConditionalGeneration",
         "MistralForCausalLM": "halserve.models.llama:LlamaForCausalLM",
         "MixtralForCausalLM": "halserve.models.mixtral:MixtralForCausalLM",
         "Phi3ForCausalLM": "halserve.models.phi3:Phi3ForCausalLM",

@@ -387,6 +387,8 @@ def _prompt_size(prompt: Any) -> int:
     if isinstance(prompt, (str, list)):
         return len(prompt)
     if isinstance(prompt, dict):
+        if prompt.get("multi_modal_data") is not None:
+            return _INLINE_PROMPT_LIMIT + 1  # (image preprocessing: off the event loop)
         return max((len(v) for v in prompt.values() if isinstance(v, (str, list))), default=0)
     return 0
 

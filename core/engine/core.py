@@ -90,6 +90,7 @@ class EngineCore:
                 arrival_time=req.arrival_time,
                 max_tokens=req.max_tokens,
                 lora_request=req.lora_request,
+                mm_features=req.mm_features,
             )
         )
 

@@ -72,11 +72,41 @@ class InputProcessor:
         self.info = model_info
         self.tokenizer = tokenizer
         self.vocab_size = model_info.vocab_size
+        self._mm_processor = None
 
-    def tokenize(self, prompt: PromptType, check_length: bool = True) -> tuple[str | None, list[int]]:
+    @property
+    def mm_processor(self):
+        """The image preprocessing of a vision-language model (built on first use)."""
+        if self._mm_processor is None:
+            from halserve.multimodal.processing import MultiModalProcessor
+
+            self._mm_processor = MultiModalProcessor(self.info)
+        return self._mm_processor
+
+    def _multimodal(self, prompt: PromptType, ids: list[int], params: SamplingParams):
+        """``(ids with each image's placeholders expanded, its features)`` for a prompt dict with
+        ``multi_modal_data``; ``(ids, None)`` for any other prompt."""
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if mm_data is None:
+            return ids, None
+        if not self.info.is_multimodal:
+            raise ValueError(f"model {self.info.architecture} takes no images (multi_modal_data); send text only, "
+                             "or serve a vision-language model such as LlavaForConditionalGeneration")
+        if params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot be combined with images (it could cut an image's "
+                             "placeholder tokens); shorten the text instead")
+        return self.mm_processor.process(ids, mm_data)
+
+    def tokenize(self, prompt: PromptType, check_length: bool = True,
+                 allow_images: bool = False) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids); ValueError for anything malformed. ``check_length``
-        False: a text far longer than the context is tokenized whole (it is to be truncated)."""
+        False: a text far longer than the context is tokenized whole (it is to be truncated).
+        A prompt with images is refused unless ``allow_images`` (``process`` handles them; beam
+        search does not)."""
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data") is not None and not allow_images:
+                raise ValueError("this request kind does not take images (multi_modal_data), e.g. beam search; "
+                                 "send the prompt without them or use sampling")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -161,9 +191,10 @@ class InputProcessor:
             params.bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words, self.vocab_size)
         keep = self._num_tokens_to_keep(params)
         if prompt_token_ids is None:
-            text, ids = self.tokenize(prompt, check_length=keep is None)
+            text, ids = self.tokenize(prompt, check_length=keep is None, allow_images=True)
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), self._check_ids(prompt_token_ids)
+        ids, mm_features = self._multimodal(prompt, ids, params)
         if keep is not None and len(ids) > keep:
             text, ids = None, ids[-keep:]  # (the text would no longer match the tokens)
         max_len = self.info.max_model_len
@@ -211,6 +242,7 @@ class InputProcessor:
                     max_tokens=max_tokens,
                     arrival_time=arrival,
                     lora_request=lora_request,
+                    mm_features=mm_features,
                 )
             )
         return text, children

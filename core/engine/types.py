@@ -8,6 +8,7 @@ from halserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.lora.request import LoRARequest
+    from halserve.multimodal.processing import MultiModalFeature
 
 
 @dataclass(slots=True)
@@ -23,6 +24,7 @@ class EngineCoreRequest:
     max_tokens: int  # resolved: params.max_tokens or up to max_model_len
     arrival_time: float
     lora_request: "LoRARequest | None" = None  # its LoRA adapter; None: the base model
+    mm_features: "list[MultiModalFeature] | None" = None  # its images (halserve.multimodal); None: none
 
 
 @dataclass(slots=True)

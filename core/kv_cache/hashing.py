@@ -77,13 +77,17 @@ def extend_block_hashes(
     extra_keys: object = None,
 ) -> list[BlockHash]:
     """Append the hashes of the full blocks in ``token_ids[:num_tokens]`` not yet in
-    ``block_hashes`` (in place; also returned). Partial tail blocks are never hashed."""
+    ``block_hashes`` (in place; also returned). Partial tail blocks are never hashed.
+    ``extra_keys`` may be a function of a block's token span ``(start, end)`` (per-block keys,
+    e.g. the images a block's tokens stand for)."""
     end = len(token_ids) if num_tokens is None else num_tokens
     assert end <= len(token_ids)
     num_full = end // block_size
     for i in range(len(block_hashes), num_full):
         parent = block_hashes[i - 1] if i else None
-        block_hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys))
+        start = i * block_size
+        keys = extra_keys(start, start + block_size) if callable(extra_keys) else extra_keys
+        block_hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], keys))
     return block_hashes
 
 

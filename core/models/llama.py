@@ -177,9 +177,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ctx) if pp.is_last else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        """``inputs_embeds`` [T, H] (first stage): used instead of embedding ``input_ids`` (a multimodal
+        model's text embeddings with its image features spliced in); None: embed ``input_ids``."""
         if self.is_first_stage:
-            hidden = self.embed_tokens(input_ids)  # [T, H]
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, H]
             residual = None
         else:
             hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
@@ -194,7 +197,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The model-module protocol the model runner relies on:
 
-    forward(input_ids [T], positions [T], intermediate_tensors=None) -> hidden [T, H]
+    forward(input_ids [T], positions [T], intermediate_tensors=None, inputs_embeds=None) -> hidden [T, H]
         (before the last pipeline stage: IntermediateTensors; after the first, it reads them)
     compute_logits(hidden [N, H]) -> float32 [N, vocab]
     attention_layers -> list[Attention] in layer order (this pipeline stage's)
@@ -223,8 +226,11 @@ class LlamaForCausalLM(nn.Module):
                         if get_pp_state().is_last else PPMissingLayer())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors)
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        if inputs_embeds is None:  # (decoders that share this method, e.g. Gemma's, take no inputs_embeds)
+            return self.model(input_ids, positions, intermediate_tensors)
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

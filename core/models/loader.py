@@ -53,6 +53,14 @@ class ModelInfo:
     runner: str = "generate"
     num_labels: int | None = None  # a classifier's number of classes; None for a generative model
     id2label: dict[int, str] = field(default_factory=dict)  # a classifier's class index -> label
+    # a vision-language model (its class's supports_multimodal): the image placeholder token and how
+    # many of them stand for one image (halserve.multimodal.processing); None for a text-only model
+    image_token_id: int | None = None
+    image_num_tokens: int | None = None
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.image_token_id is not None
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> str:
@@ -124,7 +132,9 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
             f"supported architectures: {', '.join(sorted(supported)) or 'none registered'} "
             "(a plugin can add one through the halserve_model_architectures hook)"
         )
-    model_max = getattr(hf_config, "max_position_embeddings", None)
+    # A multimodal checkpoint nests its decoder's sizes in text_config (transformers' get_text_config)
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    model_max = getattr(text_config, "max_position_embeddings", None)
     if config.max_model_len is None:
         if model_max is None:
             raise ValueError(f"{config.model!r} does not declare max_position_embeddings; set max_model_len")
@@ -137,18 +147,21 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
     else:
         max_model_len = config.max_model_len
     dtype = resolve_dtype(config.dtype, hf_config, platform)
-    num_heads = hf_config.num_attention_heads
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    head_size = head_size_of(hf_config)
-    _check_tensor_parallel(config.tensor_parallel_size, num_heads, num_kv_heads, hf_config)
+    num_heads = text_config.num_attention_heads
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    head_size = head_size_of(text_config)
+    _check_tensor_parallel(config.tensor_parallel_size, num_heads, num_kv_heads, text_config)
     if config.pipeline_parallel_size > 1:
-        _check_pipeline_parallel(config.pipeline_parallel_size, arch, hf_config)
-    windows = [w for w in layer_sliding_windows(hf_config) if w is not None]
+        _check_pipeline_parallel(config.pipeline_parallel_size, arch, text_config)
+    windows = [w for w in layer_sliding_windows(text_config) if w is not None]
     gen = _read_json(os.path.join(path, "generation_config.json"))
-    eos = _as_list(gen.get("eos_token_id")) or _as_list(getattr(hf_config, "eos_token_id", None))
+    eos = (_as_list(gen.get("eos_token_id")) or _as_list(getattr(hf_config, "eos_token_id", None))
+           or _as_list(getattr(text_config, "eos_token_id", None)))
     pooler_config = resolve_pooler_config(path, config.pooler_config)
     is_classifier = arch.endswith(CLASSIFIER_SUFFIX)
     id2label = getattr(hf_config, "id2label", None) or {}
+    model_cls = _import_architecture(supported[arch]) if isinstance(supported[arch], str) else supported[arch]
+    multimodal = bool(getattr(model_cls, "supports_multimodal", False))
     if config.kv_cache_dtype == "auto":
         elem_size = torch.empty((), dtype=dtype).element_size()
     else:
@@ -158,22 +171,24 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
         hf_config=hf_config,
         model_path=path,
         dtype=dtype,
-        vocab_size=hf_config.vocab_size,
-        hidden_size=hf_config.hidden_size,
-        num_layers=hf_config.num_hidden_layers,
+        vocab_size=text_config.vocab_size,
+        hidden_size=text_config.hidden_size,
+        num_layers=text_config.num_hidden_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
         max_model_len=max_model_len,
         sliding_window=max(windows) if windows else None,
-        logits_soft_cap=attention_logits_soft_cap(hf_config),
+        logits_soft_cap=attention_logits_soft_cap(text_config),
         eos_token_ids=eos,
         generation_defaults={k: gen[k] for k in GENERATION_DEFAULT_KEYS if k in gen},
-        kv_cache_bytes_per_token=2 * hf_config.num_hidden_layers * num_kv_heads * head_size * elem_size,
+        kv_cache_bytes_per_token=2 * text_config.num_hidden_layers * num_kv_heads * head_size * elem_size,
         pooler_config=pooler_config,
         runner="pooling" if is_classifier else "generate",
         num_labels=hf_config.num_labels if is_classifier else None,
         id2label={int(k): str(v) for k, v in id2label.items()} if is_classifier else {},
+        image_token_id=model_cls.image_token_id(hf_config) if multimodal else None,
+        image_num_tokens=model_cls.num_image_tokens(hf_config) if multimodal else None,
     )
 
 

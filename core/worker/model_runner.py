@@ -50,6 +50,8 @@ class ModelRunner:
     supports_speculative_decoding: bool = True
     # Whether it runs one pipeline stage (pipeline_parallel_size > 1).
     supports_pipeline_parallel: bool = True
+    # Whether it feeds images to a vision-language model (halserve.multimodal).
+    supports_multimodal: bool = True
 
     def __init__(self, config: "EngineConfig", platform: "Platform", model_info: "ModelInfo") -> None:
         self.config = config
@@ -67,6 +69,13 @@ class ModelRunner:
         if self.pp.size > 1 and not self.supports_pipeline_parallel:
             raise ValueError(f"the {type(self).__name__} of platform {platform.name!r} does not support pipeline "
                              "parallelism; use pipeline_parallel_size=1 (--pipeline-parallel-size)")
+        if model_info.is_multimodal and not self.supports_multimodal:
+            raise ValueError(f"the {type(self).__name__} of platform {platform.name!r} does not run vision-language "
+                             f"models ({model_info.architecture}); use another platform")
+        if model_info.is_multimodal and config.speculative_config is not None \
+                and config.speculative_config.method == "draft_model":
+            raise ValueError(f"a draft model cannot speculate for the vision-language model {model_info.architecture} "
+                             "(it would read image placeholders as text); use method 'ngram' or no speculation")
         self.attn_backend_cls = select_attention_backend(config, platform, model_info)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -186,6 +195,7 @@ class ModelRunner:
                 prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
                 else None,
                 lora_request=new.lora_request,
+                mm_features=new.mm_features,
             )
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -251,8 +261,15 @@ class ModelRunner:
 
         input_ids, positions = step.input_ids.to(dev, non_blocking=True), step.positions.to(dev, non_blocking=True)
         intermediate = self._intermediate_tensors(len(input_ids), receive=True)
+        kwargs = {}
+        if self.info.is_multimodal and self.pp.is_first:  # images: their embeddings at their placeholders
+            from halserve.worker.mm_embeddings import step_inputs_embeds
+
+            embeds = step_inputs_embeds(self.model, step, input_ids)
+            if embeds is not None:
+                kwargs["inputs_embeds"] = embeds
         with set_forward_context(attn_metadata):
-            hidden = self.model(input_ids, positions, intermediate)
+            hidden = self.model(input_ids, positions, intermediate, **kwargs)
         if not self.pp.is_last:
             from halserve.distributed import pp_send
 

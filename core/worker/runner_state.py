@@ -14,6 +14,7 @@ from halserve.attention_backends.base import AttentionMetadata
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.lora.request import LoRARequest
+    from halserve.multimodal.processing import MultiModalFeature
     from halserve.sampling_params import SamplingParams
     from halserve.worker.pooler import PromptPool
 
@@ -58,6 +59,9 @@ class CachedRequestState:
     pooled: list[float] | None = None  # a pooling request's result (embedding or class probs), until sent
     prompt_pool: "PromptPool | None" = None  # a MEAN/CLS embedding request's prompt rows pooled so far
     lora_request: "LoRARequest | None" = None  # its LoRA adapter; None: the base model
+    mm_features: "list[MultiModalFeature] | None" = None  # its images; None: none
+    # its images' embeddings computed and not yet all fed to the model: feature index -> [length, H]
+    mm_embeddings: dict[int, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ class XlaModelRunner(ModelRunner):
     supports_pooling = False  # (embedding requests end without an embedding: the API says so)
     supports_speculative_decoding = False  # (its buckets pad one logits row per request)
     supports_pipeline_parallel = False  # (its compiled graph is the whole model)
+    supports_multimodal = False  # (images would add a data-dependent encoder pass to its graph)
 
     def load_model(self) -> None:
         if self.info.runner == "pooling":  # (its requests all classify, which needs pooling)

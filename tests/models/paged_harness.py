@@ -23,9 +23,10 @@ class PagedHarness:
         self.tables: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
 
-    def step(self, batch: list[tuple[str, list[int]]]) -> torch.Tensor:
+    def step(self, batch: list[tuple[str, list[int]]], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Schedule ``(request_id, new_token_ids)`` pairs as one flattened step; returns
-        float32 logits for every scheduled token [T, vocab]."""
+        float32 logits for every scheduled token [T, vocab]. ``inputs_embeds`` [T, H]: run the
+        model on these instead of the tokens' embeddings (a multimodal prompt's)."""
         ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
         for req, tokens in batch:
             ctx = self.lens.get(req, 0)
@@ -53,5 +54,8 @@ class PagedHarness:
         )
         meta = self.backend_cls.build_metadata(common)
         with torch.no_grad(), set_forward_context(meta):
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions))
+            if inputs_embeds is None:
+                hidden = self.model(torch.tensor(ids), torch.tensor(positions))
+            else:
+                hidden = self.model(torch.tensor(ids), torch.tensor(positions), inputs_embeds=inputs_embeds)
             return self.model.compute_logits(hidden)

@@ -1,0 +1,206 @@
+"""LLaVA (llava-1.5 style): a CLIP vision tower and a two-layer projector in front of a Llama-family
+decoder.
+
+    pixel_values [N, 3, S, S]
+      vision_tower (clip.py)            hidden states of vision_feature_layer(s)   [N, 1 + P, Dv] each
+      vision_feature_select_strategy    "default": drop the CLS token; "full": keep it
+      concatenate the feature layers    [N, tokens, Dv * num_layers]
+      multi_modal_projector             linear_1 -> projector_hidden_act -> linear_2   [N, tokens, H]
+
+The prompt holds ``tokens`` image placeholder tokens per image (``num_image_tokens``); the caller
+embeds the text (``embed_input_ids``), puts the image rows (``embed_images``) at the placeholder
+positions and runs the decoder on those embeddings (``forward(..., inputs_embeds=...)``).
+
+The vision tower and projector are plain torch modules, replicated on every tensor-parallel rank;
+under pipeline parallelism only the first stage holds them.
+
+Checkpoint names, both schemes loaded (the tower's under ``vision_model.`` in llava-hf's Hub
+checkpoints, directly in what transformers 5 writes):
+
+    llava-hf on the Hub, transformers' save         newer
+    language_model.model.*                          model.language_model.*
+    language_model.lm_head.*                        lm_head.*
+    vision_tower.[vision_model.]*                   model.vision_tower.[vision_model.]*
+    multi_modal_projector.*                         model.multi_modal_projector.*
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from halserve.distributed import get_pp_state
+from halserve.layers import Attention, ModelContext
+from halserve.models.clip import CLIPVisionModel, feature_layer_index, get_activation
+from halserve.models.llama import LlamaForCausalLM
+from halserve.models.pipeline import IntermediateTensors, PPMissingLayer
+
+TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # decoders of LlamaForCausalLM
+VISION_MODEL_TYPES = ("clip_vision_model",)
+SELECT_STRATEGIES = ("default", "full")
+
+# newer checkpoint name prefix -> ours (the left column above)
+_RENAMES = [
+    ("model.language_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+]
+
+
+def _feature_layers(hf_config: Any) -> list[int]:
+    layers = getattr(hf_config, "vision_feature_layer", -2)
+    return [int(x) for x in layers] if isinstance(layers, (list, tuple)) else [int(layers)]
+
+
+def _select_strategy(hf_config: Any) -> str:
+    strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
+    if strategy not in SELECT_STRATEGIES:
+        raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported; use one of "
+                         f"{', '.join(SELECT_STRATEGIES)}")
+    return strategy
+
+
+class LlavaMultiModalProjector(nn.Module):
+    def __init__(self, hf_config: Any, ctx: ModelContext, in_features: int) -> None:
+        super().__init__()
+        hidden = hf_config.text_config.hidden_size
+        bias = bool(getattr(hf_config, "multimodal_projector_bias", True))
+        self.linear_1 = nn.Linear(in_features, hidden, bias=bias, dtype=ctx.dtype)
+        self.act = get_activation(getattr(hf_config, "projector_hidden_act", "gelu"), "projector_hidden_act")
+        self.linear_2 = nn.Linear(hidden, hidden, bias=bias, dtype=ctx.dtype)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(features)))
+
+
+class LlavaForConditionalGeneration(nn.Module):
+    """The model-module protocol of ``LlamaForCausalLM`` plus, for the model runner's multimodal path:
+
+    supports_multimodal -> True (class attribute)
+    num_image_tokens(hf_config), image_token_id(hf_config) -> int (class methods, cheap: config only)
+    embed_input_ids(input_ids [T]) -> [T, H]
+    embed_images(pixel_values [N, 3, S, S]) -> [N, num_image_tokens, H] in the model dtype
+    """
+
+    supports_pipeline_parallel = True
+    supports_multimodal = True
+    STACKED_PARAMS = LlamaForCausalLM.STACKED_PARAMS  # the decoder's fused q/k/v and gate/up (read by LoRA)
+
+    def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
+        super().__init__()
+        self.config = hf_config
+        text_config, vision_config = hf_config.text_config, hf_config.vision_config
+        text_type = getattr(text_config, "model_type", None)
+        if text_type not in TEXT_MODEL_TYPES:
+            raise ValueError(f"LLaVA with a {text_type!r} language model is not supported; its text_config "
+                             f"model_type must be one of {', '.join(TEXT_MODEL_TYPES)}")
+        vision_type = getattr(vision_config, "model_type", None)
+        if vision_type not in VISION_MODEL_TYPES:
+            raise ValueError(f"LLaVA with a {vision_type!r} vision tower is not supported; its vision_config "
+                             f"model_type must be one of {', '.join(VISION_MODEL_TYPES)}")
+        self.feature_layers = _feature_layers(hf_config)
+        self.select_strategy = _select_strategy(hf_config)
+        self.language_model = LlamaForCausalLM(text_config, ctx)
+        if get_pp_state().is_first:
+            # build the tower only up to its deepest feature layer
+            num_layers = max(feature_layer_index(layer, vision_config.num_hidden_layers)
+                             for layer in self.feature_layers)
+            self.vision_tower = CLIPVisionModel(vision_config, ctx, num_layers)
+            self.multi_modal_projector = LlavaMultiModalProjector(
+                hf_config, ctx, vision_config.hidden_size * len(self.feature_layers))
+        else:
+            self.vision_tower = PPMissingLayer()
+            self.multi_modal_projector = PPMissingLayer()
+
+    @classmethod
+    def num_image_tokens(cls, hf_config: Any) -> int:
+        """Placeholder tokens per image: one per patch, plus the CLS token's with strategy "full"."""
+        vision_config = hf_config.vision_config
+        num_patches = (vision_config.image_size // vision_config.patch_size) ** 2
+        return num_patches + (_select_strategy(hf_config) == "full")
+
+    @classmethod
+    def image_token_id(cls, hf_config: Any) -> int:
+        """The id of the image placeholder token (``image_token_id``, or ``image_token_index`` in older
+        configs)."""
+        token_id = getattr(hf_config, "image_token_id", None)
+        if token_id is None:
+            token_id = getattr(hf_config, "image_token_index", None)
+        if token_id is None:
+            raise ValueError("the LLaVA config names no image token (image_token_id / image_token_index)")
+        return int(token_id)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The text embeddings [T, H] of ``input_ids`` [T] (first pipeline stage)."""
+        return self.language_model.model.embed_tokens(input_ids)
+
+    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values [N, 3, S, S] (the image processor's) -> the rows [N, num_image_tokens, H] that
+        replace each image's placeholder tokens (first pipeline stage)."""
+        states = self.vision_tower.hidden_states(pixel_values, self.feature_layers)  # each [N, 1 + P, Dv]
+        if self.select_strategy == "default":
+            states = [s[:, 1:] for s in states]  # drop the CLS token
+        features = torch.cat(states, dim=-1)  # [N, tokens, Dv * num_feature_layers]
+        return self.multi_modal_projector(features)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return self.language_model.attention_layers
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Either naming scheme (module docstring) -> the set of loaded parameter names of this module.
+        The decoder's tensors stream through ``LlamaForCausalLM.load_weights`` (q/k/v and gate/up fusion,
+        tensor-parallel slicing, other pipeline stages' layers); the others load on the way."""
+        is_first = get_pp_state().is_first
+        loaded: set[str] = set()
+
+        def language_weights():
+            for original, tensor in weights:
+                name = self._our_name(original)
+                if name.startswith("language_model."):
+                    yield name.removeprefix("language_model."), tensor
+                elif name.startswith(("vision_tower.", "multi_modal_projector.")):
+                    target = self._load_vision_weight(name, original, tensor) if is_first else None
+                    if target is not None:  # None: not built here (another pipeline stage, a cut-off layer)
+                        loaded.add(target)
+                else:
+                    raise ValueError(f"checkpoint tensor {original!r} has no matching parameter in "
+                                     f"{type(self).__name__}; is this checkpoint for a different architecture?")
+
+        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(language_weights())}
+        return loaded
+
+    def _load_vision_weight(self, name: str, original: str, tensor: torch.Tensor) -> str | None:
+        """Load one ``vision_tower.*`` / ``multi_modal_projector.*`` tensor (``original``: its checkpoint
+        name); its parameter's name, or None for a tensor skipped (a vision layer that is not built)."""
+        if name.startswith("vision_tower."):
+            relative = name.removeprefix("vision_tower.")
+            names = self.vision_tower.load_weights([(relative, tensor)], original.removesuffix(relative))
+            return f"vision_tower.{names.pop()}" if names else None
+        projector = dict(self.multi_modal_projector.named_parameters(prefix="multi_modal_projector"))
+        param = projector.get(name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {original!r} has no matching parameter in the multimodal projector "
+                             f"of {type(self).__name__} (expected one of {', '.join(projector)})")
+        if param.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {original!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
+        return name
+
+    @staticmethod
+    def _our_name(name: str) -> str:
+        for theirs, ours in _RENAMES:
+            if name.startswith(theirs):
+                return ours + name.removeprefix(theirs)
+        return name
