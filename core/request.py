@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from concurrent.futures import Future
 
     from halserve.lora.request import LoRARequest
-    from halserve.multimodal.processing import MultiModalFeature
+    from halserve.multimodal.processing import MRopePositions, MultiModalFeature
     from halserve.sampling_params import SamplingParams
     from halserve.structured_output import RequestGrammar
 
@@ -88,6 +88,8 @@ class Request:
     """Draft-model speculation: the drafts the workers proposed for its next step ([] none)."""
     mm_features: "list[MultiModalFeature] | None" = None
     """Its images (placeholder runs in the prompt, pixel values, content hashes); None: none."""
+    mrope_positions: "MRopePositions | None" = None
+    """An M-RoPE model's (Qwen2-VL) positions of its prompt with images; None: plain positions."""
     num_output_tokens_sent: int = 0
     """Pipeline parallelism: its output tokens the workers were sent so far (stages before the last
     do not sample, so the scheduler sends them the new ones)."""

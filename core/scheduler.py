@@ -293,6 +293,7 @@ class Scheduler:
                     num_computed_tokens=num_computed,
                     lora_request=request.lora_request,
                     mm_features=request.mm_features,
+                    mrope_positions=request.mrope_positions,
                 )
             )
             num_scheduled_tokens[request.request_id] = num_new_tokens

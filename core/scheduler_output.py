@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from halserve.lora.request import LoRARequest
+    from halserve.multimodal.processing import MRopePositions, MultiModalFeature
     from halserve.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class NewRequestData:
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit), before this step
     lora_request: "LoRARequest | None" = None  # its LoRA adapter; None: the base model
     mm_features: "list[MultiModalFeature] | None" = None  # its images; None: none
+    mrope_positions: "MRopePositions | None" = None  # an M-RoPE model's prompt positions with images
 
 
 @dataclass

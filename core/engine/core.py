@@ -91,6 +91,7 @@ class EngineCore:
                 max_tokens=req.max_tokens,
                 lora_request=req.lora_request,
                 mm_features=req.mm_features,
+                mrope_positions=req.mrope_positions,
             )
         )
 

@@ -84,11 +84,11 @@ class InputProcessor:
         return self._mm_processor
 
     def _multimodal(self, prompt: PromptType, ids: list[int], params: SamplingParams):
-        """``(ids with each image's placeholders expanded, its features)`` for a prompt dict with
-        ``multi_modal_data``; ``(ids, None)`` for any other prompt."""
+        """``(ids with each image's placeholders expanded, its features, M-RoPE positions or None)``
+        for a prompt dict with ``multi_modal_data``; ``(ids, None, None)`` for any other prompt."""
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if mm_data is None:
-            return ids, None
+            return ids, None, None
         if not self.info.is_multimodal:
             raise ValueError(f"model {self.info.architecture} takes no images (multi_modal_data); send text only, "
                              "or serve a vision-language model such as LlavaForConditionalGeneration")
@@ -194,7 +194,7 @@ class InputProcessor:
             text, ids = self.tokenize(prompt, check_length=keep is None, allow_images=True)
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), self._check_ids(prompt_token_ids)
-        ids, mm_features = self._multimodal(prompt, ids, params)
+        ids, mm_features, mrope_positions = self._multimodal(prompt, ids, params)
         if keep is not None and len(ids) > keep:
             text, ids = None, ids[-keep:]  # (the text would no longer match the tokens)
         max_len = self.info.max_model_len
@@ -243,6 +243,7 @@ class InputProcessor:
                     arrival_time=arrival,
                     lora_request=lora_request,
                     mm_features=mm_features,
+                    mrope_positions=mrope_positions,
                 )
             )
         return text, children

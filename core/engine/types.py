@@ -8,7 +8,7 @@ from halserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.lora.request import LoRARequest
-    from halserve.multimodal.processing import MultiModalFeature
+    from halserve.multimodal.processing import MRopePositions, MultiModalFeature
 
 
 @dataclass(slots=True)
@@ -25,6 +25,7 @@ class EngineCoreRequest:
     arrival_time: float
     lora_request: "LoRARequest | None" = None  # its LoRA adapter; None: the base model
     mm_features: "list[MultiModalFeature] | None" = None  # its images (halserve.multimodal); None: none
+    mrope_positions: "MRopePositions | None" = None  # an M-RoPE model's prompt positions with images
 
 
 @dataclass(slots=True)

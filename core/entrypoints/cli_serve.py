@@ -132,6 +132,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="larger request bodies get a 413 (default 32MiB)",
     )
     g.add_argument(
+        "--allowed-local-media-path", default=None, metavar="DIR",
+        help="let requests name images as file:// URLs of files inside DIR (default: file:// URLs are refused)",
+    )
+    g.add_argument(
         "--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
         help="a thinking model's <think>...</think> goes to the chat message's 'reasoning' field: deepseek_r1 "
         "(DeepSeek-R1, QwQ: always thinks), qwen3 (Qwen3: thinks unless enable_thinking is false)",
@@ -338,6 +342,8 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], str, str | None]:
         raise StartupError(f"--port {args.port}: must be in 1..65535", EXIT_USAGE)
     config = build_config(args, model)
     chat_template = load_chat_template(args.chat_template)
+    if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
+        raise StartupError(f"--allowed-local-media-path {args.allowed_local_media_path}: no such directory", EXIT_USAGE)
     try:
         platform = resolve_platform(config.platform)
     except PlatformUnavailableError as exc:
@@ -397,6 +403,7 @@ def run(args: argparse.Namespace) -> int:
         engine, served, model_path=getattr(engine.model_info, "model_path", None) or model,
         chat_template=chat_template, tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=args.reasoning_parser, lora_modules=lora_modules,
+        allowed_local_media_path=args.allowed_local_media_path,
     )
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("HALSERVE_API_KEY"):

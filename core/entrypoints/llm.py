@@ -31,6 +31,8 @@ class LLM:
     ``num_gpu_blocks_override``); otherwise it is sized from ``kv_cache_memory`` bytes or
     from free memory. Any other ``EngineConfig`` field may be passed as a keyword, e.g.
     ``pooler_config={"pooling_type": "MEAN", "normalize": False}`` (embeddings, as vLLM's).
+    ``allowed_local_media_path``: the directory ``chat``'s ``file://`` image URLs may read from
+    (vLLM's; None: file URLs are refused).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         tokenizer: str | None = None,
+        allowed_local_media_path: str | None = None,
         **kwargs: Any,
     ) -> None:
         from halserve.engine.llm_engine import LLMEngine
@@ -68,6 +71,7 @@ class LLM:
             **kwargs,
         )
         self.llm_engine = LLMEngine(config)
+        self.allowed_local_media_path = allowed_local_media_path
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -160,11 +164,17 @@ class LLM:
         lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate (``lora_request``
-        as for ``generate``)."""
+        as for ``generate``). A user message's content may hold OpenAI's image parts,
+        ``{"type": "image_url", "image_url": {"url": ...}}`` (a data:, http(s): or file: URL, as
+        ``halserve.multimodal.media.load_image`` reads them): the template writes the model's image
+        placeholder for each and the images go to the model with the prompt."""
+        from halserve.multimodal.media import load_image
+
         conversations = _conversations(messages)
         tokenizer = self.get_tokenizer()
         prompts = []
         for conv in conversations:
+            conv, urls = _with_images(conv)
             try:
                 ids = tokenizer.apply_chat_template(
                     conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True
@@ -173,7 +183,12 @@ class LLM:
                 raise ValueError(f"the chat template could not render the messages: {exc}") from None
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+            if urls:
+                where = self.allowed_local_media_path
+                prompt["multi_modal_data"] = {"image": [load_image(url, allowed_local_media_path=where)
+                                                        for url in urls]}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(
@@ -311,6 +326,34 @@ def _conversations(messages: Any) -> list[list[dict]]:
         "messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} dicts) or a list of "
         f"such conversations; got {messages!r:.80}"
     )
+
+
+def _with_images(conversation: list[dict]) -> tuple[list[dict], list[str]]:
+    """``(messages as the template reads them, image URLs in order)``: messages with image_url parts
+    read as the server reads them (``ChatMessage.template_dict``), the others as given."""
+    from pydantic import ValidationError
+
+    from halserve.entrypoints.openai.chat_protocol import ChatMessage
+
+    def has_image(message: dict) -> bool:
+        content = message.get("content")
+        return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content)
+
+    messages, urls = [], []
+    for i, message in enumerate(conversation):
+        if not has_image(message):
+            messages.append(message)
+            continue
+        try:
+            parsed = ChatMessage.model_validate(message)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(x) for x in e['loc'] if '[' not in str(x)) or 'message'}: "
+                f"{str(e['msg']).removeprefix('Value error, ')}" for e in exc.errors(include_url=False))
+            raise ValueError(f"messages[{i}]: {problems}") from None
+        messages.append(parsed.template_dict())
+        urls.extend(parsed.image_urls())
+    return messages, urls
 
 
 def _pooling_request_params(pooling_params: Any, prompts: Any, truncate_prompt_tokens: int | None,

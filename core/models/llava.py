@@ -79,9 +79,13 @@ class LlavaForConditionalGeneration(nn.Module):
     """The model-module protocol of ``LlamaForCausalLM`` plus, for the model runner's multimodal path:
 
     supports_multimodal -> True (class attribute)
-    num_image_tokens(hf_config), image_token_id(hf_config) -> int (class methods, cheap: config only)
+    image_token_id(hf_config) -> int (class method, cheap: config only)
+    split_image_inputs(hf_config, processed, num_images) -> one dict of model inputs per image, from
+        the checkpoint's image processor's batched output (class method)
+    num_image_tokens(hf_config, image_inputs) -> its placeholder tokens (class method)
     embed_input_ids(input_ids [T]) -> [T, H]
-    embed_images(pixel_values [N, 3, S, S]) -> [N, num_image_tokens, H] in the model dtype
+    embed_multimodal(items) -> [num_image_tokens, H] per item, in the model dtype
+    embed_images(pixel_values [N, 3, S, S]) -> [N, num_image_tokens, H] (LLaVA's batched form)
     """
 
     supports_pipeline_parallel = True
@@ -115,8 +119,15 @@ class LlavaForConditionalGeneration(nn.Module):
             self.multi_modal_projector = PPMissingLayer()
 
     @classmethod
-    def num_image_tokens(cls, hf_config: Any) -> int:
-        """Placeholder tokens per image: one per patch, plus the CLS token's with strategy "full"."""
+    def split_image_inputs(cls, hf_config: Any, processed: Any, num_images: int) -> list[dict[str, torch.Tensor]]:
+        """The image processor's ``pixel_values`` [N, 3, S, S] -> ``{"pixel_values": [3, S, S]}`` per image."""
+        pixel_values = processed["pixel_values"]
+        return [{"pixel_values": pixel_values[i]} for i in range(num_images)]
+
+    @classmethod
+    def num_image_tokens(cls, hf_config: Any, image_inputs: Any = None) -> int:
+        """Placeholder tokens per image (the same for all): one per patch, plus the CLS token's with
+        strategy "full"."""
         vision_config = hf_config.vision_config
         num_patches = (vision_config.image_size // vision_config.patch_size) ** 2
         return num_patches + (_select_strategy(hf_config) == "full")
@@ -149,6 +160,20 @@ class LlavaForConditionalGeneration(nn.Module):
             states = [s[:, 1:] for s in states]  # drop the CLS token
         features = torch.cat(states, dim=-1)  # [N, tokens, Dv * num_feature_layers]
         return self.multi_modal_projector(features)
+
+    def embed_multimodal(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Per image (``split_image_inputs``' dicts) its rows [num_image_tokens, H]; images of one pixel
+        shape go through the tower together."""
+        out: list[torch.Tensor | None] = [None] * len(items)
+        by_shape: dict[tuple, list[int]] = {}
+        for i, item in enumerate(items):
+            by_shape.setdefault(tuple(item["pixel_values"].shape), []).append(i)
+        device = self.multi_modal_projector.linear_1.weight.device
+        for indices in by_shape.values():
+            pixels = torch.stack([items[i]["pixel_values"] for i in indices]).to(device)
+            for i, rows in zip(indices, self.embed_images(pixels)):
+                out[i] = rows
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)

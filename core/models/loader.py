@@ -53,10 +53,10 @@ class ModelInfo:
     runner: str = "generate"
     num_labels: int | None = None  # a classifier's number of classes; None for a generative model
     id2label: dict[int, str] = field(default_factory=dict)  # a classifier's class index -> label
-    # a vision-language model (its class's supports_multimodal): the image placeholder token and how
-    # many of them stand for one image (halserve.multimodal.processing); None for a text-only model
+    # a vision-language model (its class's supports_multimodal): the image placeholder token
+    # (halserve.multimodal.processing); None for a text-only model
     image_token_id: int | None = None
-    image_num_tokens: int | None = None
+    uses_mrope: bool = False  # its positions are M-RoPE's three axes (Qwen2-VL): [3, T] with images
 
     @property
     def is_multimodal(self) -> bool:
@@ -160,7 +160,7 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
     pooler_config = resolve_pooler_config(path, config.pooler_config)
     is_classifier = arch.endswith(CLASSIFIER_SUFFIX)
     id2label = getattr(hf_config, "id2label", None) or {}
-    model_cls = _import_architecture(supported[arch]) if isinstance(supported[arch], str) else supported[arch]
+    model_cls = model_class(arch)
     multimodal = bool(getattr(model_cls, "supports_multimodal", False))
     if config.kv_cache_dtype == "auto":
         elem_size = torch.empty((), dtype=dtype).element_size()
@@ -188,7 +188,7 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
         num_labels=hf_config.num_labels if is_classifier else None,
         id2label={int(k): str(v) for k, v in id2label.items()} if is_classifier else {},
         image_token_id=model_cls.image_token_id(hf_config) if multimodal else None,
-        image_num_tokens=model_cls.num_image_tokens(hf_config) if multimodal else None,
+        uses_mrope=bool(getattr(model_cls, "uses_mrope", False)),
     )
 
 
@@ -217,8 +217,7 @@ def _check_pipeline_parallel(pp: int, arch: str, hf_config: Any) -> None:
     """Before any rank starts: the architecture splits into stages, and into ``pp`` of them."""
     from halserve.models.pipeline import layer_partition
 
-    target = supported_architectures().get(arch)
-    model_cls = _import_architecture(target) if isinstance(target, str) else target
+    model_cls = model_class(arch)
     if not getattr(model_cls, "supports_pipeline_parallel", False):
         raise ValueError(f"{arch} does not support pipeline parallelism; use pipeline_parallel_size=1 "
                          "(tensor_parallel_size shards it instead)")
@@ -288,6 +287,14 @@ def get_quant_method(config: Any, info: ModelInfo, platform: Any):
     return cls(platform.name, quant_config)
 
 
+def model_class(architecture: str) -> type:
+    """The registered class of ``architecture`` (imported)."""
+    target = supported_architectures().get(architecture)
+    if target is None:
+        raise ValueError(f"architecture {architecture!r} is not registered")
+    return _import_architecture(target) if isinstance(target, str) else target
+
+
 def _import_architecture(dotted: str) -> type:
     import importlib
 
@@ -303,10 +310,7 @@ def load_model(config: Any, info: ModelInfo, platform: Any, attn_backend_cls: ty
     """
     from halserve.layers.context import ModelContext
 
-    target = supported_architectures().get(info.architecture)
-    if target is None:
-        raise ValueError(f"architecture {info.architecture!r} is not registered")
-    model_cls = _import_architecture(target) if isinstance(target, str) else target
+    model_cls = model_class(info.architecture)
     ctx = ModelContext(
         platform_name=platform.name,
         dtype=info.dtype,

@@ -1,15 +1,22 @@
 """From a prompt with images to token ids with placeholders and per-image model inputs.
 
-A vision-language model (``supports_multimodal`` on its class; LLaVA) reads each image as a run
-of ``num_image_tokens`` placeholder tokens whose embeddings the model runner replaces with the
-image's (``worker/mm_embeddings.py``). Here, before the engine core sees the request:
+A vision-language model (``supports_multimodal`` on its class: LLaVA, Qwen2-VL) reads each image
+as a run of placeholder tokens whose embeddings the model runner replaces with the image's
+(``worker/mm_embeddings.py``). Here, before the engine core sees the request:
 
     prompt ids      ... <image> ...              one placeholder per image, in order (the chat
                                                  template writes them; a user may also write
                                                  each run out in full)
-    expanded        ... <image> x N ...          N = the model's tokens per image
-    features        MultiModalFeature per image: its pixel values, where its run starts
-                    (``offset``) and how long it is, and a content hash (``identifier``)
+    expanded        ... <image> x N_i ...        N_i = the model's tokens for image i (fixed for
+                                                 LLaVA, by image size for Qwen2-VL)
+    features        MultiModalFeature per image: its model inputs (the checkpoint's image
+                    processor's output, split per image by the model class), where its run
+                    starts (``offset``) and how long it is, and a content hash (``identifier``)
+    mrope           M-RoPE models (``uses_mrope``): the prompt's [3, P] positions and the delta
+                    of the tokens after it (``MRopePositions``)
+
+The model class answers the model-specific questions (class methods, config only):
+``image_token_id``, ``split_image_inputs``, ``num_image_tokens`` and ``mrope_positions``.
 
 The hash goes into the prefix cache's block hashes of the blocks the image's run overlaps
 (``Request.block_hash_extra_keys``), so equal prompts with different images never share K/V,
@@ -28,11 +35,20 @@ MAX_IMAGES_PER_PROMPT = 64
 
 
 @dataclass(slots=True)
+class MRopePositions:
+    """M-RoPE positions of a prompt with images: token i < P sits at ``positions[:, i]``, every later
+    token (generated) at i + ``delta`` on all three axes."""
+
+    positions: torch.Tensor  # [3, P] int64
+    delta: int
+
+
+@dataclass(slots=True)
 class MultiModalFeature:
     """One image of a request, as the model runner needs it."""
 
     modality: str  # "image"
-    data: dict[str, torch.Tensor]  # the model's inputs for it: {"pixel_values": [3, H, W]}
+    data: dict[str, torch.Tensor]  # the model's inputs for it, e.g. {"pixel_values": [3, H, W]} (LLaVA)
     offset: int  # index of its first placeholder token in the prompt
     length: int  # its number of placeholder tokens
     identifier: str  # sha256 (hex) of its processed pixels: equal images, equal K/V
@@ -66,10 +82,14 @@ class MultiModalProcessor:
     """Per engine: expands a prompt's image placeholders and preprocesses its images with the
     checkpoint's own image processor (``AutoImageProcessor``, as vLLM uses the HF processors)."""
 
-    def __init__(self, model_info: Any) -> None:
+    def __init__(self, model_info: Any, model_cls: type | None = None) -> None:
         self.info = model_info
         self.image_token_id: int = model_info.image_token_id
-        self.tokens_per_image: int = model_info.image_num_tokens
+        if model_cls is None:
+            from halserve.models.loader import model_class
+
+            model_cls = model_class(model_info.architecture)
+        self.model_cls = model_cls
         self._image_processor = None
 
     @property
@@ -84,40 +104,49 @@ class MultiModalProcessor:
                                  f"(preprocessor_config.json or processor_config.json): {exc}") from None
         return self._image_processor
 
-    def process(self, token_ids: list[int], mm_data: Any) -> tuple[list[int], list[MultiModalFeature]]:
-        """``(expanded token ids, one feature per image)``; ValueError for anything malformed."""
+    def process(self, token_ids: list[int], mm_data: Any
+                ) -> tuple[list[int], list[MultiModalFeature], MRopePositions | None]:
+        """``(expanded token ids, one feature per image, M-RoPE positions or None)``; ValueError for
+        anything malformed."""
         if not isinstance(mm_data, dict):
             raise ValueError(f"multi_modal_data must be a dict like {{'image': image}}, got {type(mm_data).__name__}")
         unknown = sorted(set(mm_data) - {IMAGE})
         if unknown:
             raise ValueError(f"multi_modal_data has {unknown}; this model takes only 'image'")
         images = _as_image_list(mm_data.get(IMAGE))
-        ids, offsets = self._expand(token_ids, len(images))
-        pixel_values = self._pixel_values(images)
-        features = []
-        for pixels, offset in zip(pixel_values, offsets):
-            digest = hashlib.sha256(str((tuple(pixels.shape), str(pixels.dtype))).encode())
-            digest.update(pixels.contiguous().view(torch.uint8).numpy().tobytes())
-            features.append(MultiModalFeature(IMAGE, {"pixel_values": pixels}, offset, self.tokens_per_image,
-                                              digest.hexdigest()))
-        return ids, features
+        items = self._image_inputs(images)
+        hf_config = self.info.hf_config
+        counts = [int(self.model_cls.num_image_tokens(hf_config, item)) for item in items]
+        ids, offsets = self._expand(token_ids, counts)
+        features = [MultiModalFeature(IMAGE, item, offset, count, _content_hash(item))
+                    for item, offset, count in zip(items, offsets, counts)]
+        mrope = None
+        if getattr(self.model_cls, "uses_mrope", False):
+            positions, delta = self.model_cls.mrope_positions(hf_config, ids, items)
+            mrope = MRopePositions(positions.to(torch.int64), int(delta))
+        return ids, features, mrope
 
-    def _pixel_values(self, images: list) -> torch.Tensor:
+    def _image_inputs(self, images: list) -> list[dict[str, torch.Tensor]]:
+        """The checkpoint's image processor on ``images``, split per image by the model class."""
         try:
             out = self.image_processor(images=[image.convert("RGB") for image in images], return_tensors="pt")
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - PIL / processor errors on odd images are the input's
             raise ValueError(f"an image could not be preprocessed ({type(exc).__name__}: {exc})") from None
-        pixels = out["pixel_values"]
-        if not isinstance(pixels, torch.Tensor):
-            pixels = torch.stack([torch.as_tensor(p) for p in pixels])
-        return pixels.to(torch.float32)
+        processed = {key: torch.as_tensor(value) for key, value in out.items() if value is not None}
+        items = self.model_cls.split_image_inputs(self.info.hf_config, processed, len(images))
+        for item in items:  # (floating inputs in float32: the runner casts them to the model dtype)
+            for key, value in item.items():
+                if value.is_floating_point():
+                    item[key] = value.to(torch.float32)
+        return items
 
-    def _expand(self, token_ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
-        """Each lone placeholder becomes a run of ``tokens_per_image``; runs already written out in
-        full are kept. Returns the ids and each image's run start."""
-        tok, n = self.image_token_id, self.tokens_per_image
+    def _expand(self, token_ids: list[int], counts: list[int]) -> tuple[list[int], list[int]]:
+        """Each lone placeholder becomes image i's run of ``counts[i]`` tokens; runs already written out
+        in full (one image's, or several images' back to back) are kept. Returns the ids and each
+        image's run start."""
+        tok, num_images = self.image_token_id, len(counts)
         runs: list[tuple[int, int]] = []  # (start, length) of each run of placeholders
         i = 0
         while i < len(token_ids):
@@ -130,20 +159,37 @@ class MultiModalProcessor:
             else:
                 i += 1
         total = sum(length for _, length in runs)
-        if total == num_images and all(length == 1 for _, length in runs):
+        if total == num_images and all(length == 1 for _, length in runs) and sum(counts) != total:
             ids, offsets = [], []
             prev = 0
-            for start, _ in runs:
+            for (start, _), count in zip(runs, counts):
                 ids.extend(token_ids[prev:start])
                 offsets.append(len(ids))
-                ids.extend([tok] * n)
+                ids.extend([tok] * count)
                 prev = start + 1
             ids.extend(token_ids[prev:])
             return ids, offsets
-        if total == num_images * n and all(length % n == 0 for _, length in runs):
-            offsets = [start + k * n for start, length in runs for k in range(length // n)]
+        offsets, k = [], 0
+        for start, length in runs:  # written out: each run holds whole images, in order
+            while length > 0 and k < num_images and counts[k] <= length:
+                offsets.append(start)
+                start, length, k = start + counts[k], length - counts[k], k + 1
+            if length:
+                break
+        if k == num_images and len(offsets) == num_images and total == sum(counts):
             return list(token_ids), offsets
+        per_image = f"{counts[0]} times per image" if len(set(counts)) == 1 else f"{counts} times for the images"
         raise ValueError(
             f"the prompt has {total} image placeholder tokens (id {tok}) for {num_images} image(s); write the "
-            f"model's image token once per image (the chat template does this), or {n} times per image"
+            f"model's image token once per image (the chat template does this), or {per_image}"
         )
+
+
+def _content_hash(item: dict[str, torch.Tensor]) -> str:
+    """sha256 (hex) of an image's model inputs: names, shapes, dtypes and bytes."""
+    digest = hashlib.sha256()
+    for key in sorted(item):
+        value = item[key].contiguous()
+        digest.update(str((key, tuple(value.shape), str(value.dtype))).encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()

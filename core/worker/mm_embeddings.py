@@ -11,7 +11,9 @@ embeddings in the step's ``inputs_embeds``::
 
 An image's embedding stays on the request's runner state until its last placeholder has been
 fed (a later chunk may need the rest), then is dropped; a preempted request recomputes it. Images
-of one step go through the encoder together, batched by pixel shape.
+of one step go through the encoder together (``embed_multimodal``).
+
+M-RoPE models (Qwen2-VL) place a prompt with images on three position axes (``step_positions``).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def step_inputs_embeds(model: torch.nn.Module, step: "StepInputs", input_ids: to
                 spans.append((qsl[r], start, end, state, k))
     if not spans:
         return None
-    _encode_missing(model, [(state, k) for *_, state, k in spans], input_ids.device)
+    _encode_missing(model, [(state, k) for *_, state, k in spans])
     embeds = model.embed_input_ids(input_ids)
     for row0, start, end, state, k in spans:
         feature = state.mm_features[k]
@@ -49,22 +51,41 @@ def step_inputs_embeds(model: torch.nn.Module, step: "StepInputs", input_ids: to
     return embeds
 
 
-def _encode_missing(model: torch.nn.Module, needed: list, device: torch.device) -> None:
-    """Run the vision encoder on the images in ``needed`` ((state, feature index) pairs) that have
-    no embedding yet, one batch per pixel shape."""
-    by_shape: dict[tuple, list] = {}
+def _encode_missing(model: torch.nn.Module, needed: list) -> None:
+    """Run the vision encoder (``embed_multimodal``, all in one call) on the images in ``needed``
+    ((state, feature index) pairs) that have no embedding yet."""
+    missing = []
     for state, k in needed:
         if state.mm_embeddings is None:
             state.mm_embeddings = {}
-        if k not in state.mm_embeddings:
-            pixels = state.mm_features[k].data["pixel_values"]
-            by_shape.setdefault(tuple(pixels.shape), []).append((state, k))
-    for group in by_shape.values():
-        pixels = torch.stack([s.mm_features[k].data["pixel_values"] for s, k in group]).to(device)
-        out = model.embed_images(pixels)  # [N, length, H]
-        for i, (state, k) in enumerate(group):
-            length = state.mm_features[k].length
-            if out.shape[1] != length:
-                raise RuntimeError(f"the vision encoder gave {out.shape[1]} embeddings for an image of {length} "
-                                   "placeholder tokens; the checkpoint's processor and model disagree")
-            state.mm_embeddings[k] = out[i]
+        if k not in state.mm_embeddings and (state, k) not in missing:
+            missing.append((state, k))
+    if not missing:
+        return
+    outputs = model.embed_multimodal([state.mm_features[k].data for state, k in missing])
+    for (state, k), rows in zip(missing, outputs):
+        length = state.mm_features[k].length
+        if rows.shape[0] != length:
+            raise RuntimeError(f"the vision encoder gave {rows.shape[0]} embeddings for an image of {length} "
+                               "placeholder tokens; the checkpoint's processor and model disagree")
+        state.mm_embeddings[k] = rows
+
+
+def step_positions(step: "StepInputs") -> torch.Tensor:
+    """The step's positions for an M-RoPE model: [3, T] when a request has M-RoPE positions (its
+    prompt's, then i + delta), else the plain [T] ones (the model uses them on all three axes)."""
+    positions = step.positions
+    if not any(state.mrope_positions is not None for state in step.states):
+        return positions
+    out = positions.unsqueeze(0).repeat(3, 1)
+    qsl = step.common.query_start_loc_cpu.tolist()
+    for r, state in enumerate(step.states):
+        mrope = state.mrope_positions
+        if mrope is None:
+            continue
+        index = positions[qsl[r] : qsl[r + 1]]
+        in_prompt = index < mrope.positions.shape[1]
+        rows = out[:, qsl[r] : qsl[r + 1]]
+        rows[:, in_prompt] = mrope.positions[:, index[in_prompt]]
+        rows[:, ~in_prompt] = index[~in_prompt] + mrope.delta
+    return out

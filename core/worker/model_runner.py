@@ -196,6 +196,7 @@ class ModelRunner:
                 else None,
                 lora_request=new.lora_request,
                 mm_features=new.mm_features,
+                mrope_positions=new.mrope_positions,
             )
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -259,7 +260,12 @@ class ModelRunner:
         attn_metadata = self.attn_backend_cls.build_metadata(common)
         from halserve.forward_context import set_forward_context
 
-        input_ids, positions = step.input_ids.to(dev, non_blocking=True), step.positions.to(dev, non_blocking=True)
+        positions = step.positions
+        if self.info.uses_mrope:  # (every stage: the rotary of each layer reads them)
+            from halserve.worker.mm_embeddings import step_positions
+
+            positions = step_positions(step)
+        input_ids, positions = step.input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True)
         intermediate = self._intermediate_tensors(len(input_ids), receive=True)
         kwargs = {}
         if self.info.is_multimodal and self.pp.is_first:  # images: their embeddings at their placeholders

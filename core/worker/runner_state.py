@@ -14,7 +14,7 @@ from halserve.attention_backends.base import AttentionMetadata
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.lora.request import LoRARequest
-    from halserve.multimodal.processing import MultiModalFeature
+    from halserve.multimodal.processing import MRopePositions, MultiModalFeature
     from halserve.sampling_params import SamplingParams
     from halserve.worker.pooler import PromptPool
 
@@ -60,6 +60,7 @@ class CachedRequestState:
     prompt_pool: "PromptPool | None" = None  # a MEAN/CLS embedding request's prompt rows pooled so far
     lora_request: "LoRARequest | None" = None  # its LoRA adapter; None: the base model
     mm_features: "list[MultiModalFeature] | None" = None  # its images; None: none
+    mrope_positions: "MRopePositions | None" = None  # an M-RoPE model's prompt positions with images
     # its images' embeddings computed and not yet all fed to the model: feature index -> [length, H]
     mm_embeddings: dict[int, torch.Tensor] | None = None
 

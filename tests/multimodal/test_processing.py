@@ -14,25 +14,35 @@ from halserve.sampling_params import SamplingParams
 IMG = 9  # the placeholder token id in these tests
 
 
-def processor(tokens_per_image: int = 3) -> MultiModalProcessor:
-    return MultiModalProcessor(SimpleNamespace(image_token_id=IMG, image_num_tokens=tokens_per_image, model_path="-"))
+def processor() -> MultiModalProcessor:
+    return MultiModalProcessor(SimpleNamespace(image_token_id=IMG, model_path="-"), model_cls=object)
 
 
 def test_lone_placeholders_expand_in_order():
-    ids, offsets = processor()._expand([1, IMG, 5, 6, IMG, 7], 2)
+    ids, offsets = processor()._expand([1, IMG, 5, 6, IMG, 7], [3, 3])
     assert ids == [1, IMG, IMG, IMG, 5, 6, IMG, IMG, IMG, 7]
     assert offsets == [1, 6]
 
 
+def test_images_of_different_sizes_expand_to_their_own_counts():
+    ids, offsets = processor()._expand([IMG, 5, IMG], [2, 4])
+    assert ids == [IMG, IMG, 5, IMG, IMG, IMG, IMG] and offsets == [0, 3]
+
+
 def test_written_out_runs_are_kept_and_split_per_image():
     ids = [1, *[IMG] * 6, 4, *[IMG] * 3]
-    assert processor()._expand(ids, 3) == (ids, [1, 4, 8])
+    assert processor()._expand(ids, [3, 3, 3]) == (ids, [1, 4, 8])
+    ids = [1, *[IMG] * 5, 4, *[IMG] * 4]
+    assert processor()._expand(ids, [2, 3, 4]) == (ids, [1, 3, 7])
 
 
-@pytest.mark.parametrize("ids,count", [([1, IMG, IMG, 2], 1), ([1, 2], 1), ([IMG, *[IMG] * 3], 2), ([IMG] * 4, 1)])
-def test_placeholder_count_mismatch_is_a_clear_error(ids, count):
+@pytest.mark.parametrize("ids,counts", [
+    ([1, IMG, IMG, 2], [3]), ([1, 2], [3]), ([IMG, *[IMG] * 3], [3, 3]), ([IMG] * 4, [3]),
+    ([*[IMG] * 3, 1, *[IMG] * 2], [2, 3]),  # (the right total, split wrongly between the runs)
+])
+def test_placeholder_count_mismatch_is_a_clear_error(ids, counts):
     with pytest.raises(ValueError, match=r"image placeholder tokens \(id 9\) for \d image"):
-        processor()._expand(ids, count)
+        processor()._expand(ids, counts)
 
 
 def feature(offset: int, length: int, ident: str) -> MultiModalFeature:

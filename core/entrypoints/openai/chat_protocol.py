@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
 from halserve.entrypoints.openai.constraints import named_tool, template_tool_call
 from halserve.sampling_params import MAX_LOGPROBS
@@ -18,17 +18,53 @@ from halserve.entrypoints.openai.protocol import (
 )
 
 
+def str_or_list(item: type) -> Any:
+    """``str | list[item]`` that reports only the branch the value took when it is invalid (a
+    plain union reports every branch). The tags are named like the branches pydantic names,
+    which ``errors`` leaves out of a field's path."""
+    tag = f"list[{item.__name__}]"
+    return Annotated[
+        Union[Annotated[str, Tag("str")], Annotated[list[item], Tag(tag)]],  # type: ignore[valid-type]
+        Discriminator(lambda value: "str" if isinstance(value, str) else tag),
+    ]
+
+
+class ImageURL(OpenAIModel):
+    url: str  # data:image/...;base64,..., http(s)://... or file://... (halserve.multimodal.media)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sets the resolution
+
+
 class ChatContentPart(OpenAIModel):
+    """``{"type": "text", "text": ...}`` or ``{"type": "image_url", "image_url": {"url": ...}}`` (the
+    url may also be given as a plain string, as vLLM takes it)."""
+
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _url_string(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _text_only(self) -> "ChatContentPart":
-        if self.type != "text":
-            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text' parts are")
-        if self.text is None:
-            raise ValueError("a 'text' content part needs a 'text' field")
+    def _check_part(self) -> "ChatContentPart":
+        if self.type == "text":
+            if self.text is None:
+                raise ValueError("a 'text' content part needs a 'text' field")
+        elif self.type == "image_url":
+            if self.image_url is None:
+                raise ValueError("an 'image_url' content part needs an 'image_url' field: {\"url\": \"data:image/png;"
+                                 "base64,...\"} or an http(s) URL")
+        else:
+            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text' and 'image_url' "
+                             "parts are")
         return self
+
+    @property
+    def url(self) -> str | None:
+        """An image part's URL; None for a text part."""
+        return self.image_url.url if self.image_url is not None else None
 
 
 class ChatFunction(OpenAIModel):
@@ -57,16 +93,28 @@ class PastToolCall(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ChatContentPart] | None = None
+    content: str_or_list(ChatContentPart) | None = None  # type: ignore[valid-type]
     name: str | None = None
     tool_calls: list[PastToolCall] | None = None  # an assistant's earlier calls (multi-turn)
     tool_call_id: str | None = None  # a tool message: the call it answers
     reasoning: str | None = None  # an assistant's earlier reasoning (vLLM's field) ...
     reasoning_content: str | None = None  # ... or its older name; templates read reasoning_content
 
+    @model_validator(mode="after")
+    def _images_from_users(self) -> "ChatMessage":
+        if self.role != "user" and self.image_urls():
+            raise ValueError(f"images are allowed in user messages only; this {self.role!r} message has an "
+                             "'image_url' content part (move the image to a user message)")
+        return self
+
     def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates read it."""
+        """The message as chat templates read it: its content the joined text, or, with images, the
+        list vision models' templates read (``{"type": "image"}`` and ``{"type": "text", ...}`` parts,
+        in order; each image part becomes the model's image placeholder)."""
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.image_urls():
+            message["content"] = [{"type": "image"} if part.type == "image_url" else {"type": "text", "text": part.text}
+                                  for part in self.content or ()]
         if self.name:
             message["name"] = self.name
         if self.tool_call_id:
@@ -84,6 +132,12 @@ class ChatMessage(OpenAIModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text or "" for part in self.content)
+
+    def image_urls(self) -> list[str]:
+        """The URLs of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [url for part in self.content if (url := part.url) is not None]
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -139,6 +193,18 @@ class ChatCompletionRequest(SamplingRequest):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
+
+    def image_urls(self) -> list[str]:
+        """The URLs of every image part, in message order (the order of the placeholders in the prompt)."""
+        return [url for m in self.messages for url in m.image_urls()]
+
+    def first_image_param(self) -> str | None:
+        """Where the first image part is, e.g. ``messages[1].content[0]``; None without images."""
+        for i, message in enumerate(self.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                if part.type == "image_url":
+                    return f"messages[{i}].content[{j}]"
+        return None
 
     def template_kwargs(self) -> dict[str, Any]:
         """chat_template_kwargs, plus the tools (unless tool_choice is 'none')."""

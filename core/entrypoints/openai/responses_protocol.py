@@ -5,18 +5,19 @@ A request is a chat request in another envelope: ``ResponsesRequest.chat_request
 ``instructions`` and ``input`` into chat messages, ``max_output_tokens`` into
 ``max_completion_tokens`` and ``text.format`` into ``response_format``, so /v1/responses shares
 the chat path's template rendering, sampling parameters, reasoning parser and structured
-outputs. What it cannot honour (tools, stored responses, background mode, images and files) is
-a 400 naming the field. The response bodies have the shapes of the ``openai`` client's
+outputs. A user message's ``input_image`` parts (an http(s) or data URL) become chat's
+``image_url`` parts. What it cannot honour (tools, stored responses, background mode, files,
+images by ``file_id``) is a 400 naming the field. The response bodies have the shapes of the ``openai`` client's
 ``openai.types.responses`` types.
 """
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest, str_or_list
 from halserve.entrypoints.openai.protocol import OpenAIModel, SamplingRequest
 
 __all__ = [
@@ -35,34 +36,44 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _str_or_list(item: type) -> Any:
-    """``str | list[item]`` that reports only the branch the value took when it is invalid (a
-    plain union reports every branch). The tags are named like the branches pydantic names,
-    which ``errors`` leaves out of a field's path."""
-    tag = f"list[{item.__name__}]"
-    return Annotated[
-        Union[Annotated[str, Tag("str")], Annotated[list[item], Tag(tag)]],  # type: ignore[valid-type]
-        Discriminator(lambda value: "str" if isinstance(value, str) else tag),
-    ]
-
-
 # ---------------------------------------------------------------------- request
 TEXT_PARTS = ("input_text", "output_text")  # a message's parts: what was said, what the model said
 REASONING_PARTS = ("reasoning_text", "summary_text")  # a reasoning item's (passed back from an output)
 
 
+IMAGE_PART = "input_image"  # a user message's image: {"type": "input_image", "image_url": URL}
+
+
 class InputPart(OpenAIModel):
     type: str
     text: str | None = None
+    image_url: str | None = None  # an input_image's: an http(s) or data:image/...;base64,... URL
+    file_id: str | None = None  # an input_image's uploaded file: refused (nothing is stored)
+    detail: Literal["auto", "low", "high"] | None = None  # an input_image's; accepted, not used
 
     @model_validator(mode="after")
-    def _text_only(self) -> "InputPart":
+    def _check_part(self) -> "InputPart":
+        if self.type == IMAGE_PART:
+            if self.file_id is not None:
+                raise ValueError("input_image parts with a file_id are not supported (this server stores no files); "
+                                 "give the image as image_url: an https:// URL or data:image/png;base64,...")
+            if self.image_url is None:
+                raise ValueError("an 'input_image' content part needs an 'image_url': an https:// URL or "
+                                 "data:image/png;base64,...")
+            return self
         if self.type not in TEXT_PARTS + REASONING_PARTS:
-            raise ValueError(f"content parts of type {self.type!r} are not supported (no images, files or audio); "
-                             "only 'input_text' and 'output_text' parts are")
+            raise ValueError(f"content parts of type {self.type!r} are not supported (no files or audio); "
+                             "only 'input_text', 'input_image' and 'output_text' parts are")
         if self.text is None:
             raise ValueError(f"an {self.type!r} content part needs a 'text' field")
         return self
+
+    def chat_part(self) -> dict[str, Any]:
+        """The part as chat's content part: ``text`` or ``image_url``."""
+        if self.type != IMAGE_PART:
+            return {"type": "text", "text": self.text}
+        image_url = {"url": self.image_url} if self.detail is None else {"url": self.image_url, "detail": self.detail}
+        return {"type": "image_url", "image_url": image_url}
 
 
 class InputItem(OpenAIModel):
@@ -72,7 +83,7 @@ class InputItem(OpenAIModel):
 
     type: str = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None
-    content: _str_or_list(InputPart) | None = None  # type: ignore[valid-type]
+    content: str_or_list(InputPart) | None = None  # type: ignore[valid-type]
     summary: list[InputPart] | None = None  # a reasoning item's
     id: str | None = None  # (an earlier output item's id, status and encrypted reasoning: not used)
     status: str | None = None
@@ -86,7 +97,10 @@ class InputItem(OpenAIModel):
                 raise ValueError("a message item needs a role: 'user', 'system', 'developer' or 'assistant'")
             if self.content is None:
                 raise ValueError("a message item needs content: a string or a list of 'input_text' parts")
-            allowed = TEXT_PARTS
+            if self.role != "user" and any(part.type == IMAGE_PART for part in parts):
+                raise ValueError(f"images are allowed in user messages only; this {self.role!r} message has an "
+                                 "'input_image' content part (move the image to a user message)")
+            allowed = TEXT_PARTS + (IMAGE_PART,)
         elif self.type == "reasoning":
             allowed = REASONING_PARTS
         else:
@@ -102,6 +116,13 @@ class InputItem(OpenAIModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text or "" for part in self.content or ())
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(part.type == IMAGE_PART for part in self.content)
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """A message's content as chat's: its text, or with images the list of text and image_url parts."""
+        return [part.chat_part() for part in self.content] if self.has_images() else self.text()
 
 
 class TextFormat(OpenAIModel):
@@ -165,7 +186,7 @@ class ResponsesRequest(SamplingRequest):
     """OpenAI's fields, plus every vLLM sampling extra chat takes (top_k, min_p,
     repetition_penalty, stop, structured_outputs, ...)."""
 
-    input: _str_or_list(InputItem)  # type: ignore[valid-type]
+    input: str_or_list(InputItem)  # type: ignore[valid-type]
     instructions: str | None = None  # a system message ahead of the input
     max_output_tokens: int | None = None
     text: TextConfig | None = None
@@ -226,12 +247,20 @@ class ResponsesRequest(SamplingRequest):
             if item.type == "reasoning":
                 reasoning = item.text()
                 continue
-            message = {"role": item.role, "content": item.text()}
+            message = {"role": item.role, "content": item.chat_content()}
             if item.role == "assistant" and reasoning is not None:
                 message["reasoning"] = reasoning
             messages.append(message)
             reasoning = None
         return messages
+
+    def first_image_param(self) -> str | None:
+        """Where the first input_image part is, e.g. ``input[0].content[1]``; None without images."""
+        for i, item in enumerate(self.input if isinstance(self.input, list) else ()):
+            for j, part in enumerate(item.content if item.has_images() else ()):
+                if part.type == IMAGE_PART:
+                    return f"input[{i}].content[{j}]"
+        return None
 
     def chat_request(self) -> ChatCompletionRequest:
         """The chat request this one amounts to (its sampling fields as sent)."""

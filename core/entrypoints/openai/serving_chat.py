@@ -83,15 +83,42 @@ def render_chat(
     return text, token_ids
 
 
+async def load_images(urls: list[str], allowed_local_media_path: str | None) -> list[Any]:
+    """The images ``urls`` name (``halserve.multimodal.media``), fetched concurrently; the first bad
+    one is a 400 on ``messages`` saying which image it is and what is wrong with it."""
+    from halserve.multimodal.media import load_image_async
+    from halserve.multimodal.processing import MAX_IMAGES_PER_PROMPT
+
+    if len(urls) > MAX_IMAGES_PER_PROMPT:
+        raise BadRequestError(f"a request may hold at most {MAX_IMAGES_PER_PROMPT} images, got {len(urls)}",
+                              param="messages")
+    loads = [load_image_async(url, allowed_local_media_path=allowed_local_media_path) for url in urls]
+    results = await asyncio.gather(*loads, return_exceptions=True)
+    for k, result in enumerate(results):
+        if isinstance(result, ValueError):
+            raise BadRequestError(f"image {k + 1} of {len(urls)}: {result}", param="messages")
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
 class OpenAIServingChat:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def render(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    async def render(self, req: ChatCompletionRequest) -> tuple[str, list[int] | dict[str, Any]]:
+        """``(prompt text, engine prompt)``: the template's token ids, or with images
+        ``{"prompt_token_ids": ids, "multi_modal_data": {"image": [...]}}`` (the template writes one
+        placeholder per image, in message order). Template and image errors are 400s on ``messages``."""
         serving = self.serving
+        urls = req.image_urls()
+        if urls and not serving.supports_images:
+            where = req.first_image_param()
+            raise BadRequestError(f"{where}: this model takes text only, so image_url content parts cannot be used; "
+                                  "send text, or serve a vision-language model (e.g. LLaVA)", param=where)
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(
+            text, ids = await loop.run_in_executor(
                 serving.engine.tokenizer_pool,
                 lambda: render_chat(
                     serving.tokenizer,
@@ -106,6 +133,10 @@ class OpenAIServingChat:
             )
         except ValueError as exc:
             raise BadRequestError(str(exc), param="messages") from None
+        if not urls:
+            return text, ids
+        images = await load_images(urls, serving.allowed_local_media_path)
+        return text, {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
     def after_thinking(self, constraint: "StructuredOutputsParams", start: ReplyStart | None) -> None:
         """A thinking model's constraint applies after its thinking: from the end tag on (the
@@ -171,6 +202,10 @@ class OpenAIServingChat:
         serving = self.serving
         model = serving.check_model(req.model)
         if req.use_beam_search:  # vLLM's extra: the n best beams as the choices
+            if req.image_urls():  # (its one-token step requests carry token ids only)
+                raise BadRequestError("use_beam_search cannot be used with images: beam search runs on token ids "
+                                      "alone; leave use_beam_search out (greedy: temperature 0)",
+                                      param="use_beam_search")
             return await serving_beam_search.create_chat_completion(self, req, raw_request, model)
         if req.auto_tools and serving.tool_parser is None:
             raise BadRequestError(
@@ -180,12 +215,12 @@ class OpenAIServingChat:
                 param="tool_choice",
             )
         params = serving.sampling_params(req.sampling_kwargs())
-        prompt_text, prompt_ids = await self.render(req)
+        prompt_text, prompt = await self.render(req)
         start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
         if params.structured_outputs is not None:
             self.after_thinking(params.structured_outputs, start)
         request_id = random_id("chatcmpl")
-        streams = await serving.add_requests([prompt_ids], params, request_id, prompt_texts=[prompt_text],
+        streams = await serving.add_requests([prompt], params, request_id, prompt_texts=[prompt_text],
                                              lora_request=serving.lora_request(model),
                                              message_params=constraint_messages(req))
         created = int(time.time())

@@ -55,6 +55,7 @@ class OpenAIServing:
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
         lora_modules: "LoRAModules | None" = None,
+        allowed_local_media_path: str | None = None,
     ) -> None:
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
@@ -72,11 +73,18 @@ class OpenAIServing:
         )
         self.created = int(time.time())
         self.lora_modules = lora_modules or LoRAModules()  # adapters served by name (after the base model)
+        # --allowed-local-media-path: the directory file:// image URLs may read from; None: no file:// URLs
+        self.allowed_local_media_path = allowed_local_media_path
 
     @property
     def max_model_len(self) -> int | None:
         info = self.engine.model_info
         return getattr(info, "max_model_len", None)
+
+    @property
+    def supports_images(self) -> bool:
+        """Whether the model reads images (a vision-language model); unknown: True (the engine decides)."""
+        return bool(getattr(self.engine.model_info, "is_multimodal", True))
 
     @property
     def vocab_size(self) -> int | None:

@@ -1,6 +1,6 @@
 """POST /v1/responses (OpenAI's Responses API, as vLLM serves it): the request becomes a chat
 request (``ResponsesRequest.chat_request``) and runs through the chat path's machinery (template
-rendering, sampling parameters, reasoning parser, structured outputs after the thinking); its
+rendering and images, sampling parameters, reasoning parser, structured outputs after the thinking); its
 reply comes back as output items (a ``reasoning`` item with --reasoning-parser, then a ``message``),
 whole or streamed as the Responses API's semantic events. Nothing is stored.
 
@@ -155,14 +155,17 @@ class OpenAIServingResponses:
         except ValidationError as exc:  # (what the chat request checks beyond this one's own checks)
             message, param = validation_message(exc.errors(include_url=False))
             raise BadRequestError(message, param=param) from None
+        if (where := req.first_image_param()) is not None and not serving.supports_images:
+            raise BadRequestError(f"{where}: this model takes text only, so input_image content parts cannot be "
+                                  "used; send text, or serve a vision-language model (e.g. LLaVA)", param=where)
         params = serving.sampling_params(chat_req.sampling_kwargs())
         try:
-            prompt_text, prompt_ids = await self.chat.render(chat_req)
+            prompt_text, prompt = await self.chat.render(chat_req)  # (token ids, or a dict with the images)
             start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
             if params.structured_outputs is not None:
                 self.chat.after_thinking(params.structured_outputs, start)
             response_id = item_id("resp")
-            (stream,) = await serving.add_requests([prompt_ids], params, response_id, prompt_texts=[prompt_text],
+            (stream,) = await serving.add_requests([prompt], params, response_id, prompt_texts=[prompt_text],
                                                    lora_request=serving.lora_request(model),
                                                    message_params={"structured outputs": "text.format"})
         except BadRequestError as exc:
