@@ -177,3 +177,22 @@ def test_parallel_matches_transformers(llava, expected, parallel):
     finally:
         llm.llm_engine.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == [want for _, want in expected]
+
+
+def test_ngram_speculation_and_structured_outputs_with_images(llava, expected):
+    """Prompt-lookup drafts leave greedy output unchanged with images in the prompts; a regex
+    constraint holds for a request with an image."""
+    from halserve import SamplingParams
+    from halserve.structured_output import StructuredOutputsParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    llm = make_llm(llava, speculative_config=spec)
+    try:
+        outputs = llm.generate([request(i) for i in range(len(PROMPTS))], greedy(), use_tqdm=False)
+        constrained = llm.generate([request(0)], SamplingParams(
+            temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(yes|no)")),
+            use_tqdm=False)[0]
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == [want for _, want in expected]
+    assert constrained.outputs[0].text in ("yes", "no")
