@@ -53,22 +53,35 @@ def step_inputs_embeds(model: torch.nn.Module, step: "StepInputs", input_ids: to
 
 def _encode_missing(model: torch.nn.Module, needed: list) -> None:
     """Run the vision encoder (``embed_multimodal``, all in one call) on the images in ``needed``
-    ((state, feature index) pairs) that have no embedding yet."""
-    missing = []
-    for state, k in needed:
+    ((state, feature index) pairs) that have no embedding yet. An image (by content hash) that
+    another of the step's requests holds already, or that several need (``n`` samples of one
+    prompt), is encoded once and shared."""
+    known: dict[str, torch.Tensor] = {}
+    for state, _ in needed:
         if state.mm_embeddings is None:
             state.mm_embeddings = {}
-        if k not in state.mm_embeddings and (state, k) not in missing:
-            missing.append((state, k))
-    if not missing:
+        for k, rows in state.mm_embeddings.items():
+            known[state.mm_features[k].identifier] = rows
+    todo: dict[str, list] = {}  # identifier -> the (state, feature index) pairs waiting for it
+    for state, k in needed:
+        if k in state.mm_embeddings:
+            continue
+        ident = state.mm_features[k].identifier
+        if ident in known:
+            state.mm_embeddings[k] = known[ident]
+        else:
+            todo.setdefault(ident, []).append((state, k))
+    if not todo:
         return
-    outputs = model.embed_multimodal([state.mm_features[k].data for state, k in missing])
-    for (state, k), rows in zip(missing, outputs):
-        length = state.mm_features[k].length
+    firsts = [pairs[0] for pairs in todo.values()]
+    outputs = model.embed_multimodal([state.mm_features[k].data for state, k in firsts])
+    for pairs, rows in zip(todo.values(), outputs):
+        length = pairs[0][0].mm_features[pairs[0][1]].length
         if rows.shape[0] != length:
             raise RuntimeError(f"the vision encoder gave {rows.shape[0]} embeddings for an image of {length} "
                                "placeholder tokens; the checkpoint's processor and model disagree")
-        state.mm_embeddings[k] = rows
+        for state, k in pairs:
+            state.mm_embeddings[k] = rows
 
 
 def step_positions(step: "StepInputs") -> torch.Tensor:

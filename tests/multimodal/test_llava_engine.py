@@ -196,3 +196,24 @@ def test_ngram_speculation_and_structured_outputs_with_images(llava, expected):
         llm.llm_engine.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == [want for _, want in expected]
     assert constrained.outputs[0].text in ("yes", "no")
+
+
+def test_an_image_shared_by_requests_is_encoded_once(llava, expected):
+    """n samples of one prompt (scheduled together, so the prefix cache cannot help yet) and a second
+    request with the same image run the vision tower on it once."""
+    from halserve import SamplingParams
+
+    llm = make_llm(llava)
+    runner = llm.llm_engine.core.executor.worker.model_runner
+    calls = []
+    encode = runner.model.embed_multimodal
+    runner.model.embed_multimodal = lambda items: calls.append(len(items)) or encode(items)
+    try:
+        outs = llm.generate([request(0), request(0)], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4),
+                            use_tqdm=False)
+        again = llm.generate([request(0)], greedy(), use_tqdm=False)[0]
+    finally:
+        llm.llm_engine.shutdown()
+    assert calls == [1]  # (the third request hits the prefix cache past the image)
+    assert [len(out.outputs) for out in outs] == [3, 3]
+    assert again.outputs[0].token_ids == expected[0][1]
