@@ -11,7 +11,8 @@ def halserve_manifest() -> PluginManifest:
         name="builtin",
         version="0.1.0",
         api=">=1,<2",
-        description="torch reference kernels and attention, executors, Llama/Qwen/Mistral/Gemma/Phi-3/MoE/LLaVA models",
+        description="torch reference kernels and attention, executors, "
+                    "Llama/Qwen/Mistral/Gemma/Phi-3/MoE/LLaVA/Qwen2-VL models",
     )
 
 
@@ -51,6 +52,8 @@ def halserve_model_architectures() -> dict[str, str]:
         "Phi3ForCausalLM": "halserve.models.phi3:Phi3ForCausalLM",
         "Qwen2ForCausalLM": "halserve.models.llama:LlamaForCausalLM",
         "Qwen2MoeForCausalLM": "halserve.models.qwen_moe:QwenMoeForCausalLM",
+        "Qwen2VLForConditionalGeneration": "halserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration": "halserve.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
         "Qwen3ForCausalLM": "halserve.models.llama:LlamaForCausalLM",
         "Qwen3MoeForCausalLM": "halserve.models.qwen_moe:QwenMoeForCausalLM",
         # classifiers and reward models (LLM.classify, POST /classify)

@@ -101,3 +101,134 @@ def image_data_url(image, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
     image.save(buf, format=fmt)
     return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+# -- Qwen2-VL / Qwen2.5-VL -------------------------------------------------------------------------
+QWEN2_VL_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}" + QWEN2_VL_IMAGE +
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def make_qwen2_vl_checkpoint(tmp_dir, *, version: str = "2", seed: int = 0, tie_word_embeddings: bool = False,
+                             min_pixels: int = 4 * 28 * 28, max_pixels: int = 64 * 28 * 28, window_size: int = 56,
+                             **text_overrides) -> str:
+    """A tiny random-weight Qwen2-VL or Qwen2.5-VL checkpoint (HF format) in ``tmp_dir``, fully offline.
+
+        path = make_qwen2_vl_checkpoint(tmp_path, version="2.5")
+        Qwen2_5_VLForConditionalGeneration.from_pretrained(path); qwen2_vl_processor(path)
+
+    ``make_qwen2_vl_checkpoint(tmp_dir, *, version="2" | "2.5", seed=0, tie_word_embeddings=False,
+    min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28, window_size=56, **text_overrides) -> str`` writes:
+
+    - ``config.json`` + ``model.safetensors``: ``Qwen2VLForConditionalGeneration`` or
+      ``Qwen2_5_VLForConditionalGeneration`` (transformers' own classes, so the tensor names are the ones
+      transformers writes: the Hub's ``model.layers.*``, ``visual.*``, ``lm_head.*``), float32, randomised
+      like ``model_factory`` (vision weights at 1/sqrt(fan-in)); the text model has hidden size 64, 2 layers,
+      4 heads (head_dim 16), 2 KV heads, vocabulary 512 and M-RoPE with ``mrope_section`` [2, 3, 3]; the
+      vision tower is 2 blocks of width 32 on 14-pixel patches (temporal patch 2) merged 2x2 into one
+      placeholder token each; Qwen2.5-VL's windows span ``window_size`` pixels (56: 2x2 merged tokens, so an
+      image has several) in block 0, block 1 attends over the whole image (``fullatt_block_indexes`` [1]);
+    - the tokenizer (``model_factory.make_tokenizer``) with ``<|vision_start|>``, ``<|image_pad|>``,
+      ``<|vision_end|>`` and ``<|video_pad|>`` added, whose chat template renders content parts
+      ``{"type": "image"}`` as ``<|vision_start|><|image_pad|><|vision_end|>``;
+    - the image processor (``preprocessor_config.json``: ``Qwen2VLImageProcessor``, PIL backend) resizing
+      images to ``min_pixels`` .. ``max_pixels`` pixels in 28-pixel steps (4 to 64 placeholder tokens an
+      image), and ``processor_config.json`` naming ``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor``, as Hub
+      checkpoints ship them: ``AutoImageProcessor.from_pretrained(path)`` loads it, and
+      ``qwen2_vl_processor(path)`` the processor (``AutoProcessor.from_pretrained(path)`` needs torchvision,
+      for the video processor).
+    """
+    import transformers
+    from transformers import GenerationConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if version not in ("2", "2.5"):
+        raise ValueError(f"version {version!r} is not one of '2', '2.5'")
+    path = os.fspath(tmp_dir)
+    os.makedirs(path, exist_ok=True)
+    tokenizer = make_tokenizer(VOCAB_SIZE, seed, added_tokens=QWEN2_VL_TOKENS)
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    start_id, image_id, end_id, video_id = tokenizer.convert_tokens_to_ids(list(QWEN2_VL_TOKENS))
+    text_config = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+    )
+    text_config.update(text_overrides)
+    vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    if version == "2":
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2, hidden_act="quick_gelu")
+        config_cls, model_cls, processor_cls = "Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"
+    else:
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=64, hidden_act="silu",
+                      window_size=window_size, fullatt_block_indexes=[1])
+        config_cls, model_cls = "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"
+        processor_cls = "Qwen2_5_VLProcessor"
+    config = getattr(transformers, config_cls)(
+        text_config=text_config, vision_config=vision, image_token_id=image_id, video_token_id=video_id,
+        vision_start_token_id=start_id, vision_end_token_id=end_id, tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config.architectures = [model_cls]
+    config.dtype = "float32"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(torch.float32)
+    _randomize(model, 64, seed)
+    with torch.no_grad():  # vision weights at 1/sqrt(fan-in) (the patch embedding's is 3 * 2 * 14 * 14)
+        for name, param in model.named_parameters():
+            if "visual" in name and param.dim() >= 2:
+                param.mul_(math.sqrt(64 / param[0].numel()))
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(path, safe_serialization=True)
+    # What a Hub checkpoint ships for its processor. (transformers' processor class itself cannot be built, nor
+    # saved, without torchvision, for its video processor: ``qwen2_vl_processor`` below builds it for images.)
+    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2,
+                             merge_size=2).save_pretrained(path)
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        _update_json(os.path.join(path, name), processor_class=processor_cls)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _update_json(file: str, **values) -> None:
+    import json
+
+    data = {}
+    if os.path.exists(file):
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    data.update(values)
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+
+
+def qwen2_vl_processor(path: str):
+    """The checkpoint's ``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor``: ``AutoProcessor.from_pretrained(path)``
+    where torchvision is installed; without it (transformers then has no video processor, and refuses to
+    build the processor) the same class around ``AutoImageProcessor`` and ``AutoTokenizer``, for images."""
+    import json
+
+    import transformers
+    from transformers.processing_utils import ProcessorMixin
+
+    try:
+        return transformers.AutoProcessor.from_pretrained(path)
+    except ImportError:
+        pass
+    with open(os.path.join(path, "processor_config.json"), encoding="utf-8") as f:
+        processor_cls = getattr(transformers, json.load(f)["processor_class"])
+    image_processor = transformers.AutoImageProcessor.from_pretrained(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    original = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: (  # video_processor=None passes
+        type(arg) if arg is None else original(self, name, arg))
+    try:
+        return processor_cls(image_processor=image_processor, tokenizer=tokenizer,
+                             chat_template=tokenizer.chat_template)
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = original

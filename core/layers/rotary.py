@@ -1,4 +1,5 @@
-"""Rotary position embeddings: default, linear, dynamic NTK, YaRN, Llama-3 and LongRoPE scaling.
+"""Rotary position embeddings: default, linear, dynamic NTK, YaRN, Llama-3 and LongRoPE scaling, and
+multimodal rope (M-RoPE, Qwen2-VL) on top of any of them.
 
 Each scaling type only changes the inverse frequencies (and, for YaRN and LongRoPE, a
 magnitude factor on cos/sin). ``partial_rotary_factor`` rotates only the first
@@ -10,6 +11,15 @@ for operation, so the fp32 tables are bit-identical to HF's cos/sin::
 
 The cache is kept in float32 whatever the model dtype: kernels read it with positions
 and cast, and fp32 keeps long-context angles accurate.
+
+M-RoPE (``mrope_section`` [s_t, s_h, s_w] in the rope parameters, s_t + s_h + s_w = R/2) gives each token
+three positions (temporal, height, width: [3, T]) and takes frequency i's angle from the t, h or w position
+by the section i falls in, repeated over the sections' list (transformers' ``apply_multimodal_rotary_pos_emb``)::
+
+    frequencies  | 0 .. s_t-1 | s_t .. s_t+s_h-1 | .. R/2-1 |
+    position of  |     t      |        h         |    w     |
+
+Text tokens have t = h = w, so a [T] ``positions`` (a text-only batch) is plain rope.
 """
 from __future__ import annotations
 
@@ -25,6 +35,7 @@ from halserve.layers.context import ModelContext
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 # older spellings -> the type they mean; errors quote the config's own spelling
 ROPE_TYPE_ALIASES = {"su": "longrope"}  # "su": LongRoPE in the first Phi-3 configs
+MROPE_TYPE = "mrope"  # older Qwen2-VL configs' rope type: default frequencies, with mrope_section
 
 
 def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
@@ -219,9 +230,50 @@ class RotaryEmbedding(nn.Module):
         return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.cos_sin_cache.shape[0]}"
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (module docstring): ``positions`` [3, T] (t, h, w) or [T] (all three equal) -> rotated q, k."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int, params: dict[str, Any],
+                 max_position_embeddings: int, ctx: ModelContext, mrope_section: list[int], is_neox: bool = True,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(head_size, rotary_dim, max_position, params, max_position_embeddings, ctx, is_neox,
+                         max_model_len)
+        if len(mrope_section) != 3 or sum(mrope_section) != rotary_dim // 2:
+            raise ValueError(f"mrope_section {list(mrope_section)} must be 3 numbers (temporal, height, width) summing "
+                             f"to rotary_dim / 2 = {rotary_dim // 2}")
+        self.mrope_section = [int(s) for s in mrope_section]
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(self.mrope_section))  # [R/2]: 0, .., 1, .., 2
+        # [R]: which position row each column of cat(cos, sin) is read from
+        self.register_buffer("axis_of_column", torch.cat([axis, axis]).to(torch.get_default_device()),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        if positions.dim() != 2 or positions.shape[0] != 3:
+            raise ValueError(f"M-RoPE positions must be [T] or [3, T], got shape {tuple(positions.shape)}")
+        num_tokens = positions.shape[1]
+        table = self.cos_sin_cache[positions]  # [3, T, R]
+        column_axis = self.axis_of_column.view(1, 1, -1).expand(1, num_tokens, -1)
+        table = table.gather(0, column_axis)[0]  # [T, R]: each column from its section's row
+        # each token gets its own row: the kernel reads row i for token i
+        rows = torch.arange(num_tokens, device=positions.device)
+        return self.kernel(rows, q, k, table, self.head_size, self.is_neox)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mrope_section={self.mrope_section}"
+
+
 def get_rope(hf_config: Any, head_size: int, ctx: ModelContext) -> RotaryEmbedding:
-    """The rotary embedding an HF Llama-family config asks for."""
+    """The rotary embedding an HF Llama-family config asks for (``MRotaryEmbedding`` when its rope
+    parameters have an ``mrope_section``, or rope type "mrope")."""
     params = rope_parameters_from_config(hf_config)
+    mrope_section = params.get("mrope_section")
+    if params["rope_type"] == MROPE_TYPE:
+        if mrope_section is None:
+            raise ValueError("rope type 'mrope' needs rope_parameters['mrope_section'] (temporal, height, width "
+                             "frequency counts); add it to the checkpoint's config.json")
+        params["rope_type"] = "default"
     if ROPE_TYPE_ALIASES.get(params["rope_type"], params["rope_type"]) not in ROPE_TYPES:
         raise ValueError(
             f"rope type {params['rope_type']!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
@@ -229,5 +281,11 @@ def get_rope(hf_config: Any, head_size: int, ctx: ModelContext) -> RotaryEmbeddi
     rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
     max_pos_emb = hf_config.max_position_embeddings
     max_position = max(ctx.max_position or 0, max_pos_emb)
+    if mrope_section is not None:
+        if params.get("mrope_interleaved"):
+            raise ValueError("interleaved M-RoPE (mrope_interleaved) is not supported; only sectioned M-RoPE "
+                             "(Qwen2-VL, Qwen2.5-VL)")
+        return MRotaryEmbedding(head_size, rotary_dim, max_position, params, max_pos_emb, ctx, mrope_section,
+                                max_model_len=ctx.max_position)
     return RotaryEmbedding(head_size, rotary_dim, max_position, params, max_pos_emb, ctx,
                            max_model_len=ctx.max_position)

@@ -1,4 +1,5 @@
-"""The Llama family: Llama, Mistral, Qwen2 and Qwen3 (one decoder, switched by config).
+"""The Llama family: Llama, Mistral, Qwen2 and Qwen3 (one decoder, switched by config; Qwen2-VL's and
+Qwen2.5-VL's text models are Qwen2's).
 
     differences                         read from
     q/k/v bias                          attention_bias (Llama, Qwen3); always on for Qwen2;
@@ -41,8 +42,16 @@ from halserve.layers.rotary import RotaryEmbedding
 from halserve.models.pipeline import IntermediateTensors, PPMissingLayer, is_other_stage_weight, make_layers
 
 
+# decoders that are another one's under a different model_type
+MODEL_TYPE_ALIASES = {
+    "qwen2_vl_text": "qwen2",  # Qwen2-VL's and Qwen2.5-VL's text configs (their M-RoPE: get_rope)
+    "qwen2_5_vl_text": "qwen2",
+}
+
+
 def model_type(hf_config: Any) -> str:
-    return str(getattr(hf_config, "model_type", "llama") or "llama")
+    kind = str(getattr(hf_config, "model_type", "llama") or "llama")
+    return MODEL_TYPE_ALIASES.get(kind, kind)
 
 
 def head_size_of(hf_config: Any) -> int:

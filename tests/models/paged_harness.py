@@ -23,11 +23,14 @@ class PagedHarness:
         self.tables: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
 
-    def step(self, batch: list[tuple[str, list[int]]], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, batch: list[tuple[str, list[int]]], inputs_embeds: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
         """Schedule ``(request_id, new_token_ids)`` pairs as one flattened step; returns
         float32 logits for every scheduled token [T, vocab]. ``inputs_embeds`` [T, H]: run the
-        model on these instead of the tokens' embeddings (a multimodal prompt's)."""
-        ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
+        model on these instead of the tokens' embeddings (a multimodal prompt's). ``positions``
+        ([T], or M-RoPE's [3, T]): the model's positions instead of each token's index in its request
+        (the KV-cache slots still follow the index)."""
+        ids, indices, slots, starts, seq_lens, tables = [], [], [], [0], [], []
         for req, tokens in batch:
             ctx = self.lens.get(req, 0)
             table = self.tables.setdefault(req, [])
@@ -37,7 +40,7 @@ class PagedHarness:
             for i, tok in enumerate(tokens):
                 pos = ctx + i
                 ids.append(tok)
-                positions.append(pos)
+                indices.append(pos)
                 slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
             self.lens[req] = seq_len
             starts.append(starts[-1] + len(tokens))
@@ -53,9 +56,10 @@ class PagedHarness:
             slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc_cpu=qsl, seq_lens_cpu=sl,
         )
         meta = self.backend_cls.build_metadata(common)
+        model_positions = torch.tensor(indices) if positions is None else positions
         with torch.no_grad(), set_forward_context(meta):
             if inputs_embeds is None:
-                hidden = self.model(torch.tensor(ids), torch.tensor(positions))
+                hidden = self.model(torch.tensor(ids), model_positions)
             else:
-                hidden = self.model(torch.tensor(ids), torch.tensor(positions), inputs_embeds=inputs_embeds)
+                hidden = self.model(torch.tensor(ids), model_positions, inputs_embeds=inputs_embeds)
             return self.model.compute_logits(hidden)
