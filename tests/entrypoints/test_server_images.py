@@ -143,3 +143,35 @@ def test_allowed_local_media_path_must_be_a_directory(llava_checkpoint, tmp_path
     missing = str(tmp_path / "nope")
     assert main(["serve", llava_checkpoint, "--platform", "cpu", "--allowed-local-media-path", missing]) == 2
     assert f"--allowed-local-media-path {missing}: no such directory" in capsys.readouterr().err
+
+
+def test_qwen2_vl_chat_with_images_of_two_sizes(tmp_path_factory):
+    """Qwen2-VL over HTTP: two images of different sizes (their own placeholder counts and M-RoPE
+    positions) in one message; the reply equals ``LLM.chat``'s offline, streamed or not."""
+    from halserve.entrypoints.llm import LLM
+    from halserve.sampling_params import SamplingParams
+    from mm_factory import make_qwen2_vl_checkpoint
+
+    path = make_qwen2_vl_checkpoint(tmp_path_factory.mktemp("tiny_qwen2_vl"))
+    parts = [{"type": "image_url", "image_url": {"url": image_data_url(make_image(5, size=(120, 70)))}},
+             {"type": "text", "text": "and"},
+             {"type": "image_url", "image_url": {"url": image_data_url(make_image(6, size=(50, 50)))}},
+             {"type": "text", "text": QUESTION}]
+    messages = [{"role": "user", "content": parts}]
+    srv = ServerProcess(server_args(path), str(tmp_path_factory.mktemp("logs") / "qwen2_vl.log"))
+    try:
+        client = openai.OpenAI(base_url=srv.wait_ready().url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        served = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
+                                                temperature=0.0)
+        stream = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS,
+                                                temperature=0.0, stream=True)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    finally:
+        srv.stop()
+    llm = LLM(path, platform="cpu", max_model_len=128, num_kv_blocks=64)
+    try:
+        offline = llm.chat(messages, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)[0]
+    finally:
+        llm.llm_engine.shutdown()
+    assert served.choices[0].message.content == streamed == offline.outputs[0].text
+    assert served.usage.prompt_tokens == len(offline.prompt_token_ids) > 20  # (the image tokens counted)
