@@ -176,7 +176,10 @@ class LoRAManager:
         config = read_peft_config(lora, adapter_dir, self.max_lora_rank)
         self._check_target_modules(lora, config)
         grouped: dict[str, dict[Any, tuple[str, torch.Tensor, torch.Tensor]]] = {}
+        # (a vision-language model nests its decoder: the adapter's names for it -> ours)
+        rename = getattr(self.model, "map_checkpoint_name", None) or (lambda name: name)
         for module, pair in read_lora_weights(lora, adapter_dir).items():
+            module = rename(module)
             if is_other_stage_weight(f"{module}.weight", self.model):
                 continue  # (pipeline parallelism: another stage's layer)
             a, b = pair["A"], pair["B"]

@@ -191,7 +191,7 @@ class LlavaForConditionalGeneration(nn.Module):
 
         def language_weights():
             for original, tensor in weights:
-                name = self._our_name(original)
+                name = self.map_checkpoint_name(original)
                 if name.startswith("language_model."):
                     yield name.removeprefix("language_model."), tensor
                 elif name.startswith(("vision_tower.", "multi_modal_projector.")):
@@ -224,7 +224,8 @@ class LlavaForConditionalGeneration(nn.Module):
         return name
 
     @staticmethod
-    def _our_name(name: str) -> str:
+    def map_checkpoint_name(name: str) -> str:
+        """A checkpoint's (or a LoRA adapter's) tensor or module name -> ours."""
         for theirs, ours in _RENAMES:
             if name.startswith(theirs):
                 return ours + name.removeprefix(theirs)

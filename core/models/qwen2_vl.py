@@ -213,7 +213,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
         def language_weights():
             for original, tensor in weights:
-                name = self._our_name(original)
+                name = self.map_checkpoint_name(original)
                 if name.startswith("language_model."):
                     yield name.removeprefix("language_model."), tensor
                 elif name.startswith("visual."):
@@ -229,7 +229,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return loaded
 
     @staticmethod
-    def _our_name(name: str) -> str:
+    def map_checkpoint_name(name: str) -> str:
+        """A checkpoint's (or a LoRA adapter's) tensor or module name -> ours."""
         for theirs, ours in _RENAMES:
             if name.startswith(theirs):
                 return ours + name.removeprefix(theirs)
