@@ -100,7 +100,9 @@ class LoRAManager:
         self.expert_leaves = set(getattr(model, "EXPERT_PROJ_NAMES", {})) | {"experts"}
         self.layers: dict[str, BaseLinearWithLoRA] = {}  # our module name -> its wrapper
         for name, module in list(model.named_modules()):
-            wrapper = None if name in routers else wrap_linear(module, self.batch)
+            # (a vision tower's layers, no_lora, see image tokens, not the step's: never adapted)
+            skip = name in routers or getattr(module, "no_lora", False)
+            wrapper = None if skip else wrap_linear(module, self.batch)
             if wrapper is not None:
                 _replace_module(model, name, wrapper)
                 self.layers[name] = wrapper

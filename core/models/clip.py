@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from halserve.layers import ModelContext
+from halserve.layers.linear import vision_linear
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -85,10 +86,10 @@ class CLIPAttention(nn.Module):
         if dim % self.num_heads:
             raise ValueError(f"vision hidden_size {dim} is not divisible by num_attention_heads {self.num_heads}")
         self.head_size = dim // self.num_heads
-        self.q_proj = nn.Linear(dim, dim, dtype=ctx.dtype)
-        self.k_proj = nn.Linear(dim, dim, dtype=ctx.dtype)
-        self.v_proj = nn.Linear(dim, dim, dtype=ctx.dtype)
-        self.out_proj = nn.Linear(dim, dim, dtype=ctx.dtype)
+        self.q_proj = vision_linear(dim, dim, ctx)
+        self.k_proj = vision_linear(dim, dim, ctx)
+        self.v_proj = vision_linear(dim, dim, ctx)
+        self.out_proj = vision_linear(dim, dim, ctx)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         n, seq, dim = hidden.shape
@@ -102,9 +103,9 @@ class CLIPAttention(nn.Module):
 class CLIPMLP(nn.Module):
     def __init__(self, config: Any, ctx: ModelContext) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, dtype=ctx.dtype)
+        self.fc1 = vision_linear(config.hidden_size, config.intermediate_size, ctx)
         self.act = get_activation(config.hidden_act, "vision hidden_act")
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, dtype=ctx.dtype)
+        self.fc2 = vision_linear(config.intermediate_size, config.hidden_size, ctx)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(hidden)))

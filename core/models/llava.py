@@ -32,6 +32,7 @@ from torch import nn
 
 from halserve.distributed import get_pp_state
 from halserve.layers import Attention, ModelContext
+from halserve.layers.linear import vision_linear
 from halserve.models.clip import CLIPVisionModel, feature_layer_index, get_activation
 from halserve.models.llama import LlamaForCausalLM
 from halserve.models.pipeline import IntermediateTensors, PPMissingLayer
@@ -67,9 +68,9 @@ class LlavaMultiModalProjector(nn.Module):
         super().__init__()
         hidden = hf_config.text_config.hidden_size
         bias = bool(getattr(hf_config, "multimodal_projector_bias", True))
-        self.linear_1 = nn.Linear(in_features, hidden, bias=bias, dtype=ctx.dtype)
+        self.linear_1 = vision_linear(in_features, hidden, ctx, bias=bias)
         self.act = get_activation(getattr(hf_config, "projector_hidden_act", "gelu"), "projector_hidden_act")
-        self.linear_2 = nn.Linear(hidden, hidden, bias=bias, dtype=ctx.dtype)
+        self.linear_2 = vision_linear(hidden, hidden, ctx, bias=bias)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(features)))

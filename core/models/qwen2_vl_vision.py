@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from halserve.layers import ModelContext
+from halserve.layers.linear import vision_linear
 from halserve.models.clip import get_activation
 
 VISION_EPS = 1e-6  # the towers' norms (fixed in transformers, not in the config)
@@ -113,8 +114,8 @@ class VisionAttention(nn.Module):
         if dim % num_heads:
             raise ValueError(f"vision width {dim} is not divisible by num_heads {num_heads}")
         self.num_heads, self.head_size = num_heads, dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim, dtype=ctx.dtype)
-        self.proj = nn.Linear(dim, dim, dtype=ctx.dtype)
+        self.qkv = vision_linear(dim, 3 * dim, ctx)
+        self.proj = vision_linear(dim, dim, ctx)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
         num_patches = hidden.shape[0]
@@ -131,9 +132,9 @@ class VisionAttention(nn.Module):
 class Qwen2VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str, ctx: ModelContext) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden, dtype=ctx.dtype)
+        self.fc1 = vision_linear(dim, hidden, ctx)
         self.act = vision_activation(act)
-        self.fc2 = nn.Linear(hidden, dim, dtype=ctx.dtype)
+        self.fc2 = vision_linear(hidden, dim, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -142,10 +143,10 @@ class Qwen2VisionMLP(nn.Module):
 class Qwen2_5VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str, ctx: ModelContext) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, dtype=ctx.dtype)
-        self.up_proj = nn.Linear(dim, hidden, dtype=ctx.dtype)
+        self.gate_proj = vision_linear(dim, hidden, ctx)
+        self.up_proj = vision_linear(dim, hidden, ctx)
         self.act = vision_activation(act)
-        self.down_proj = nn.Linear(hidden, dim, dtype=ctx.dtype)
+        self.down_proj = vision_linear(hidden, dim, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -166,8 +167,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.merged_dim = dim * merge * merge
         self.ln_q = ln_q
-        self.mlp = nn.Sequential(nn.Linear(self.merged_dim, self.merged_dim, dtype=ctx.dtype), nn.GELU(),
-                                 nn.Linear(self.merged_dim, out_dim, dtype=ctx.dtype))
+        self.mlp = nn.Sequential(vision_linear(self.merged_dim, self.merged_dim, ctx), nn.GELU(),
+                                 vision_linear(self.merged_dim, out_dim, ctx))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(hidden).view(-1, self.merged_dim))  # [P, D] -> [P / m^2, out]
