@@ -61,6 +61,9 @@ class EngineConfig(BaseModel):
     """Adapters of a higher rank r are refused."""
     max_cpu_loras: int | None = Field(default=None, ge=1)
     """Adapters each worker keeps loaded (LRU); None: ``max(max_loras, DEFAULT_MAX_CPU_LORAS)``."""
+    limit_mm_per_prompt: dict[str, int] | None = None
+    """A vision-language model's most images per prompt (vLLM's ``{"image": 4}``; 0 refuses images); a
+    JSON string is accepted. None: ``halserve.multimodal.processing.MAX_IMAGES_PER_PROMPT``."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (``{"method": "ngram", "num_speculative_tokens": 4}``); a dict or JSON
     string is accepted (vLLM's ``speculative_config``). None: off."""
@@ -85,6 +88,27 @@ class EngineConfig(BaseModel):
     @classmethod
     def _pooler_config(cls, value: object) -> object:
         return None if value is None else PoolerConfig.parse(value)
+
+    @field_validator("limit_mm_per_prompt", mode="before")
+    @classmethod
+    def _limit_mm_per_prompt(cls, value: object) -> object:
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"limit_mm_per_prompt must be JSON like '{{\"image\": 4}}': {exc}") from None
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError(f"limit_mm_per_prompt must be a dict like {{'image': 4}}, got {value!r}")
+        for key, limit in value.items():
+            if key != "image":
+                raise ValueError(f"limit_mm_per_prompt: {key!r} inputs are not supported; only 'image'")
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"limit_mm_per_prompt['image'] must be an integer >= 0, got {limit!r}")
+        return value
 
     @field_validator("speculative_config", mode="before")
     @classmethod

@@ -136,6 +136,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="let requests name images as file:// URLs of files inside DIR (default: file:// URLs are refused)",
     )
     g.add_argument(
+        "--limit-mm-per-prompt", default=None, metavar="JSON",
+        help="a vision-language model's most images per request, e.g. '{\"image\": 4}' ('{\"image\": 0}' refuses "
+        "images; default 64)",
+    )
+    g.add_argument(
         "--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
         help="a thinking model's <think>...</think> goes to the chat message's 'reasoning' field: deepseek_r1 "
         "(DeepSeek-R1, QwQ: always thinks), qwen3 (Qwen3: thinks unless enable_thinking is false)",
@@ -258,6 +263,7 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
             speculative_config=args.speculative_config,
+            limit_mm_per_prompt=args.limit_mm_per_prompt,
         )
     except ValidationError as exc:
         lines = []

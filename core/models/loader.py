@@ -57,6 +57,7 @@ class ModelInfo:
     # (halserve.multimodal.processing); None for a text-only model
     image_token_id: int | None = None
     uses_mrope: bool = False  # its positions are M-RoPE's three axes (Qwen2-VL): [3, T] with images
+    max_images_per_prompt: int = 0  # a vision-language model's limit (limit_mm_per_prompt); 0 for a text model
 
     @property
     def is_multimodal(self) -> bool:
@@ -189,7 +190,14 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
         id2label={int(k): str(v) for k, v in id2label.items()} if is_classifier else {},
         image_token_id=model_cls.image_token_id(hf_config) if multimodal else None,
         uses_mrope=bool(getattr(model_cls, "uses_mrope", False)),
+        max_images_per_prompt=_max_images(config) if multimodal else 0,
     )
+
+
+def _max_images(config: Any) -> int:
+    from halserve.multimodal.processing import MAX_IMAGES_PER_PROMPT
+
+    return (config.limit_mm_per_prompt or {}).get("image", MAX_IMAGES_PER_PROMPT)
 
 
 def _check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int, hf_config: Any) -> None:

@@ -63,7 +63,7 @@ def overlapping_identifiers(features: list[MultiModalFeature], start: int, end: 
     return tuple(f.identifier for f in features if f.offset < end and f.end > start)
 
 
-def _as_image_list(value: Any) -> list:
+def _as_image_list(value: Any, limit: int) -> list:
     from PIL import Image
 
     images = list(value) if isinstance(value, (list, tuple)) else [value]
@@ -73,9 +73,17 @@ def _as_image_list(value: Any) -> list:
                              "PIL.Image.Image objects (load files with PIL.Image.open, URLs in chat messages)")
     if not images:
         raise ValueError("multi_modal_data['image'] is empty; give at least one image or leave it out")
-    if len(images) > MAX_IMAGES_PER_PROMPT:
-        raise ValueError(f"a prompt may hold at most {MAX_IMAGES_PER_PROMPT} images, got {len(images)}")
+    if len(images) > limit:
+        raise ValueError(too_many_images(len(images), limit))
     return images
+
+
+def too_many_images(count: int, limit: int) -> str:
+    if limit == 0:
+        return ("this server takes no images (limit_mm_per_prompt / --limit-mm-per-prompt sets the image "
+                "limit to 0); send text only")
+    return (f"a prompt may hold at most {limit} images (limit_mm_per_prompt / --limit-mm-per-prompt), "
+            f"got {count}; send fewer")
 
 
 class MultiModalProcessor:
@@ -113,7 +121,8 @@ class MultiModalProcessor:
         unknown = sorted(set(mm_data) - {IMAGE})
         if unknown:
             raise ValueError(f"multi_modal_data has {unknown}; this model takes only 'image'")
-        images = _as_image_list(mm_data.get(IMAGE))
+        limit = getattr(self.info, "max_images_per_prompt", MAX_IMAGES_PER_PROMPT)
+        images = _as_image_list(mm_data.get(IMAGE), limit)
         items = self._image_inputs(images)
         hf_config = self.info.hf_config
         counts = [int(self.model_cls.num_image_tokens(hf_config, item)) for item in items]

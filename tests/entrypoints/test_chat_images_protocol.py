@@ -146,11 +146,12 @@ def llava_tokenizer():
     return tokenizer
 
 
-def _handler(tokenizer, is_multimodal: bool = True, media_dir: str | None = None):
+def _handler(tokenizer, is_multimodal: bool = True, media_dir: str | None = None, max_images: int = 64):
     from halserve.entrypoints.openai.serving_chat import OpenAIServingChat
     from halserve.entrypoints.openai.serving_engine import OpenAIServing
 
-    info = SimpleNamespace(is_multimodal=is_multimodal, max_model_len=512, vocab_size=len(tokenizer))
+    info = SimpleNamespace(is_multimodal=is_multimodal, max_model_len=512, vocab_size=len(tokenizer),
+                           max_images_per_prompt=max_images)
     engine = SimpleNamespace(tokenizer=tokenizer, tokenizer_pool=None, model_info=info)
     return OpenAIServingChat(OpenAIServing(engine, ["m"], "m", allowed_local_media_path=media_dir))
 
@@ -192,6 +193,10 @@ def test_render_errors(llava_tokenizer, tmp_path):
     with pytest.raises(BadRequestError) as err:
         asyncio.run(_handler(llava_tokenizer, is_multimodal=False).render(req))
     assert err.value.param == "messages[0].content[1]" and "takes text only" in err.value.message
+    # more images than --limit-mm-per-prompt: a 400 before any is fetched
+    req = _chat(_user(_image("https://unreachable.invalid/x.png"), _image("https://unreachable.invalid/y.png")))
+    with pytest.raises(BadRequestError, match="at most 1 images .*got 2"):
+        asyncio.run(_handler(llava_tokenizer, max_images=1).render(req))
 
 
 def test_beam_search_with_images_is_refused(llava_tokenizer):

@@ -52,6 +52,8 @@ def test_unavailable_platform_fails_fast_with_the_probe_reason(checkpoint):
         (["--override-pooler-config", '{"normalize": 1}'], "normalize must be true or false, got 1"),
         (["--pooler-config", '{"pooling": "MEAN"}'], "has no field 'pooling'; its fields are pooling_type, normalize"),
         (["--pooler-config", "MEAN"], "pooler config is not valid JSON"),
+        (["--limit-mm-per-prompt", '{"video": 1}'], "--limit-mm-per-prompt: limit_mm_per_prompt: 'video' inputs"),
+        (["--limit-mm-per-prompt", "image=2"], "limit_mm_per_prompt must be JSON"),
     ],
 )
 def test_unsupported_or_invalid_flags_exit_2(checkpoint, flags, expected):

@@ -217,3 +217,22 @@ def test_an_image_shared_by_requests_is_encoded_once(llava, expected):
     assert calls == [1]  # (the third request hits the prefix cache past the image)
     assert [len(out.outputs) for out in outs] == [3, 3]
     assert again.outputs[0].token_ids == expected[0][1]
+
+
+def test_limit_mm_per_prompt(llava):
+    """vLLM's limit_mm_per_prompt: more images than the limit, or any with a limit of 0, are refused."""
+    from halserve import LLM
+
+    two = {"prompt": PROMPTS[1][0], "multi_modal_data": {"image": images_for(1, 2)}}
+    for limit, message in ((1, "at most 1 images .*got 2"), (0, "takes no images")):
+        llm = make_llm(llava, limit_mm_per_prompt=f'{{"image": {limit}}}')
+        try:
+            with pytest.raises(ValueError, match=message):
+                llm.generate([two], greedy(), use_tqdm=False)
+            if limit:
+                assert llm.generate([request(0)], greedy(2), use_tqdm=False)[0].outputs[0].token_ids
+        finally:
+            llm.llm_engine.shutdown()
+    for bad, message in (({"image": -1}, "integer >= 0"), ({"audio": 1}, "'audio' inputs are not supported")):
+        with pytest.raises(ValueError, match=message):
+            LLM(llava, limit_mm_per_prompt=bad)

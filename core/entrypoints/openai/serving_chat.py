@@ -83,15 +83,14 @@ def render_chat(
     return text, token_ids
 
 
-async def load_images(urls: list[str], allowed_local_media_path: str | None) -> list[Any]:
+async def load_images(urls: list[str], allowed_local_media_path: str | None, limit: int) -> list[Any]:
     """The images ``urls`` name (``halserve.multimodal.media``), fetched concurrently; the first bad
     one is a 400 on ``messages`` saying which image it is and what is wrong with it."""
     from halserve.multimodal.media import load_image_async
-    from halserve.multimodal.processing import MAX_IMAGES_PER_PROMPT
+    from halserve.multimodal.processing import too_many_images
 
-    if len(urls) > MAX_IMAGES_PER_PROMPT:
-        raise BadRequestError(f"a request may hold at most {MAX_IMAGES_PER_PROMPT} images, got {len(urls)}",
-                              param="messages")
+    if len(urls) > limit:
+        raise BadRequestError(too_many_images(len(urls), limit), param="messages")
     loads = [load_image_async(url, allowed_local_media_path=allowed_local_media_path) for url in urls]
     results = await asyncio.gather(*loads, return_exceptions=True)
     for k, result in enumerate(results):
@@ -135,7 +134,8 @@ class OpenAIServingChat:
             raise BadRequestError(str(exc), param="messages") from None
         if not urls:
             return text, ids
-        images = await load_images(urls, serving.allowed_local_media_path)
+        limit = serving.engine.model_info.max_images_per_prompt
+        images = await load_images(urls, serving.allowed_local_media_path, limit)
         return text, {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
     def after_thinking(self, constraint: "StructuredOutputsParams", start: ReplyStart | None) -> None:
