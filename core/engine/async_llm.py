@@ -89,7 +89,8 @@ class AsyncLLM:
         """Load the model (EngineCore), the tokenizer and the processors."""
         from halserve.engine.core import EngineCore
         from halserve.engine.llm_engine import load_tokenizer
-        from halserve.engine.processor import InputProcessor, OutputProcessor
+        from halserve.engine.output_processor import OutputProcessor
+        from halserve.engine.processor import InputProcessor
 
         core = EngineCore(config)
         try:

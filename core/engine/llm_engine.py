@@ -5,7 +5,8 @@ from typing import Any, Iterable
 
 from halserve.config import EngineConfig
 from halserve.engine.core import EngineCore
-from halserve.engine.processor import InputProcessor, OutputProcessor, PromptType
+from halserve.engine.output_processor import OutputProcessor
+from halserve.engine.processor import InputProcessor, PromptType
 from halserve.outputs import RequestOutput
 from halserve.sampling_params import SamplingParams
 

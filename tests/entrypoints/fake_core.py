@@ -89,7 +89,8 @@ class FakeCore:
 
 def make_async_llm(core: FakeCore):
     from halserve.engine.async_llm import AsyncLLM
-    from halserve.engine.processor import InputProcessor, OutputProcessor
+    from halserve.engine.output_processor import OutputProcessor
+    from halserve.engine.processor import InputProcessor
 
     tokenizer = char_tokenizer()
     return AsyncLLM(core, InputProcessor(core.model_info, tokenizer), OutputProcessor(tokenizer), tokenizer)
