@@ -12,7 +12,7 @@ def halserve_manifest() -> PluginManifest:
         version="0.1.0",
         api=">=1,<2",
         description="torch reference kernels and attention, executors, "
-                    "Llama/Qwen/Mistral/Gemma/Phi-3/MoE/LLaVA/Qwen2-VL models",
+                    "Llama/Qwen/Mistral/Gemma/Phi-3/MoE/LLaVA/LLaVA-NeXT/Qwen2-VL models",
     )
 
 
@@ -47,6 +47,7 @@ def halserve_model_architectures() -> dict[str, str]:
         "Gemma3ForCausalLM": "halserve.models.gemma:GemmaForCausalLM",
         "LlamaForCausalLM": "halserve.models.llama:LlamaForCausalLM",
         "LlavaForConditionalGeneration": "halserve.models.llava:LlavaForConditionalGeneration",
+        "LlavaNextForConditionalGeneration": "halserve.models.llava_next:LlavaNextForConditionalGeneration",
         "MistralForCausalLM": "halserve.models.llama:LlamaForCausalLM",
         "MixtralForCausalLM": "halserve.models.mixtral:MixtralForCausalLM",
         "Phi3ForCausalLM": "halserve.models.phi3:Phi3ForCausalLM",

@@ -232,3 +232,77 @@ def qwen2_vl_processor(path: str):
                              chat_template=tokenizer.chat_template)
     finally:
         ProcessorMixin.check_argument_for_proper_class = original
+
+
+# -- LLaVA-NeXT (llava-v1.6) -----------------------------------------------------------------------
+def make_llava_next_checkpoint(tmp_dir, *, image_size: int = 56, patch_size: int = 14,
+                               grid_pinpoints: list[list[int]] | None = None, seed: int = 0,
+                               vision_feature_layer: int | list[int] = -2, num_layers: int = 2,
+                               **text_overrides) -> str:
+    """A tiny random-weight LLaVA-NeXT checkpoint (HF format) in ``tmp_dir``, fully offline.
+
+        path = make_llava_next_checkpoint(tmp_path)
+        LlavaNextForConditionalGeneration.from_pretrained(path); AutoProcessor.from_pretrained(path)
+
+    Writes what ``make_llava_checkpoint`` does (same tiny decoder, tokenizer, chat template and 2-layer
+    CLIP tower on ``image_size``-pixel tiles, strategy "default") for transformers' own
+    ``LlavaNextForConditionalGeneration``, plus its learned ``image_newline``; ``grid_pinpoints``
+    (default ``[[1, 2], [2, 1], [2, 2]]`` tiles, in pixels (height, width)) lets a wide image get a 1x2
+    grid, a tall one 2x1 and a large one 2x2. The tensors carry the Hub's (llava-hf's) names:
+    ``language_model.model.*``, ``language_model.lm_head.*``, ``vision_tower.vision_model.*``,
+    ``multi_modal_projector.*``, ``image_newline`` (transformers loads them, nothing missing). The image
+    processor is ``LlavaNextImageProcessor`` (the PIL backend without torchvision) and the processor
+    ``LlavaNextProcessor``, both loadable with ``AutoImageProcessor`` / ``AutoProcessor``.
+    """
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers import CLIPVisionConfig, GenerationConfig, LlavaNextConfig, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    path = os.fspath(tmp_dir)
+    os.makedirs(path, exist_ok=True)
+    if grid_pinpoints is None:
+        grid_pinpoints = [[image_size * h, image_size * w] for h, w in ((1, 2), (2, 1), (2, 2))]
+    tokenizer = make_tokenizer(VOCAB_SIZE, seed, added_tokens=(IMAGE_TOKEN,))
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    text_config = _hf_config(
+        "llama", vocab_size=VOCAB_SIZE, hidden_size=64, num_layers=num_layers, num_heads=4, num_kv_heads=2,
+        head_dim=None, intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=False,
+        rope_scaling=None, sliding_window=None, overrides=dict(text_overrides),
+    )
+    vision_config = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2, image_size=image_size, patch_size=patch_size,
+                                     projection_dim=32, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+    config = LlavaNextConfig(vision_config=vision_config, text_config=text_config, image_token_index=image_token_id,
+                             image_grid_pinpoints=grid_pinpoints, projector_hidden_act="gelu",
+                             vision_feature_select_strategy="default", vision_feature_layer=vision_feature_layer,
+                             image_seq_length=(image_size // patch_size) ** 2)
+    config.architectures = ["LlavaNextForConditionalGeneration"]
+    config.dtype = "float32"
+    torch.manual_seed(seed)
+    model = transformers.LlavaNextForConditionalGeneration(config).to(torch.float32)
+    _randomize(model, 64, seed)
+    with torch.no_grad():  # the vision tower's hidden size is 32: its weights at 1/sqrt(32)
+        for name, param in model.named_parameters():
+            if "vision_tower" in name and param.dim() >= 2 and "embedding" not in name:
+                param.mul_(math.sqrt(64 / 32))
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(path, safe_serialization=True)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    hub_names = {}
+    for name, tensor in tensors.items():  # transformers writes the tower's tensors without vision_model.
+        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+            name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")
+        hub_names[name] = tensor
+    save_file(hub_names, file, metadata={"format": "pt"})
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": image_size},
+                                                 crop_size={"height": image_size, "width": image_size},
+                                                 image_grid_pinpoints=grid_pinpoints)
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
+                                   vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE,
+                                   num_additional_image_tokens=1)
+    processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -92,6 +92,9 @@ class LlavaForConditionalGeneration(nn.Module):
     supports_pipeline_parallel = True
     supports_multimodal = True
     STACKED_PARAMS = LlamaForCausalLM.STACKED_PARAMS  # the decoder's fused q/k/v and gate/up (read by LoRA)
+    CHECKPOINT_RENAMES = _RENAMES  # (read by map_checkpoint_name)
+    # our names of the first stage's non-decoder tensors (loaded by _load_vision_weight)
+    VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
     def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
         super().__init__()
@@ -195,7 +198,7 @@ class LlavaForConditionalGeneration(nn.Module):
                 name = self.map_checkpoint_name(original)
                 if name.startswith("language_model."):
                     yield name.removeprefix("language_model."), tensor
-                elif name.startswith(("vision_tower.", "multi_modal_projector.")):
+                elif name.startswith(self.VISION_PREFIXES):
                     target = self._load_vision_weight(name, original, tensor) if is_first else None
                     if target is not None:  # None: not built here (another pipeline stage, a cut-off layer)
                         loaded.add(target)
@@ -224,10 +227,10 @@ class LlavaForConditionalGeneration(nn.Module):
         param.data.copy_(tensor)
         return name
 
-    @staticmethod
-    def map_checkpoint_name(name: str) -> str:
+    @classmethod
+    def map_checkpoint_name(cls, name: str) -> str:
         """A checkpoint's (or a LoRA adapter's) tensor or module name -> ours."""
-        for theirs, ours in _RENAMES:
+        for theirs, ours in cls.CHECKPOINT_RENAMES:
             if name.startswith(theirs):
                 return ours + name.removeprefix(theirs)
         return name
