@@ -1,6 +1,8 @@
 """User-facing engine configuration (what `LLM(...)` and `halserve serve` flags set)."""
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from halserve.attention_backends.base import KV_CACHE_DTYPES
@@ -64,6 +66,9 @@ class EngineConfig(BaseModel):
     limit_mm_per_prompt: dict[str, int] | None = None
     """A vision-language model's most images per prompt (vLLM's ``{"image": 4}``; 0 refuses images); a
     JSON string is accepted. None: ``halserve.multimodal.processing.MAX_IMAGES_PER_PROMPT``."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """A vision-language model's image-processor overrides (vLLM's), e.g. Qwen2-VL's
+    ``{"max_pixels": 802816}``; a JSON string is accepted. None: the checkpoint's settings."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (``{"method": "ngram", "num_speculative_tokens": 4}``); a dict or JSON
     string is accepted (vLLM's ``speculative_config``). None: off."""
@@ -88,6 +93,21 @@ class EngineConfig(BaseModel):
     @classmethod
     def _pooler_config(cls, value: object) -> object:
         return None if value is None else PoolerConfig.parse(value)
+
+    @field_validator("mm_processor_kwargs", mode="before")
+    @classmethod
+    def _mm_processor_kwargs(cls, value: object) -> object:
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"mm_processor_kwargs must be a JSON object like '{{\"max_pixels\": 802816}}': "
+                                 f"{exc}") from None
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"mm_processor_kwargs must be a dict like {{'max_pixels': 802816}}, got {value!r}")
+        return value
 
     @field_validator("limit_mm_per_prompt", mode="before")
     @classmethod

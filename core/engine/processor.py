@@ -71,6 +71,8 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = model_info.vocab_size
         self._mm_processor = None
+        if getattr(model_info, "image_processor_kwargs", None):
+            self.mm_processor.image_processor  # (bad mm_processor_kwargs: an error at start-up, not per request)
 
     @property
     def mm_processor(self):

@@ -141,6 +141,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "images; default 64)",
     )
     g.add_argument(
+        "--mm-processor-kwargs", default=None, metavar="JSON",
+        help="override the checkpoint's image-processor settings, e.g. '{\"max_pixels\": 802816}' (Qwen2-VL)",
+    )
+    g.add_argument(
         "--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
         help="a thinking model's <think>...</think> goes to the chat message's 'reasoning' field: deepseek_r1 "
         "(DeepSeek-R1, QwQ: always thinks), qwen3 (Qwen3: thinks unless enable_thinking is false)",
@@ -264,6 +268,7 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             max_cpu_loras=args.max_cpu_loras,
             speculative_config=args.speculative_config,
             limit_mm_per_prompt=args.limit_mm_per_prompt,
+            mm_processor_kwargs=args.mm_processor_kwargs,
         )
     except ValidationError as exc:
         lines = []

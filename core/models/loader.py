@@ -58,6 +58,7 @@ class ModelInfo:
     image_token_id: int | None = None
     uses_mrope: bool = False  # its positions are M-RoPE's three axes (Qwen2-VL): [3, T] with images
     max_images_per_prompt: int = 0  # a vision-language model's limit (limit_mm_per_prompt); 0 for a text model
+    image_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # mm_processor_kwargs
 
     @property
     def is_multimodal(self) -> bool:
@@ -191,6 +192,7 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
         image_token_id=model_cls.image_token_id(hf_config) if multimodal else None,
         uses_mrope=bool(getattr(model_cls, "uses_mrope", False)),
         max_images_per_prompt=_max_images(config) if multimodal else 0,
+        image_processor_kwargs=dict(config.mm_processor_kwargs or {}) if multimodal else {},
     )
 
 

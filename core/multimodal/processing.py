@@ -102,15 +102,27 @@ class MultiModalProcessor:
 
     @property
     def image_processor(self):
+        """The checkpoint's image processor, with ``mm_processor_kwargs`` applied (ValueError when they
+        change none of its settings: a misspelt or foreign key)."""
         if self._image_processor is None:
-            from transformers import AutoImageProcessor
-
-            try:
-                self._image_processor = AutoImageProcessor.from_pretrained(self.info.model_path)
-            except Exception as exc:  # noqa: BLE001 - a checkpoint without its processor files
-                raise ValueError(f"the checkpoint {self.info.model_path!r} has no usable image processor "
-                                 f"(preprocessor_config.json or processor_config.json): {exc}") from None
+            kwargs = getattr(self.info, "image_processor_kwargs", None) or {}
+            processor = self._load_image_processor(kwargs)
+            if kwargs and processor.to_dict() == self._load_image_processor({}).to_dict():
+                settings = ", ".join(sorted(processor.to_dict()))
+                raise ValueError(f"mm_processor_kwargs {kwargs} change nothing in the checkpoint's "
+                                 f"{type(processor).__name__}; its settings are: {settings}")
+            self._image_processor = processor
         return self._image_processor
+
+    def _load_image_processor(self, kwargs: dict[str, Any]):
+        from transformers import AutoImageProcessor
+
+        try:
+            return AutoImageProcessor.from_pretrained(self.info.model_path, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a checkpoint without its processor files, a bad kwarg value
+            raise ValueError(f"the image processor of {self.info.model_path!r} could not be loaded"
+                             f"{' with mm_processor_kwargs ' + str(kwargs) if kwargs else ''} (its "
+                             f"preprocessor_config.json or processor_config.json): {exc}") from None
 
     def process(self, token_ids: list[int], mm_data: Any
                 ) -> tuple[list[int], list[MultiModalFeature], MRopePositions | None]:

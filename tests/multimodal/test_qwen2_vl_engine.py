@@ -83,3 +83,28 @@ def test_parallel_matches_transformers(qwen_vl, parallel):
     path, expected = qwen_vl
     outputs, _ = run(path, max_num_batched_tokens=24, **parallel)
     assert [o.outputs[0].token_ids for o in outputs] == [want for _, want in expected]
+
+
+def test_mm_processor_kwargs(qwen_vl):
+    """vLLM's mm_processor_kwargs: Qwen2-VL's max_pixels shrinks the image (fewer tokens), as the same
+    setting does for transformers' processor; a key that changes nothing is an error at start-up."""
+    from transformers import AutoImageProcessor
+
+    from halserve import LLM, SamplingParams
+
+    path, _ = qwen_vl
+    image = make_image(7, size=(400, 300))
+    small = AutoImageProcessor.from_pretrained(path, max_pixels=16 * 28 * 28)(images=[image], return_tensors="pt")
+    default = AutoImageProcessor.from_pretrained(path)(images=[image], return_tensors="pt")
+    want = int(small["image_grid_thw"].prod()) // 4
+    assert want < int(default["image_grid_thw"].prod()) // 4
+    llm = LLM(path, platform="cpu", dtype="float32", max_model_len=256, mm_processor_kwargs='{"max_pixels": 12544}')
+    try:
+        out = llm.generate([{"prompt": f"{IMAGE}what", "multi_modal_data": {"image": image}}],
+                           SamplingParams(max_tokens=2), use_tqdm=False)[0]
+        image_id = llm.llm_engine.model_info.image_token_id
+    finally:
+        llm.llm_engine.shutdown()
+    assert out.prompt_token_ids.count(image_id) == want
+    with pytest.raises(ValueError, match="change nothing in the checkpoint's"):
+        LLM(path, platform="cpu", mm_processor_kwargs={"max_pixls": 12544})
