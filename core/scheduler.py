@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from halserve.engine_core_output import EngineCoreOutput
 from halserve.kv_cache.manager import KVCacheManager, cdiv
 from halserve.lora.admission import Admission, LoRAAdmission
+from halserve.multimodal.budget import fit_encoder_budget
 from halserve.request import Request, RequestId, RequestStatus
 from halserve.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from halserve.spec_decode.verify import count_accepted
@@ -207,6 +208,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         new_reqs: list[NewRequestData] = []
         num_preempted = 0
+        encoder_left = self.max_num_batched_tokens  # image tokens the step may encode (multimodal/budget.py)
 
         # 1. running requests (with batches in flight: those not in one, up to this batch's share)
         in_flight = self._in_flight
@@ -219,6 +221,11 @@ class Scheduler:
                 continue
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             assert num_new_tokens > 0, f"running request {request.request_id} has nothing to compute"
+            num_new_tokens, encoder_used = fit_encoder_budget(request, request.num_computed_tokens, num_new_tokens,
+                                                              encoder_left, self.max_num_batched_tokens, fresh=False)
+            if not num_new_tokens:  # its next image waits for a step with room to encode it
+                index += 1
+                continue
             drafts = self._propose_drafts(request, token_budget)
             end = request.num_computed_tokens + num_new_tokens + len(drafts)
             lookahead = len(drafts) + self._draft_model_lookahead(request, end)
@@ -244,6 +251,7 @@ class Scheduler:
                 num_new_tokens += len(drafts)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            encoder_left -= encoder_used
             index += 1
 
         # 2. waiting requests (one whose grammar is still compiling keeps its place, skipped)
@@ -267,6 +275,10 @@ class Scheduler:
                 continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_computed, token_budget)
+            num_new_tokens, encoder_used = fit_encoder_budget(request, num_computed, num_new_tokens, encoder_left,
+                                                              self.max_num_batched_tokens, fresh=True)
+            if not num_new_tokens:  # (FCFS: no overtaking) its image waits for a step with room to encode it
+                break
             lookahead = self._draft_model_lookahead(request, num_computed + num_new_tokens)
             new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks, num_lookahead_tokens=lookahead)
             if new_block_ids is None and lookahead:  # the draft model proposes fewer instead
@@ -298,6 +310,7 @@ class Scheduler:
             )
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            encoder_left -= encoder_used
 
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
         if self.max_concurrent_batches > 1:
