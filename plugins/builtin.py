@@ -12,7 +12,7 @@ def halserve_manifest() -> PluginManifest:
         version="0.1.0",
         api=">=1,<2",
         description="torch reference kernels and attention, executors, "
-                    "Llama/Qwen/Mistral/Gemma/Phi-3/MoE/LLaVA/LLaVA-NeXT/Qwen2-VL models",
+                    "Llama/Qwen/Mistral/Gemma/Phi-3/MoE/LLaVA/LLaVA-NeXT/Qwen2-VL/InternVL models",
     )
 
 
@@ -45,6 +45,7 @@ def halserve_model_architectures() -> dict[str, str]:
         "GemmaForCausalLM": "halserve.models.gemma:GemmaForCausalLM",
         "Gemma2ForCausalLM": "halserve.models.gemma:GemmaForCausalLM",
         "Gemma3ForCausalLM": "halserve.models.gemma:GemmaForCausalLM",
+        "InternVLForConditionalGeneration": "halserve.models.internvl:InternVLForConditionalGeneration",
         "LlamaForCausalLM": "halserve.models.llama:LlamaForCausalLM",
         "LlavaForConditionalGeneration": "halserve.models.llava:LlavaForConditionalGeneration",
         "LlavaNextForConditionalGeneration": "halserve.models.llava_next:LlavaNextForConditionalGeneration",

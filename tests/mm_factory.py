@@ -306,3 +306,118 @@ def make_llava_next_checkpoint(tmp_dir, *, image_size: int = 56, patch_size: int
     processor.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# -- InternVL (transformers' native InternVLForConditionalGeneration, InternVL3-*-hf) -----------------
+INTERNVL_TOKENS = ("<img>", "</img>", "<IMG_CONTEXT>", "<video>")
+INTERNVL_IMAGE_TOKEN = "<IMG_CONTEXT>"
+INTERNVL_CHAT_TEMPLATE = LLAVA_CHAT_TEMPLATE.replace("<image>\n", INTERNVL_IMAGE_TOKEN + "\n")
+
+
+def make_internvl_checkpoint(tmp_dir, *, image_size: int = 56, patch_size: int = 14, min_patches: int = 1,
+                             max_patches: int = 4, seed: int = 0, vision_feature_layer: int = -1,
+                             norm_type: str = "layer_norm", use_qk_norm: bool = False, use_mean_pooling: bool = True,
+                             tie_word_embeddings: bool = False, num_layers: int = 2, **text_overrides) -> str:
+    """A tiny random-weight InternVL checkpoint (HF format, InternVL3-*-hf style) in ``tmp_dir``, fully offline.
+
+        path = make_internvl_checkpoint(tmp_path)
+        InternVLForConditionalGeneration.from_pretrained(path); internvl_processor(path)
+
+    Writes:
+
+    - ``config.json`` + ``model.safetensors``: transformers' own ``InternVLForConditionalGeneration``, saved with
+      the Hub's tensor names (``language_model.model.*``, ``language_model.lm_head.*``, ``vision_tower.*``,
+      ``multi_modal_projector.*``; transformers 5 writes those), float32, randomised like ``model_factory``
+      (vision weights at 1/sqrt(fan-in), layer scales around 1); the text model is ``model_factory``'s tiny
+      Qwen2 (vocabulary 512, ``INTERNVL_TOKENS`` its last added tokens); the vision tower 2 layers of width 32
+      (biased q/k/v, ``norm_type``, optional qk-norm, the final LayerNorm read at ``vision_feature_layer`` -1
+      unless ``use_mean_pooling``) on ``image_size``-pixel tiles in ``patch_size`` patches, pixel-shuffled 2x2:
+      (image_size / patch_size / 2)^2 placeholder tokens a tile (56 / 14: 4); ``tie_word_embeddings`` is the
+      top-level config's (what transformers ties by);
+    - the tokenizer (``model_factory.make_tokenizer``) with the Hub's ``extra_special_tokens`` (``<img>``,
+      ``</img>``, ``<IMG_CONTEXT>``, ``<video>``), whose chat template renders content parts ``{"type": "image"}``
+      as ``<IMG_CONTEXT>\\n``;
+    - ``preprocessor_config.json`` as the Hub ships it: ``GotOcr2ImageProcessorFast`` (loads as the PIL backend
+      without torchvision) with ``crop_to_patches: false`` (``InternVLProcessor`` tiles anyway), ``min_patches`` ..
+      ``max_patches`` tiles (1 .. 4: a wide image gets 3x1 tiles + a thumbnail, a small one a single tile), and
+      ``processor_config.json`` naming ``InternVLProcessor`` with its ``image_seq_length``. transformers'
+      processor class cannot be built, nor saved, without torchvision (its video processor): ``internvl_processor``
+      below builds it for images.
+    """
+    import transformers
+    from transformers import GenerationConfig, InternVLConfig, InternVLVisionConfig
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    path = os.fspath(tmp_dir)
+    os.makedirs(path, exist_ok=True)
+    tokenizer = make_tokenizer(VOCAB_SIZE, seed, added_tokens=INTERNVL_TOKENS)
+    tokenizer.chat_template = INTERNVL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    start_image_token, end_image_token, context_image_token, video_token = INTERNVL_TOKENS
+    _update_json(os.path.join(path, "tokenizer_config.json"), extra_special_tokens=dict(
+        start_image_token=start_image_token, end_image_token=end_image_token,
+        context_image_token=context_image_token, video_token=video_token))
+    text_config = _hf_config(
+        "qwen2", vocab_size=VOCAB_SIZE, hidden_size=64, num_layers=num_layers, num_heads=4, num_kv_heads=2,
+        head_dim=None, intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=tie_word_embeddings,
+        rope_scaling=None, sliding_window=None, overrides=dict(text_overrides),
+    )
+    vision_config = InternVLVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=image_size,
+        patch_size=patch_size, hidden_act="gelu", layer_norm_eps=1e-6, attention_bias=True, norm_type=norm_type,
+        use_qk_norm=use_qk_norm, use_mean_pooling=use_mean_pooling)
+    tokens_per_tile = (image_size // patch_size // 2) ** 2
+    config = InternVLConfig(
+        vision_config=vision_config, text_config=text_config, downsample_ratio=0.5, projector_hidden_act="gelu",
+        image_token_id=tokenizer.convert_tokens_to_ids(context_image_token), image_seq_length=tokens_per_tile,
+        vision_feature_layer=vision_feature_layer, vision_feature_select_strategy="default",
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config.architectures = ["InternVLForConditionalGeneration"]
+    config.dtype = "float32"
+    torch.manual_seed(seed)
+    model = transformers.InternVLForConditionalGeneration(config).to(torch.float32)
+    _randomize(model, 64, seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "vision_tower" not in name:
+                continue
+            if ".lambda_" in name:  # layer scales around 1, per channel: every layer matters
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape))
+            elif param.dim() >= 2 and "cls_token" not in name and "position_embeddings" not in name:
+                param.mul_(math.sqrt(64 / param[0].numel()))  # at 1/sqrt(fan-in)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(path, safe_serialization=True)
+    GotOcr2ImageProcessorPil(size={"height": image_size, "width": image_size}, crop_to_patches=False,
+                             min_patches=min_patches, max_patches=max_patches, image_mean=[0.485, 0.456, 0.406],
+                             image_std=[0.229, 0.224, 0.225]).save_pretrained(path)
+    _update_json(os.path.join(path, "preprocessor_config.json"), image_processor_type="GotOcr2ImageProcessorFast",
+                 processor_class="InternVLProcessor")
+    _update_json(os.path.join(path, "processor_config.json"), image_seq_length=tokens_per_tile,
+                 processor_class="InternVLProcessor")
+    return path
+
+
+def internvl_processor(path: str):
+    """The checkpoint's ``InternVLProcessor``: ``AutoProcessor.from_pretrained(path)`` where torchvision is
+    installed; without it the same class around ``AutoImageProcessor`` and ``AutoTokenizer`` (with
+    processor_config.json's ``image_seq_length``), for images."""
+    import importlib.util
+    import json
+
+    import transformers
+    from transformers.processing_utils import ProcessorMixin
+
+    if importlib.util.find_spec("torchvision") is not None:
+        return transformers.AutoProcessor.from_pretrained(path)
+    with open(os.path.join(path, "processor_config.json"), encoding="utf-8") as f:
+        image_seq_length = json.load(f)["image_seq_length"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    original = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: (  # video_processor=None passes
+        type(arg) if arg is None else original(self, name, arg))
+    try:
+        return transformers.InternVLProcessor(image_processor=transformers.AutoImageProcessor.from_pretrained(path),
+                                              tokenizer=tokenizer, image_seq_length=image_seq_length,
+                                              chat_template=tokenizer.chat_template)
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = original

@@ -8,6 +8,11 @@ a Poisson process at ``--request-rate`` (all at once by default), optionally cap
 ((latency - TTFT) / (output tokens - 1)) and ITL (gaps between content chunks); output
 tokens come from the final usage chunk (``stream_options.include_usage``), else the
 number of content chunks.
+
+With ``--random-images N`` (vLLM's ``random-mm`` dataset) every request is a chat request
+(/v1/chat/completions): one user message of N ``image_url`` parts, seeded random PNG data URLs
+of ``--random-image-size`` sides (``halserve.bench.random_images``), then the text. Prompt
+tokens then come from usage (they include the server's image placeholder tokens).
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from halserve.bench.random_images import parse_image_size, random_image_urls, warmup_image_urls
 
 __all__ = ["add_args", "run", "RequestResult", "compute_metrics", "format_table", "sample_prompts"]
 
@@ -38,13 +45,24 @@ class RequestResult:
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="model name the server serves")
-    parser.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    parser.add_argument(
+        "--endpoint", default=None,
+        help="/v1/completions or /v1/chat/completions (default: /v1/completions; with --random-images, chat)",
+    )
     parser.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     parser.add_argument("--random-input-len", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--random-output-len", type=int, default=128, help="output tokens per request (ignore_eos)")
     parser.add_argument(
         "--random-prompt-format", choices=["token-ids", "text"], default="token-ids",
         help="send prompts as token ids, or as text decoded from random ids (chat always uses text)",
+    )
+    parser.add_argument(
+        "--random-images", type=int, default=0, metavar="N",
+        help="image_url parts per request (chat only): seeded random PNG data URLs before the text",
+    )
+    parser.add_argument(
+        "--random-image-size", type=parse_image_size, default=parse_image_size("224x224"), metavar="WxH",
+        help="image sides: WxH, or a range LOW-HIGH drawn per side per image (e.g. 200-400)",
     )
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (Poisson); inf: all at once")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
@@ -71,6 +89,9 @@ def sample_prompts(tokenizer: Any, num: int, input_len: int, seed: int, as_text:
     Text prompts are decoded from the ids; their exact length is taken from usage."""
     rng = random.Random(seed)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    # (added special tokens too: a VLM's ``<image>`` is one, and a stray one breaks the request)
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special.update(i for i, token in decoder.items() if getattr(token, "special", False))
     pool = [i for i in range(len(tokenizer)) if i not in special]
     if not pool:
         raise ValueError("the tokenizer has no non-special tokens to build prompts from")
@@ -81,7 +102,10 @@ def sample_prompts(tokenizer: Any, num: int, input_len: int, seed: int, as_text:
     return prompts
 
 
-def build_payload(endpoint: str, model: str, prompt: Any, output_len: int) -> dict[str, Any]:
+def build_payload(
+    endpoint: str, model: str, prompt: Any, output_len: int, image_urls: list[str] | None = None
+) -> dict[str, Any]:
+    """The streamed request body; chat with ``image_urls``: their ``image_url`` parts, then the text."""
     common = {
         "model": model,
         "temperature": 0.0,
@@ -92,7 +116,12 @@ def build_payload(endpoint: str, model: str, prompt: Any, output_len: int) -> di
     }
     if endpoint.endswith("chat/completions"):
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
-        return {**common, "messages": [{"role": "user", "content": text}]}
+        if not image_urls:
+            return {**common, "messages": [{"role": "user", "content": text}]}
+        parts = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
+        return {**common, "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]}
+    if image_urls:
+        raise ValueError(f"images need the chat endpoint (/v1/chat/completions), not {endpoint!r}")
     return {**common, "prompt": prompt}
 
 
@@ -220,21 +249,25 @@ async def _arrivals(num: int, rate: float, rng: random.Random):
             await asyncio.sleep(rng.expovariate(rate))
 
 
-async def benchmark(args: argparse.Namespace, prompts: list[tuple[Any, int]]) -> dict[str, Any]:
+async def benchmark(
+    args: argparse.Namespace, prompts: list[tuple[Any, int]], images: list[list[str]], warmup_images: list[str]
+) -> dict[str, Any]:
+    """``images[i]``: request i's image URLs; ``warmup_images``: the test request's."""
     import httpx
 
     url = args.base_url.rstrip("/") + args.endpoint
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
-        test = await send_request(client, url, build_payload(args.endpoint, args.model, prompts[0][0], 2), headers, prompts[0][1])
+        test_payload = build_payload(args.endpoint, args.model, prompts[0][0], 2, warmup_images)
+        test = await send_request(client, url, test_payload, headers, prompts[0][1])
         if not test.success:
             raise RuntimeError(f"the test request to {url} failed: {test.error}")
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
         async def one(i: int) -> RequestResult:
             prompt, prompt_len = prompts[i]
-            payload = build_payload(args.endpoint, args.model, prompt, args.random_output_len)
+            payload = build_payload(args.endpoint, args.model, prompt, args.random_output_len, images[i])
             if semaphore is None:
                 return await send_request(client, url, payload, headers, prompt_len)
             async with semaphore:
@@ -256,9 +289,24 @@ async def benchmark(args: argparse.Namespace, prompts: list[tuple[Any, int]]) ->
             "random_output_len": args.random_output_len,
             "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
             "max_concurrency": args.max_concurrency,
+            "random_images": args.random_images,
+            "random_image_size": str(args.random_image_size) if args.random_images else None,
         }
     )
     return metrics
+
+
+def resolve_image_args(args: argparse.Namespace) -> str | None:
+    """Fill in the default endpoint (chat with images); the usage error, if any."""
+    if args.random_images < 0:
+        return f"--random-images must be >= 0, not {args.random_images}"
+    if args.endpoint is None:
+        args.endpoint = "/v1/chat/completions" if args.random_images else "/v1/completions"
+    if args.random_images and not args.endpoint.endswith("chat/completions"):
+        return f"--random-images needs --endpoint /v1/chat/completions (images go in chat messages), not {args.endpoint}"
+    if args.random_images and args.seed < 0:
+        return f"--seed must be >= 0 with --random-images, not {args.seed}"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -268,6 +316,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         print("halserve bench serve: error: --request-rate must be > 0 and --max-concurrency >= 1", file=sys.stderr)
+        return 2
+    error = resolve_image_args(args)
+    if error:
+        print(f"halserve bench serve: error: {error}", file=sys.stderr)
         return 2
     try:
         tokenizer = load_tokenizer(args.tokenizer or args.model)
@@ -280,8 +332,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     as_text = args.random_prompt_format == "text" or args.endpoint.endswith("chat/completions")
     prompts = sample_prompts(tokenizer, args.num_prompts, args.random_input_len, args.seed, as_text)
+    images = random_image_urls(args.num_prompts, args.random_images, args.random_image_size, args.seed)
+    warmup_images = warmup_image_urls(args.random_images, args.random_image_size, args.seed)
     try:
-        metrics = asyncio.run(benchmark(args, prompts))
+        metrics = asyncio.run(benchmark(args, prompts, images, warmup_images))
     except RuntimeError as exc:
         print(f"halserve bench serve: error: {exc}", file=sys.stderr)
         return 1

@@ -80,7 +80,7 @@ class InputProcessor:
         if self._mm_processor is None:
             from halserve.multimodal.processing import MultiModalProcessor
 
-            self._mm_processor = MultiModalProcessor(self.info)
+            self._mm_processor = MultiModalProcessor(self.info, tokenizer=self.tokenizer)
         return self._mm_processor
 
     def _multimodal(self, prompt: PromptType, ids: list[int], params: SamplingParams):

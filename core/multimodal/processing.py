@@ -16,7 +16,10 @@ as a run of placeholder tokens whose embeddings the model runner replaces with t
                     of the tokens after it (``MRopePositions``)
 
 The model class answers the model-specific questions (class methods, config only):
-``image_token_id``, ``split_image_inputs``, ``num_image_tokens`` and ``mrope_positions``.
+``image_token_id``, ``split_image_inputs``, ``num_image_tokens`` and ``mrope_positions``; optionally
+``IMAGE_PROCESSOR_DEFAULTS`` (settings its processor class applies over the saved image processor
+config, under ``mm_processor_kwargs``) and ``image_token_wrappers(hf_config, tokenizer)`` (token ids the
+expansion puts before and after each image's run, as InternVL's ``<img>`` ... ``</img>``).
 
 The hash goes into the prefix cache's block hashes of the blocks the image's run overlaps
 (``Request.block_hash_extra_keys``), so equal prompts with different images never share K/V,
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -90,8 +93,9 @@ class MultiModalProcessor:
     """Per engine: expands a prompt's image placeholders and preprocesses its images with the
     checkpoint's own image processor (``AutoImageProcessor``, as vLLM uses the HF processors)."""
 
-    def __init__(self, model_info: Any, model_cls: type | None = None) -> None:
+    def __init__(self, model_info: Any, model_cls: type | None = None, tokenizer: Any = None) -> None:
         self.info = model_info
+        self.tokenizer = tokenizer  # (for the model's image_token_wrappers; None: a model without them)
         self.image_token_id: int = model_info.image_token_id
         if model_cls is None:
             from halserve.models.loader import model_class
@@ -99,6 +103,7 @@ class MultiModalProcessor:
             model_cls = model_class(model_info.architecture)
         self.model_cls = model_cls
         self._image_processor = None
+        self._wrappers: tuple[list[int], list[int]] | None = None
 
     @property
     def image_processor(self):
@@ -118,7 +123,8 @@ class MultiModalProcessor:
         from transformers import AutoImageProcessor
 
         try:
-            return AutoImageProcessor.from_pretrained(self.info.model_path, **kwargs)
+            defaults = getattr(self.model_cls, "IMAGE_PROCESSOR_DEFAULTS", None) or {}
+            return AutoImageProcessor.from_pretrained(self.info.model_path, **{**defaults, **kwargs})
         except Exception as exc:  # noqa: BLE001 - a checkpoint without its processor files, a bad kwarg value
             raise ValueError(f"the image processor of {self.info.model_path!r} could not be loaded"
                              f"{' with mm_processor_kwargs ' + str(kwargs) if kwargs else ''} (its "
@@ -138,7 +144,7 @@ class MultiModalProcessor:
         items = self._image_inputs(images)
         hf_config = self.info.hf_config
         counts = [int(self.model_cls.num_image_tokens(hf_config, item)) for item in items]
-        ids, offsets = self._expand(token_ids, counts)
+        ids, offsets = self._expand(token_ids, counts, *self.wrappers)
         features = [MultiModalFeature(IMAGE, item, offset, count, _content_hash(item))
                     for item, offset, count in zip(items, offsets, counts)]
         mrope = None
@@ -146,6 +152,14 @@ class MultiModalProcessor:
             positions, delta = self.model_cls.mrope_positions(hf_config, ids, items)
             mrope = MRopePositions(positions.to(torch.int64), int(delta))
         return ids, features, mrope
+
+    @property
+    def wrappers(self) -> tuple[list[int], list[int]]:
+        """(ids before, ids after) each expanded image run: the model's ``image_token_wrappers``, or none."""
+        if self._wrappers is None:
+            wrap = getattr(self.model_cls, "image_token_wrappers", None)
+            self._wrappers = wrap(self.info.hf_config, self.tokenizer) if wrap is not None else ([], [])
+        return self._wrappers
 
     def _image_inputs(self, images: list) -> list[dict[str, torch.Tensor]]:
         """The checkpoint's image processor on ``images``, split per image by the model class."""
@@ -163,10 +177,11 @@ class MultiModalProcessor:
                     item[key] = value.to(torch.float32)
         return items
 
-    def _expand(self, token_ids: list[int], counts: list[int]) -> tuple[list[int], list[int]]:
-        """Each lone placeholder becomes image i's run of ``counts[i]`` tokens; runs already written out
-        in full (one image's, or several images' back to back) are kept. Returns the ids and each
-        image's run start."""
+    def _expand(self, token_ids: list[int], counts: list[int], before: Sequence[int] = (),
+                after: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+        """Each lone placeholder becomes image i's run of ``counts[i]`` tokens, between ``before`` and
+        ``after``; runs already written out in full (one image's, or several images' back to back) are kept
+        as they are. Returns the ids and each image's run start."""
         tok, num_images = self.image_token_id, len(counts)
         runs: list[tuple[int, int]] = []  # (start, length) of each run of placeholders
         i = 0
@@ -185,8 +200,10 @@ class MultiModalProcessor:
             prev = 0
             for (start, _), count in zip(runs, counts):
                 ids.extend(token_ids[prev:start])
+                ids.extend(before)
                 offsets.append(len(ids))
                 ids.extend([tok] * count)
+                ids.extend(after)
                 prev = start + 1
             ids.extend(token_ids[prev:])
             return ids, offsets
