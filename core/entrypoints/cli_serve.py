@@ -136,6 +136,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="let requests name images as file:// URLs of files inside DIR (default: file:// URLs are refused)",
     )
     g.add_argument(
+        "--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+        help="only fetch http(s) image URLs (and their redirects) from these hosts (default: any host)",
+    )
+    g.add_argument(
         "--limit-mm-per-prompt", default=None, metavar="JSON",
         help="a vision-language model's most images per request, e.g. '{\"image\": 4}' ('{\"image\": 0}' refuses "
         "images; default 64)",
@@ -415,6 +419,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template=chat_template, tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=args.reasoning_parser, lora_modules=lora_modules,
         allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=args.allowed_media_domains,
     )
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("HALSERVE_API_KEY"):

@@ -32,7 +32,8 @@ class LLM:
     from free memory. Any other ``EngineConfig`` field may be passed as a keyword, e.g.
     ``pooler_config={"pooling_type": "MEAN", "normalize": False}`` (embeddings, as vLLM's).
     ``allowed_local_media_path``: the directory ``chat``'s ``file://`` image URLs may read from
-    (vLLM's; None: file URLs are refused).
+    (vLLM's; None: file URLs are refused); ``allowed_media_domains``: the hosts its http(s) image URLs
+    may name (None: any).
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class LLM:
         seed: int = 0,
         tokenizer: str | None = None,
         allowed_local_media_path: str | None = None,
+        allowed_media_domains: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         from halserve.engine.llm_engine import LLMEngine
@@ -72,6 +74,7 @@ class LLM:
         )
         self.llm_engine = LLMEngine(config)
         self.allowed_local_media_path = allowed_local_media_path
+        self.allowed_media_domains = allowed_media_domains
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -185,9 +188,9 @@ class LLM:
                 ids = ids["input_ids"]
             prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
             if urls:
-                where = self.allowed_local_media_path
-                prompt["multi_modal_data"] = {"image": [load_image(url, allowed_local_media_path=where)
-                                                        for url in urls]}
+                where, domains = self.allowed_local_media_path, self.allowed_media_domains
+                prompt["multi_modal_data"] = {"image": [
+                    load_image(url, allowed_local_media_path=where, allowed_media_domains=domains) for url in urls]}
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 

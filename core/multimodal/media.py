@@ -6,6 +6,10 @@
                                      checked as the body streams in)
     file:///abs/path.png             only below ``allowed_local_media_path`` (``--allowed-local-media-path``)
 
+``allowed_media_domains`` (``--allowed-media-domains``, vLLM's): when given, http(s) URLs, and every
+redirect they lead to, must name one of these hosts (a server reachable from inside a network should
+not fetch whatever URL a client names).
+
 Every image is decoded with PIL and returned in RGB (transparent parts on white). An image of more
 than ``PIL.Image.MAX_IMAGE_PIXELS`` pixels is refused (PIL itself only warns below twice that: a
 decompression bomb). Every failure is a ``ValueError`` that says what was wrong and how to fix it:
@@ -21,7 +25,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 from urllib.parse import unquote, urlparse
 from urllib.request import url2pathname
 
@@ -91,8 +95,18 @@ def _data_url_bytes(url: str, limit: int) -> bytes:
                          "standard base64 (RFC 4648, '+/' alphabet, '=' padding)") from None
 
 
-def _http_bytes(url: str, timeout: float, limit: int) -> bytes:
-    """The body of a GET of ``url``: within ``timeout`` seconds all told, at most ``limit`` bytes."""
+def _check_domain(url: str, allowed_media_domains: "Sequence[str] | None") -> None:
+    if allowed_media_domains is None:
+        return
+    host = (urlparse(url).hostname or "").lower()
+    if host not in {d.lower() for d in allowed_media_domains}:
+        raise ValueError(f"image URLs may only name the hosts {', '.join(allowed_media_domains)} "
+                         f"(--allowed-media-domains); {_short(url)} names {host or 'no host'!r}")
+
+
+def _http_bytes(url: str, timeout: float, limit: int, allowed_media_domains: "Sequence[str] | None" = None) -> bytes:
+    """The body of a GET of ``url``: within ``timeout`` seconds all told, at most ``limit`` bytes; with
+    ``allowed_media_domains``, only from those hosts (redirects included)."""
     try:
         import httpx
     except ImportError:  # pragma: no cover - httpx comes with the server's dependencies
@@ -100,8 +114,18 @@ def _http_bytes(url: str, timeout: float, limit: int) -> bytes:
                          "or send the image as a data URL") from None
     deadline = time.monotonic() + timeout
     shown = _short(url)
+    _check_domain(url, allowed_media_domains)
+    refused: list[ValueError] = []
+
+    def check_hop(request) -> None:  # (each request, redirects included, before it is sent)
+        try:
+            _check_domain(str(request.url), allowed_media_domains)
+        except ValueError as exc:
+            refused.append(exc)
+            raise httpx.UnsupportedProtocol("refused host") from None
+
     try:
-        with httpx.Client(timeout=timeout, follow_redirects=True) as client:
+        with httpx.Client(timeout=timeout, follow_redirects=True, event_hooks={"request": [check_hop]}) as client:
             with client.stream("GET", url) as response:
                 if response.status_code >= 400:
                     raise ValueError(f"fetching the image {shown} failed: HTTP {response.status_code} "
@@ -121,6 +145,8 @@ def _http_bytes(url: str, timeout: float, limit: int) -> bytes:
         raise ValueError(f"fetching the image {shown} timed out after {timeout:g} s "
                          "(HALSERVE_MEDIA_FETCH_TIMEOUT_S); use a faster host or send it as a data URL") from None
     except httpx.HTTPError as exc:  # (connection refused, DNS failure, bad URL, too many redirects, ...)
+        if refused:
+            raise refused[0] from None
         raise ValueError(f"fetching the image {shown} failed: {type(exc).__name__}: {exc}; check the URL, or send "
                          "the image as a data URL") from None
 
@@ -190,10 +216,11 @@ def _to_rgb(image: "Image.Image") -> "Image.Image":
 
 
 # ---------------------------------------------------------------------- entry points
-def load_image(url: str, *, allowed_local_media_path: str | None = None,
-               timeout: float | None = None) -> "Image.Image":
+def load_image(url: str, *, allowed_local_media_path: str | None = None, timeout: float | None = None,
+               allowed_media_domains: "Sequence[str] | None" = None) -> "Image.Image":
     """The RGB image ``url`` names (a data:, http(s): or file: URL). ``timeout``: seconds for an
-    http(s) download (None: ``HALSERVE_MEDIA_FETCH_TIMEOUT_S``, default 10). ValueError on any failure."""
+    http(s) download (None: ``HALSERVE_MEDIA_FETCH_TIMEOUT_S``, default 10); ``allowed_media_domains``:
+    the hosts http(s) URLs may name (None: any). ValueError on any failure."""
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"an image URL must be a non-empty string, got {url!r:.40}; use {_SCHEMES}")
     url = url.strip()
@@ -202,7 +229,7 @@ def load_image(url: str, *, allowed_local_media_path: str | None = None,
     if scheme == "data":
         data = _data_url_bytes(url, limit)
     elif scheme in ("http", "https"):
-        data = _http_bytes(url, fetch_timeout_s() if timeout is None else timeout, limit)
+        data = _http_bytes(url, fetch_timeout_s() if timeout is None else timeout, limit, allowed_media_domains)
     elif scheme == "file":
         data = _file_bytes(url, allowed_local_media_path, limit)
     else:
@@ -211,8 +238,8 @@ def load_image(url: str, *, allowed_local_media_path: str | None = None,
     return decode_image(data)
 
 
-async def load_image_async(url: str, *, allowed_local_media_path: str | None = None,
-                           timeout: float | None = None) -> "Image.Image":
+async def load_image_async(url: str, *, allowed_local_media_path: str | None = None, timeout: float | None = None,
+                           allowed_media_domains: "Sequence[str] | None" = None) -> "Image.Image":
     """``load_image`` in a worker thread (downloads and decoding keep the event loop free)."""
     return await asyncio.to_thread(load_image, url, allowed_local_media_path=allowed_local_media_path,
-                                   timeout=timeout)
+                                   timeout=timeout, allowed_media_domains=allowed_media_domains)

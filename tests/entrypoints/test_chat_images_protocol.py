@@ -146,14 +146,16 @@ def llava_tokenizer():
     return tokenizer
 
 
-def _handler(tokenizer, is_multimodal: bool = True, media_dir: str | None = None, max_images: int = 64):
+def _handler(tokenizer, is_multimodal: bool = True, media_dir: str | None = None, max_images: int = 64,
+             domains: list[str] | None = None):
     from halserve.entrypoints.openai.serving_chat import OpenAIServingChat
     from halserve.entrypoints.openai.serving_engine import OpenAIServing
 
     info = SimpleNamespace(is_multimodal=is_multimodal, max_model_len=512, vocab_size=len(tokenizer),
                            max_images_per_prompt=max_images)
     engine = SimpleNamespace(tokenizer=tokenizer, tokenizer_pool=None, model_info=info)
-    return OpenAIServingChat(OpenAIServing(engine, ["m"], "m", allowed_local_media_path=media_dir))
+    return OpenAIServingChat(OpenAIServing(engine, ["m"], "m", allowed_local_media_path=media_dir,
+                                           allowed_media_domains=domains))
 
 
 def test_render_sends_images_with_the_prompt(llava_tokenizer):
@@ -197,6 +199,9 @@ def test_render_errors(llava_tokenizer, tmp_path):
     req = _chat(_user(_image("https://unreachable.invalid/x.png"), _image("https://unreachable.invalid/y.png")))
     with pytest.raises(BadRequestError, match="at most 1 images .*got 2"):
         asyncio.run(_handler(llava_tokenizer, max_images=1).render(req))
+    # a host outside --allowed-media-domains: a 400, nothing fetched
+    with pytest.raises(BadRequestError, match="image 1 of 2: image URLs may only name the hosts images.example"):
+        asyncio.run(_handler(llava_tokenizer, domains=["images.example"]).render(req))
 
 
 def test_beam_search_with_images_is_refused(llava_tokenizer):

@@ -153,6 +153,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Location", "/img.png")
             self.send_header("Content-Length", "0")
             self.end_headers()
+        elif self.path == "/redirect-away":  # the same server under another host name
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/img.png")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
         elif self.path == "/slow.png":  # nothing for 3 s
             time.sleep(3)
             self._send(200, PNG, len(PNG))
@@ -188,6 +193,17 @@ def http_url():
 def test_http_image(http_url):
     assert _same(load_image(http_url + "/img.png"), _image(1))
     assert _same(load_image(http_url + "/redirect"), _image(1))
+
+
+def test_allowed_media_domains(http_url):
+    """--allowed-media-domains: only those hosts, redirects included."""
+    assert _same(load_image(http_url + "/redirect", allowed_media_domains=["127.0.0.1"]), _image(1))
+    assert _same(load_image(http_url + "/redirect-away"), _image(1))  # (any host without the list)
+    with pytest.raises(ValueError, match=r"may only name the hosts images.example \(--allowed-media-domains\);"
+                                         r" .* names '127.0.0.1'"):
+        load_image(http_url + "/img.png", allowed_media_domains=["images.example"])
+    with pytest.raises(ValueError, match="names 'localhost'"):
+        load_image(http_url + "/redirect-away", allowed_media_domains=["127.0.0.1"])
 
 
 def test_http_404(http_url):

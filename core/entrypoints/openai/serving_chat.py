@@ -83,7 +83,8 @@ def render_chat(
     return text, token_ids
 
 
-async def load_images(urls: list[str], allowed_local_media_path: str | None, limit: int) -> list[Any]:
+async def load_images(urls: list[str], allowed_local_media_path: str | None, limit: int,
+                      allowed_media_domains: list[str] | None = None) -> list[Any]:
     """The images ``urls`` name (``halserve.multimodal.media``), fetched concurrently; the first bad
     one is a 400 on ``messages`` saying which image it is and what is wrong with it."""
     from halserve.multimodal.media import load_image_async
@@ -91,7 +92,8 @@ async def load_images(urls: list[str], allowed_local_media_path: str | None, lim
 
     if len(urls) > limit:
         raise BadRequestError(too_many_images(len(urls), limit), param="messages")
-    loads = [load_image_async(url, allowed_local_media_path=allowed_local_media_path) for url in urls]
+    loads = [load_image_async(url, allowed_local_media_path=allowed_local_media_path,
+                              allowed_media_domains=allowed_media_domains) for url in urls]
     results = await asyncio.gather(*loads, return_exceptions=True)
     for k, result in enumerate(results):
         if isinstance(result, ValueError):
@@ -135,7 +137,7 @@ class OpenAIServingChat:
         if not urls:
             return text, ids
         limit = serving.engine.model_info.max_images_per_prompt
-        images = await load_images(urls, serving.allowed_local_media_path, limit)
+        images = await load_images(urls, serving.allowed_local_media_path, limit, serving.allowed_media_domains)
         return text, {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
     def after_thinking(self, constraint: "StructuredOutputsParams", start: ReplyStart | None) -> None:

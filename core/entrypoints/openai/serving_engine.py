@@ -56,6 +56,7 @@ class OpenAIServing:
         reasoning_parser: str | None = None,
         lora_modules: "LoRAModules | None" = None,
         allowed_local_media_path: str | None = None,
+        allowed_media_domains: list[str] | None = None,
     ) -> None:
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
@@ -75,6 +76,7 @@ class OpenAIServing:
         self.lora_modules = lora_modules or LoRAModules()  # adapters served by name (after the base model)
         # --allowed-local-media-path: the directory file:// image URLs may read from; None: no file:// URLs
         self.allowed_local_media_path = allowed_local_media_path
+        self.allowed_media_domains = allowed_media_domains  # hosts http(s) image URLs may name; None: any
 
     @property
     def max_model_len(self) -> int | None:
