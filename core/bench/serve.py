@@ -46,8 +46,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="model name the server serves")
     parser.add_argument(
-        "--endpoint", default=None,
-        help="/v1/completions or /v1/chat/completions (default: /v1/completions; with --random-images, chat)",
+        "--endpoint", default="auto",
+        help="/v1/completions or /v1/chat/completions; auto: /v1/chat/completions with --random-images, "
+        "else /v1/completions",
     )
     parser.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     parser.add_argument("--random-input-len", type=int, default=128, help="prompt tokens per request")
@@ -300,7 +301,7 @@ def resolve_image_args(args: argparse.Namespace) -> str | None:
     """Fill in the default endpoint (chat with images); the usage error, if any."""
     if args.random_images < 0:
         return f"--random-images must be >= 0, not {args.random_images}"
-    if args.endpoint is None:
+    if args.endpoint == "auto":
         args.endpoint = "/v1/chat/completions" if args.random_images else "/v1/completions"
     if args.random_images and not args.endpoint.endswith("chat/completions"):
         return f"--random-images needs --endpoint /v1/chat/completions (images go in chat messages), not {args.endpoint}"

@@ -1,15 +1,20 @@
-"""`halserve bench serve` (its statistics, and a short run against the test server) and
-`halserve bench throughput`."""
+"""`halserve bench serve` (its statistics, its image requests, short runs against the test server and
+a tiny LLaVA server) and `halserve bench throughput`."""
 from __future__ import annotations
 
+import argparse
+import base64
+import io
 import json
 import subprocess
 import sys
 
 import pytest
 
-from server_utils import SERVED_NAME
-from halserve.bench.serve import RequestResult, compute_metrics, format_table
+from server_utils import SERVED_NAME, ServerProcess, server_args
+from halserve.bench import serve as bench_serve
+from halserve.bench.random_images import ImageSize, parse_image_size, random_image_urls, warmup_image_urls
+from halserve.bench.serve import RequestResult, build_payload, compute_metrics, format_table
 
 
 def test_statistics():
@@ -48,6 +53,104 @@ def test_bench_serve_against_the_server(server, checkpoint, tmp_path, endpoint):
     assert data["completed"] == 6 and data["total_output_tokens"] == 30
     if endpoint == "/v1/completions":
         assert data["total_input_tokens"] == 48
+    assert data["mean_ttft_ms"] > 0 and data["mean_tpot_ms"] > 0
+
+
+def _png_size(url: str) -> tuple[int, int]:
+    from PIL import Image
+
+    assert url.startswith("data:image/png;base64,")
+    with Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))) as image:
+        assert image.format == "PNG" and image.mode == "RGB"
+        return image.size
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("224x224", ImageSize(224, 224, 224, 224)),
+    ("200-400", ImageSize(200, 400, 200, 400)),
+    ("64", ImageSize(64, 64, 64, 64)),
+    ("30-40x10-20", ImageSize(30, 40, 10, 20)),
+])
+def test_image_size_specs(spec, expected):
+    assert parse_image_size(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["", "x", "224x", "0x10", "400-200", "2.5x3", "10-20-30"])
+def test_bad_image_size_specs_are_usage_errors(spec):
+    with pytest.raises(argparse.ArgumentTypeError, match="invalid image size"):
+        parse_image_size(spec)
+
+
+def test_image_requests_are_chat_messages_seeded_by_the_seed():
+    size = parse_image_size("30-60x20-40")
+    urls = random_image_urls(3, 2, size, seed=7)
+    assert [len(u) for u in urls] == [2, 2, 2] and len({u for per in urls for u in per}) == 6
+    for url in (u for per in urls for u in per):
+        width, height = _png_size(url)
+        assert 30 <= width <= 60 and 20 <= height <= 40
+    assert random_image_urls(3, 2, size, seed=7) == urls  # deterministic by seed ...
+    assert random_image_urls(2, 2, size, seed=7) == urls[:2]  # ... and by index, whatever --num-prompts
+    assert all(a != b for a, b in zip(random_image_urls(3, 2, size, seed=8), urls))
+    warmup = warmup_image_urls(2, size, seed=7)  # (the test request's: none of the timed images)
+    assert len(warmup) == 2 and not set(warmup) & {u for per in urls for u in per}
+    assert random_image_urls(2, 0, size, seed=7) == [[], []]
+
+    payload = build_payload("/v1/chat/completions", "m", "w5 w6", 16, urls[0])
+    assert payload["stream"] and payload["ignore_eos"] and payload["max_tokens"] == 16
+    (message,) = payload["messages"]
+    assert message["role"] == "user"
+    assert message["content"] == [{"type": "image_url", "image_url": {"url": urls[0][0]}},
+                                  {"type": "image_url", "image_url": {"url": urls[0][1]}},
+                                  {"type": "text", "text": "w5 w6"}]
+    assert build_payload("/v1/chat/completions", "m", "w5", 4, [])["messages"][0]["content"] == "w5"
+    with pytest.raises(ValueError, match="chat endpoint"):
+        build_payload("/v1/completions", "m", [5, 6], 4, urls[0])
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--random-images", "1", "--endpoint", "/v1/completions"], "--random-images needs --endpoint /v1/chat/completions"),
+    (["--random-images", "-1"], "--random-images must be >= 0"),
+    (["--random-images", "1", "--seed", "-3"], "--seed must be >= 0"),
+])
+def test_bench_serve_image_usage_errors_exit_2(flags, expected, capsys):
+    parser = argparse.ArgumentParser()
+    bench_serve.add_args(parser)
+    args = parser.parse_args(["--base-url", "http://127.0.0.1:9", "--model", "m", *flags])
+    assert bench_serve.run(args) == 2 and expected in capsys.readouterr().err
+
+
+def test_bench_serve_endpoint_defaults_to_chat_with_images():
+    parser = argparse.ArgumentParser()
+    bench_serve.add_args(parser)
+    for flags, endpoint in (([], "/v1/completions"), (["--random-images", "2"], "/v1/chat/completions")):
+        args = parser.parse_args(["--base-url", "x", "--model", "m", *flags])
+        assert bench_serve.resolve_image_args(args) is None and args.endpoint == endpoint
+
+
+def test_bench_serve_with_images_against_a_llava_server(tmp_path):
+    from mm_factory import make_llava_checkpoint
+
+    checkpoint = make_llava_checkpoint(tmp_path / "tiny_llava")  # (56 px, 14 px patches: 16 tokens an image)
+    srv = ServerProcess(server_args(checkpoint), str(tmp_path / "llava.log"))
+    try:
+        srv.wait_ready()
+        result = tmp_path / "bench.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "halserve.entrypoints.cli", "bench", "serve", "--base-url", srv.url,
+             "--model", SERVED_NAME, "--tokenizer", checkpoint, "--random-images", "2",
+             "--random-image-size", "40-80", "--num-prompts", "4", "--random-input-len", "6",
+             "--random-output-len", "4", "--max-concurrency", "2", "--result-json", str(result)],
+            capture_output=True, text=True, timeout=120,
+        )
+    finally:
+        srv.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr + srv.log()
+    data = json.loads(result.read_text())
+    assert data["endpoint"] == "/v1/chat/completions" and data["random_images"] == 2
+    assert data["random_image_size"] == "40-80x40-80"
+    assert data["completed"] == 4 and data["failed"] == 0 and data["total_output_tokens"] == 16
+    # usage's prompt tokens: each request's 2 images became 2 x 16 placeholder tokens, plus its text
+    assert data["total_input_tokens"] >= 4 * (2 * 16 + 6)
     assert data["mean_ttft_ms"] > 0 and data["mean_tpot_ms"] > 0
 
 
