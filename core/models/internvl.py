@@ -35,18 +35,19 @@ Checkpoint names, both schemes loaded (LLaVA's; the tower directly under ``visio
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from halserve.distributed import get_pp_state
-from halserve.layers import Attention, ModelContext
+from halserve.layers import ModelContext
 from halserve.layers.linear import vision_linear
 from halserve.models.clip import get_activation
 from halserve.models.internvl_vision import InternVisionModel, square_size
 from halserve.models.llama import LlamaForCausalLM
-from halserve.models.pipeline import IntermediateTensors, PPMissingLayer
+from halserve.models.pipeline import PPMissingLayer
+from halserve.models.vision_language import VisionLanguageModel
 
 TEXT_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # decoders of LlamaForCausalLM
 VISION_MODEL_TYPES = ("internvl_vision",)
@@ -115,7 +116,7 @@ class InternVLMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(self.layer_norm(features))))
 
 
-class InternVLForConditionalGeneration(nn.Module):
+class InternVLForConditionalGeneration(VisionLanguageModel):
     """The model-module protocol of ``LlamaForCausalLM`` plus, for the model runner's multimodal path:
 
     supports_multimodal -> True (class attribute)
@@ -129,9 +130,7 @@ class InternVLForConditionalGeneration(nn.Module):
     embed_images(pixel_values [N, 3, S, S]) -> [N, tokens per tile, H] (per tile)
     """
 
-    supports_pipeline_parallel = True
-    supports_multimodal = True
-    STACKED_PARAMS = LlamaForCausalLM.STACKED_PARAMS  # the decoder's fused q/k/v and gate/up (read by LoRA)
+    CHECKPOINT_RENAMES = _RENAMES
     IMAGE_PROCESSOR_DEFAULTS = {"crop_to_patches": True}  # InternVLProcessor's own default: tile every image
     # our names of the first stage's non-decoder tensors
     VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
@@ -205,15 +204,6 @@ class InternVLForConditionalGeneration(nn.Module):
         return _num_tiles(image_inputs) * tokens_per_tile(hf_config)
 
     # -- model -----------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
-        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The text embeddings [T, H] of ``input_ids`` [T] (first pipeline stage)."""
-        return self.language_model.model.embed_tokens(input_ids)
-
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Tiles [N, 3, S, S] (the image processor's) -> their rows [N, (p/k)^2, H] (first pipeline stage)."""
         states = self.vision_tower(pixel_values)[:, 1:]  # [N, p * p, D]: the CLS token dropped
@@ -233,36 +223,6 @@ class InternVLForConditionalGeneration(nn.Module):
         features = self.embed_images(pixels)  # [sum of tiles, (p/k)^2, H]
         return [f.reshape(-1, f.shape[-1]) for f in features.split(tiles)]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    @property
-    def attention_layers(self) -> list[Attention]:
-        return self.language_model.attention_layers
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Either naming scheme (module docstring) -> the set of loaded parameter names of this module.
-        The decoder's tensors stream through ``LlamaForCausalLM.load_weights`` (q/k/v and gate/up fusion,
-        tensor-parallel slicing, other pipeline stages' layers, a tied LM head); the others load on the way
-        (first pipeline stage; skipped on the others)."""
-        is_first = get_pp_state().is_first
-        loaded: set[str] = set()
-
-        def language_weights():
-            for original, tensor in weights:
-                name = self.map_checkpoint_name(original)
-                if name.startswith("language_model."):
-                    yield name.removeprefix("language_model."), tensor
-                elif name.startswith(self.VISION_PREFIXES):
-                    if is_first:
-                        loaded.update(self._load_vision_weight(name, original, tensor))
-                else:
-                    raise ValueError(f"checkpoint tensor {original!r} has no matching parameter in "
-                                     f"{type(self).__name__}; is this checkpoint for a different architecture?")
-
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(language_weights())}
-        return loaded
-
     def _load_vision_weight(self, name: str, original: str, tensor: torch.Tensor) -> set[str]:
         """Load one ``vision_tower.*`` / ``multi_modal_projector.*`` tensor (``original``: its checkpoint
         name); the names of the parameters it loaded (none for a tensor skipped: a layer not built)."""
@@ -270,24 +230,7 @@ class InternVLForConditionalGeneration(nn.Module):
             relative = name.removeprefix("vision_tower.")
             names = self.vision_tower.load_weights([(relative, tensor)], original.removesuffix(relative))
             return {f"vision_tower.{n}" for n in names}
-        projector = dict(self.multi_modal_projector.named_parameters(prefix="multi_modal_projector"))
-        param = projector.get(name)
-        if param is None:
-            raise ValueError(f"checkpoint tensor {original!r} has no matching parameter in the multimodal projector "
-                             f"of {type(self).__name__} (expected one of {', '.join(projector)})")
-        if param.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {original!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(param.shape)}")
-        param.data.copy_(tensor)
-        return {name}
-
-    @staticmethod
-    def map_checkpoint_name(name: str) -> str:
-        """A checkpoint's (or a LoRA adapter's) tensor or module name -> ours."""
-        for theirs, ours in _RENAMES:
-            if name.startswith(theirs):
-                return ours + name.removeprefix(theirs)
-        return name
+        return self._load_parameter(self.multi_modal_projector, "multi_modal_projector", name, original, tensor)
 
 
 def _check_strategy(hf_config: Any) -> None:

@@ -25,17 +25,18 @@ checkpoints, directly in what transformers 5 writes):
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from halserve.distributed import get_pp_state
-from halserve.layers import Attention, ModelContext
+from halserve.layers import ModelContext
 from halserve.layers.linear import vision_linear
 from halserve.models.clip import CLIPVisionModel, feature_layer_index, get_activation
 from halserve.models.llama import LlamaForCausalLM
-from halserve.models.pipeline import IntermediateTensors, PPMissingLayer
+from halserve.models.vision_language import VisionLanguageModel
+from halserve.models.pipeline import PPMissingLayer
 
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # decoders of LlamaForCausalLM
 VISION_MODEL_TYPES = ("clip_vision_model",)
@@ -76,7 +77,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     """The model-module protocol of ``LlamaForCausalLM`` plus, for the model runner's multimodal path:
 
     supports_multimodal -> True (class attribute)
@@ -89,9 +90,6 @@ class LlavaForConditionalGeneration(nn.Module):
     embed_images(pixel_values [N, 3, S, S]) -> [N, num_image_tokens, H] (LLaVA's batched form)
     """
 
-    supports_pipeline_parallel = True
-    supports_multimodal = True
-    STACKED_PARAMS = LlamaForCausalLM.STACKED_PARAMS  # the decoder's fused q/k/v and gate/up (read by LoRA)
     CHECKPOINT_RENAMES = _RENAMES  # (read by map_checkpoint_name)
     # our names of the first stage's non-decoder tensors (loaded by _load_vision_weight)
     VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
@@ -147,15 +145,6 @@ class LlavaForConditionalGeneration(nn.Module):
             raise ValueError("the LLaVA config names no image token (image_token_id / image_token_index)")
         return int(token_id)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
-        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The text embeddings [T, H] of ``input_ids`` [T] (first pipeline stage)."""
-        return self.language_model.model.embed_tokens(input_ids)
-
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, 3, S, S] (the image processor's) -> the rows [N, num_image_tokens, H] that
         replace each image's placeholder tokens (first pipeline stage)."""
@@ -179,58 +168,9 @@ class LlavaForConditionalGeneration(nn.Module):
                 out[i] = rows
         return out
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    @property
-    def attention_layers(self) -> list[Attention]:
-        return self.language_model.attention_layers
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Either naming scheme (module docstring) -> the set of loaded parameter names of this module.
-        The decoder's tensors stream through ``LlamaForCausalLM.load_weights`` (q/k/v and gate/up fusion,
-        tensor-parallel slicing, other pipeline stages' layers); the others load on the way."""
-        is_first = get_pp_state().is_first
-        loaded: set[str] = set()
-
-        def language_weights():
-            for original, tensor in weights:
-                name = self.map_checkpoint_name(original)
-                if name.startswith("language_model."):
-                    yield name.removeprefix("language_model."), tensor
-                elif name.startswith(self.VISION_PREFIXES):
-                    target = self._load_vision_weight(name, original, tensor) if is_first else None
-                    if target is not None:  # None: not built here (another pipeline stage, a cut-off layer)
-                        loaded.add(target)
-                else:
-                    raise ValueError(f"checkpoint tensor {original!r} has no matching parameter in "
-                                     f"{type(self).__name__}; is this checkpoint for a different architecture?")
-
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(language_weights())}
-        return loaded
-
-    def _load_vision_weight(self, name: str, original: str, tensor: torch.Tensor) -> str | None:
-        """Load one ``vision_tower.*`` / ``multi_modal_projector.*`` tensor (``original``: its checkpoint
-        name); its parameter's name, or None for a tensor skipped (a vision layer that is not built)."""
+    def _load_vision_weight(self, name: str, original: str, tensor: torch.Tensor) -> set[str]:
         if name.startswith("vision_tower."):
             relative = name.removeprefix("vision_tower.")
             names = self.vision_tower.load_weights([(relative, tensor)], original.removesuffix(relative))
-            return f"vision_tower.{names.pop()}" if names else None
-        projector = dict(self.multi_modal_projector.named_parameters(prefix="multi_modal_projector"))
-        param = projector.get(name)
-        if param is None:
-            raise ValueError(f"checkpoint tensor {original!r} has no matching parameter in the multimodal projector "
-                             f"of {type(self).__name__} (expected one of {', '.join(projector)})")
-        if param.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {original!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(param.shape)}")
-        param.data.copy_(tensor)
-        return name
-
-    @classmethod
-    def map_checkpoint_name(cls, name: str) -> str:
-        """A checkpoint's (or a LoRA adapter's) tensor or module name -> ours."""
-        for theirs, ours in cls.CHECKPOINT_RENAMES:
-            if name.startswith(theirs):
-                return ours + name.removeprefix(theirs)
-        return name
+            return {f"vision_tower.{n}" for n in names}
+        return self._load_parameter(self.multi_modal_projector, "multi_modal_projector", name, original, tensor)

@@ -185,16 +185,16 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         newline = self.image_newline.to(feature_map.dtype).expand(feature_map.shape[0], 1, hidden)
         return torch.cat([base, torch.cat([feature_map, newline], dim=1).reshape(-1, hidden)])
 
-    def _load_vision_weight(self, name: str, original: str, tensor: torch.Tensor) -> str | None:
-        if name != "image_newline":
-            if name.startswith("image_newline"):
-                raise ValueError(f"checkpoint tensor {original!r} has no matching parameter in {type(self).__name__}")
+    def _load_vision_weight(self, name: str, original: str, tensor: torch.Tensor) -> set[str]:
+        if not name.startswith("image_newline"):
             return super()._load_vision_weight(name, original, tensor)
+        if name != "image_newline":
+            raise ValueError(f"checkpoint tensor {original!r} has no matching parameter in {type(self).__name__}")
         if tuple(tensor.shape) != tuple(self.image_newline.shape):
             raise ValueError(f"checkpoint tensor {original!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(self.image_newline.shape)}")
         self.image_newline.data.copy_(tensor)
-        return name
+        return {name}
 
 
 def _check_strategy(hf_config: Any) -> None:

@@ -32,15 +32,15 @@ it there); the decoder gets it on a copy of the text config.
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
-from torch import nn
 
 from halserve.distributed import get_pp_state
-from halserve.layers import Attention, ModelContext
+from halserve.layers import ModelContext
 from halserve.models.llama import LlamaForCausalLM
-from halserve.models.pipeline import IntermediateTensors, PPMissingLayer
+from halserve.models.pipeline import PPMissingLayer
+from halserve.models.vision_language import VisionLanguageModel
 from halserve.models.qwen2_vl_vision import Qwen2_5VisionTransformer, Qwen2VisionTransformer
 
 DEFAULT_MROPE_SECTION = [16, 24, 24]  # transformers' default when a config names none
@@ -67,7 +67,7 @@ def decoder_config(hf_config: Any) -> Any:
     return text
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     """The model-module protocol of ``LlamaForCausalLM`` plus, for the model runner's multimodal path:
 
     supports_multimodal, uses_mrope -> True (class attributes)
@@ -80,10 +80,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     forward(input_ids [T], positions [T] or [3, T], intermediate_tensors=None, inputs_embeds=None)
     """
 
-    supports_pipeline_parallel = True
-    supports_multimodal = True
     uses_mrope = True
-    STACKED_PARAMS = LlamaForCausalLM.STACKED_PARAMS  # the decoder's fused q/k/v and gate/up (read by LoRA)
+    CHECKPOINT_RENAMES = _RENAMES
+    VISION_PREFIXES = ("visual.",)
     VISION_MODEL_TYPE = "qwen2_vl_vision"
     vision_tower_cls: type[Qwen2VisionTransformer] = Qwen2VisionTransformer
 
@@ -174,16 +173,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return positions, delta
 
     # -- model -----------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
-        """``positions`` [3, T] (M-RoPE), or [T] when every token's three are equal (text, decode)."""
-        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The text embeddings [T, H] of ``input_ids`` [T] (first pipeline stage)."""
-        return self.language_model.model.embed_tokens(input_ids)
-
     def embed_multimodal(self, items: list[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
         """``split_image_inputs`` items -> the rows [num_image_tokens_i, H] that replace each image's
         placeholders (first pipeline stage). All items run through the tower in one call; attention stays
@@ -196,45 +185,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         features = self.visual(pixel_values, grid_thw)  # [sum of tokens, H]
         return list(features.split([self.num_image_tokens(self.config, item) for item in items]))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    @property
-    def attention_layers(self) -> list[Attention]:
-        return self.language_model.attention_layers
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Either naming scheme (module docstring) -> the set of loaded parameter names of this module.
-        The decoder's tensors stream through ``LlamaForCausalLM.load_weights`` (q/k/v and gate/up fusion,
-        tensor-parallel slicing, other pipeline stages' layers, a tied LM head); the tower's load on the way
-        (first pipeline stage; skipped on the others)."""
-        is_first = get_pp_state().is_first
-        loaded: set[str] = set()
-
-        def language_weights():
-            for original, tensor in weights:
-                name = self.map_checkpoint_name(original)
-                if name.startswith("language_model."):
-                    yield name.removeprefix("language_model."), tensor
-                elif name.startswith("visual."):
-                    if is_first:
-                        relative = name.removeprefix("visual.")
-                        prefix = original.removesuffix(relative)
-                        loaded.update(f"visual.{n}" for n in self.visual.load_weights([(relative, tensor)], prefix))
-                else:
-                    raise ValueError(f"checkpoint tensor {original!r} has no matching parameter in "
-                                     f"{type(self).__name__}; is this checkpoint for a different architecture?")
-
-        loaded |= {f"language_model.{n}" for n in self.language_model.load_weights(language_weights())}
-        return loaded
-
-    @staticmethod
-    def map_checkpoint_name(name: str) -> str:
-        """A checkpoint's (or a LoRA adapter's) tensor or module name -> ours."""
-        for theirs, ours in _RENAMES:
-            if name.startswith(theirs):
-                return ours + name.removeprefix(theirs)
-        return name
+    def _load_vision_weight(self, name: str, original: str, tensor: torch.Tensor) -> set[str]:
+        relative = name.removeprefix("visual.")
+        return {f"visual.{n}" for n in self.visual.load_weights([(relative, tensor)], original.removesuffix(relative))}
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
