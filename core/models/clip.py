@@ -18,42 +18,16 @@ replicated on every tensor-parallel rank (no sharding, quantization or LoRA).
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from halserve.layers import ModelContext
 from halserve.layers.linear import vision_linear
-
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
+from halserve.models.vision_layers import VisionMLP, feature_layer_index, full_attention
 
 _LAYER_NAME = re.compile(r"^encoder\.layers\.(\d+)\.")
-
-
-def get_activation(name: str, what: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The activation function a config names (``what`` says which setting, for the error)."""
-    act = _ACTIVATIONS.get(name)
-    if act is None:
-        raise ValueError(f"{what} {name!r} is not supported; use one of {', '.join(sorted(_ACTIVATIONS))}")
-    return act
-
-
-def feature_layer_index(layer: int, num_hidden_layers: int) -> int:
-    """``layer`` in transformers' ``hidden_states`` indexing (0 = embeddings, i = after encoder
-    layer i, negative from the end) as an index in ``[0, num_hidden_layers]``."""
-    index = layer + num_hidden_layers + 1 if layer < 0 else layer
-    if not 0 <= index <= num_hidden_layers:
-        raise ValueError(f"vision feature layer {layer} is out of range for a vision tower of {num_hidden_layers} "
-                         f"layers; use {-num_hidden_layers - 1} .. {num_hidden_layers}")
-    return index
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -85,30 +59,14 @@ class CLIPAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         if dim % self.num_heads:
             raise ValueError(f"vision hidden_size {dim} is not divisible by num_attention_heads {self.num_heads}")
-        self.head_size = dim // self.num_heads
         self.q_proj = vision_linear(dim, dim, ctx)
         self.k_proj = vision_linear(dim, dim, ctx)
         self.v_proj = vision_linear(dim, dim, ctx)
         self.out_proj = vision_linear(dim, dim, ctx)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        n, seq, dim = hidden.shape
-        # [N, S, D] -> [N, heads, S, head_size]
-        q, k, v = (proj(hidden).view(n, seq, self.num_heads, self.head_size).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v)  # every patch sees every patch: no mask
-        return self.out_proj(out.transpose(1, 2).reshape(n, seq, dim))
-
-
-class CLIPMLP(nn.Module):
-    def __init__(self, config: Any, ctx: ModelContext) -> None:
-        super().__init__()
-        self.fc1 = vision_linear(config.hidden_size, config.intermediate_size, ctx)
-        self.act = get_activation(config.hidden_act, "vision hidden_act")
-        self.fc2 = vision_linear(config.intermediate_size, config.hidden_size, ctx)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(hidden)))
+        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        return self.out_proj(full_attention(q, k, v, self.num_heads))  # every patch sees every patch
 
 
 class CLIPEncoderLayer(nn.Module):
@@ -118,7 +76,7 @@ class CLIPEncoderLayer(nn.Module):
         self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=eps, dtype=ctx.dtype)
         self.self_attn = CLIPAttention(config, ctx)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=eps, dtype=ctx.dtype)
-        self.mlp = CLIPMLP(config, ctx)
+        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ctx)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.layer_norm1(hidden))

@@ -43,7 +43,7 @@ from torch import nn
 from halserve.distributed import get_pp_state
 from halserve.layers import ModelContext
 from halserve.layers.linear import vision_linear
-from halserve.models.clip import get_activation
+from halserve.models.vision_layers import get_activation
 from halserve.models.internvl_vision import InternVisionModel, square_size
 from halserve.models.llama import LlamaForCausalLM
 from halserve.models.pipeline import PPMissingLayer

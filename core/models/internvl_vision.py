@@ -26,11 +26,10 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from halserve.layers import ModelContext
 from halserve.layers.linear import vision_linear
-from halserve.models.clip import feature_layer_index, get_activation
+from halserve.models.vision_layers import VisionMLP, VisionRMSNorm, feature_layer_index, full_attention
 
 QK_NORM_EPS = 1e-6  # transformers' InternVLVisionRMSNorm default (the qk-norms are built without the config's eps)
 NORM_TYPES = ("layer_norm", "rms_norm")
@@ -46,24 +45,13 @@ def square_size(value: Any, what: str) -> int:
     return int(value)
 
 
-class InternVisionRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ctx: ModelContext) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=ctx.dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return self.weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
-
-
 def make_norm(config: Any, ctx: ModelContext) -> nn.Module:
     norm_type = getattr(config, "norm_type", "layer_norm")
     if norm_type not in NORM_TYPES:
         raise ValueError(f"InternVL vision norm_type {norm_type!r} is not supported; use one of "
                          f"{', '.join(NORM_TYPES)}")
     if norm_type == "rms_norm":
-        return InternVisionRMSNorm(config.hidden_size, config.layer_norm_eps, ctx)
+        return VisionRMSNorm(config.hidden_size, config.layer_norm_eps, ctx)
     return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=ctx.dtype)
 
 
@@ -102,7 +90,6 @@ class InternVisionAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         if dim % self.num_heads:
             raise ValueError(f"vision hidden_size {dim} is not divisible by num_attention_heads {self.num_heads}")
-        self.head_size = dim // self.num_heads
         bias = bool(getattr(config, "attention_bias", False))
         self.q_proj = vision_linear(dim, dim, ctx, bias=bias)
         self.k_proj = vision_linear(dim, dim, ctx, bias=bias)
@@ -110,29 +97,14 @@ class InternVisionAttention(nn.Module):
         self.projection_layer = vision_linear(dim, dim, ctx)
         self.use_qk_norm = bool(getattr(config, "use_qk_norm", False))
         if self.use_qk_norm:  # over the whole width (all heads together), before the split into heads
-            self.q_norm = InternVisionRMSNorm(dim, QK_NORM_EPS, ctx)
-            self.k_norm = InternVisionRMSNorm(dim, QK_NORM_EPS, ctx)
+            self.q_norm = VisionRMSNorm(dim, QK_NORM_EPS, ctx)
+            self.k_norm = VisionRMSNorm(dim, QK_NORM_EPS, ctx)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        n, seq, dim = hidden.shape
         q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)  # [N, L, D]
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # [N, L, D] -> [N, heads, L, head_size]; every token sees every token of its tile
-        q, k, v = (x.view(n, seq, self.num_heads, self.head_size).transpose(1, 2) for x in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v)
-        return self.projection_layer(out.transpose(1, 2).reshape(n, seq, dim))
-
-
-class InternVisionMLP(nn.Module):
-    def __init__(self, config: Any, ctx: ModelContext) -> None:
-        super().__init__()
-        self.fc1 = vision_linear(config.hidden_size, config.intermediate_size, ctx)
-        self.act = get_activation(config.hidden_act, "vision hidden_act")
-        self.fc2 = vision_linear(config.intermediate_size, config.hidden_size, ctx)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(hidden)))
+        return self.projection_layer(full_attention(q, k, v, self.num_heads))  # every token sees its tile
 
 
 class InternVisionLayer(nn.Module):
@@ -142,7 +114,7 @@ class InternVisionLayer(nn.Module):
         self.layernorm_before = make_norm(config, ctx)
         self.attention = InternVisionAttention(config, ctx)
         self.layernorm_after = make_norm(config, ctx)
-        self.mlp = InternVisionMLP(config, ctx)
+        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ctx)
         self.lambda_1 = nn.Parameter(torch.empty(dim, dtype=ctx.dtype), requires_grad=False)
         self.lambda_2 = nn.Parameter(torch.empty(dim, dtype=ctx.dtype), requires_grad=False)
 

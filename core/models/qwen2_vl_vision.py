@@ -28,7 +28,7 @@ quantization or LoRA); rope and the attention softmax in float32 as transformers
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -36,13 +36,9 @@ from torch.nn import functional as F
 
 from halserve.layers import ModelContext
 from halserve.layers.linear import vision_linear
-from halserve.models.clip import get_activation
+from halserve.models.vision_layers import VisionMLP, VisionRMSNorm, get_activation
 
 VISION_EPS = 1e-6  # the towers' norms (fixed in transformers, not in the config)
-
-
-def vision_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    return F.silu if name == "silu" else get_activation(name, "vision hidden_act")
 
 
 def _patch_rows_cols(grid_thw: list[list[int]], merge: int) -> torch.Tensor:
@@ -98,16 +94,6 @@ def window_order(grid_thw: list[list[int]], merge: int, window_size: int, patch_
     return torch.cat(order), lengths
 
 
-class VisionRMSNorm(nn.Module):
-    def __init__(self, dim: int, ctx: ModelContext) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=ctx.dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return self.weight * (x.float() * torch.rsqrt(variance + VISION_EPS)).to(x.dtype)
-
-
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, ctx: ModelContext) -> None:
         super().__init__()
@@ -129,23 +115,12 @@ class VisionAttention(nn.Module):
         return self.proj(out.reshape(num_patches, -1))
 
 
-class Qwen2VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str, ctx: ModelContext) -> None:
-        super().__init__()
-        self.fc1 = vision_linear(dim, hidden, ctx)
-        self.act = vision_activation(act)
-        self.fc2 = vision_linear(hidden, dim, ctx)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class Qwen2_5VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str, ctx: ModelContext) -> None:
         super().__init__()
         self.gate_proj = vision_linear(dim, hidden, ctx)
         self.up_proj = vision_linear(dim, hidden, ctx)
-        self.act = vision_activation(act)
+        self.act = get_activation(act, "vision hidden_act")
         self.down_proj = vision_linear(hidden, dim, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,7 +183,7 @@ class Qwen2VisionTransformer(nn.Module):
     def make_block(self, cfg: Any, ctx: ModelContext) -> VisionBlock:
         dim = cfg.embed_dim
         return VisionBlock(self.make_norm(dim, ctx), self.make_norm(dim, ctx), VisionAttention(dim, cfg.num_heads, ctx),
-                           Qwen2VisionMLP(dim, int(dim * cfg.mlp_ratio), cfg.hidden_act, ctx))
+                           VisionMLP(dim, int(dim * cfg.mlp_ratio), cfg.hidden_act, ctx))
 
     def attention_plan(self, grid: list[list[int]]) -> tuple[torch.Tensor | None, list[list[int]]]:
         """(merged-token order to run the blocks in, None: as given; each block's segment lengths)."""
@@ -283,7 +258,7 @@ class Qwen2_5VisionTransformer(Qwen2VisionTransformer):
 
     @staticmethod
     def make_norm(dim: int, ctx: ModelContext) -> nn.Module:
-        return VisionRMSNorm(dim, ctx)
+        return VisionRMSNorm(dim, VISION_EPS, ctx)
 
     def make_block(self, cfg: Any, ctx: ModelContext) -> VisionBlock:
         dim = cfg.hidden_size
