@@ -11,22 +11,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
-from halserve.config import EngineConfig
 from halserve.models.internvl import InternVLForConditionalGeneration as Model
-from halserve.models.loader import get_model_info, load_model
-from halserve.platforms.cpu import CpuPlatform
 from mm_factory import INTERNVL_IMAGE_TOKEN, internvl_processor, make_image, make_internvl_checkpoint
 from paged_harness import PagedHarness
+from staged import load
 
 # (width, height) -> tiles (max 4 + a thumbnail): wide 3x1 + 1, tall 1x4 + 1, large 2x2 + 1, small 1 (no thumbnail)
 IMAGE_SIZES = [(200, 60), (50, 180), (150, 140), (40, 30)]
 TILES = [4, 5, 5, 1]
 PROMPT = f"<|user|>\nCompare {INTERNVL_IMAGE_TOKEN}\nwith {INTERNVL_IMAGE_TOKEN}\nplease.<|assistant|>\n"
-
-
-def load(path: str):
-    config, platform = EngineConfig(model=path, dtype="float32"), CpuPlatform()
-    return load_model(config, get_model_info(config, platform), platform, TorchAttentionBackend, progress=False)
 
 
 def hf_model(path: str):

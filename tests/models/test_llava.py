@@ -6,64 +6,20 @@ from __future__ import annotations
 import copy
 import shutil
 
-import halserve.distributed as distributed
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
-from halserve.config import EngineConfig
 from halserve.layers import ModelContext
 from halserve.models.llava import LlavaForConditionalGeneration
-from halserve.models.loader import get_model_info, load_model
-from halserve.platforms.cpu import CpuPlatform
 from mm_factory import IMAGE_TOKEN, make_image, make_llava_checkpoint
 from paged_harness import PagedHarness
+from staged import load
 
 ATOL = 1e-4
 PROMPTS = [f"<|user|>\n{IMAGE_TOKEN}\nWhat is in this picture?", "Tell me a story"]
-
-
-def load(path: str, num_stages: int = 1):
-    """The model, or with ``num_stages`` > 1 a ``Staged`` chain of its pipeline stages (each built and
-    loaded as its rank would)."""
-    config = EngineConfig(model=path, dtype="float32", pipeline_parallel_size=num_stages)
-    platform = CpuPlatform()
-    info = get_model_info(config, platform)
-    if num_stages == 1:
-        return load_model(config, info, platform, TorchAttentionBackend, progress=False)
-    stages = []
-    try:
-        for stage in range(num_stages):
-            distributed._pp_state = distributed.PipelineParallelState(rank=stage, size=num_stages)
-            stages.append(load_model(config, info, platform, TorchAttentionBackend, progress=False))
-    finally:
-        distributed.destroy_tensor_parallel()
-    return Staged(stages)
-
-
-class Staged(torch.nn.Module):
-    """Pipeline stages run one after another as the ranks would; the first one embeds."""
-
-    def __init__(self, stages: list[torch.nn.Module]) -> None:
-        super().__init__()
-        self.stages = torch.nn.ModuleList(stages)
-        self.config = stages[0].config
-        self.embed_input_ids, self.embed_images = stages[0].embed_input_ids, stages[0].embed_images
-
-    @property
-    def attention_layers(self):
-        return [layer for stage in self.stages for layer in stage.attention_layers]
-
-    def forward(self, input_ids, positions, inputs_embeds=None):
-        carried = self.stages[0](input_ids, positions, inputs_embeds=inputs_embeds)
-        for stage in self.stages[1:]:
-            carried = stage(input_ids, positions, carried)
-        return carried
-
-    def compute_logits(self, hidden):
-        return self.stages[-1].compute_logits(hidden)
 
 
 def hf_model(path: str):

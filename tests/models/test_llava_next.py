@@ -11,21 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
-from halserve.config import EngineConfig
 from halserve.models.llava_next import LlavaNextForConditionalGeneration as Model
-from halserve.models.loader import get_model_info, load_model
-from halserve.platforms.cpu import CpuPlatform
 from mm_factory import IMAGE_TOKEN, make_image, make_llava_next_checkpoint
 from paged_harness import PagedHarness
+from staged import load
 
 # (width, height): wide -> a 1x2 grid, tall -> 2x1, large -> 2x2; small -> 1x2 upscaled, padded left and right
 IMAGE_SIZES = [(200, 60), (50, 180), (150, 140), (40, 30)]
 PROMPT = f"<|user|>\nCompare {IMAGE_TOKEN}\nwith {IMAGE_TOKEN}\nplease.<|assistant|>\n"
-
-
-def load(path: str):
-    config, platform = EngineConfig(model=path, dtype="float32"), CpuPlatform()
-    return load_model(config, get_model_info(config, platform), platform, TorchAttentionBackend, progress=False)
 
 
 def renamed_checkpoint(src: str, dst, rename) -> str:

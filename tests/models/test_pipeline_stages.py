@@ -10,55 +10,12 @@ import os
 import pytest
 import torch
 
-import halserve.distributed as distributed
 from model_factory import _randomize, make_checkpoint, make_tokenizer
 from paged_harness import PagedHarness
+from staged import load
 
 PROMPTS = [[1, 45, 74, 299, 17, 273, 5, 9, 11], [1, 300, 2, 9], [1, 100]]
 VOCAB = 512
-
-
-class StagedModel(torch.nn.Module):
-    """The stages of one model, run one after another as the ranks would."""
-
-    def __init__(self, stages: list[torch.nn.Module]) -> None:
-        super().__init__()
-        self.stages = torch.nn.ModuleList(stages)
-
-    @property
-    def attention_layers(self):
-        return [layer for stage in self.stages for layer in stage.attention_layers]
-
-    def forward(self, input_ids, positions):
-        carried = None
-        for stage in self.stages:
-            carried = stage(input_ids, positions, carried)
-        return carried
-
-    def compute_logits(self, hidden):
-        return self.stages[-1].compute_logits(hidden)
-
-
-def _load(path: str, num_stages: int = 1):
-    """The whole model (one stage) or a StagedModel of ``num_stages`` stages."""
-    from halserve.attention_backends.torch_ref import TorchAttentionBackend
-    from halserve.config import EngineConfig
-    from halserve.models.loader import get_model_info, load_model
-    from halserve.platforms.cpu import CpuPlatform
-
-    config = EngineConfig(model=path, dtype="float32", pipeline_parallel_size=num_stages)
-    platform = CpuPlatform()
-    info = get_model_info(config, platform)
-    if num_stages == 1:
-        return load_model(config, info, platform, TorchAttentionBackend, progress=False)
-    stages = []
-    try:
-        for stage in range(num_stages):
-            distributed._pp_state = distributed.PipelineParallelState(rank=stage, size=num_stages)
-            stages.append(load_model(config, info, platform, TorchAttentionBackend, progress=False))
-    finally:
-        distributed.destroy_tensor_parallel()
-    return StagedModel(stages)
 
 
 def _logits(model) -> torch.Tensor:
@@ -114,8 +71,8 @@ CASES = {
 def test_chained_stages_give_the_whole_models_logits(tmp_path, case):
     write, num_stages = CASES[case]
     path = write(tmp_path / "ckpt")
-    whole = _logits(_load(path))
-    staged = _load(path, num_stages)
+    whole = _logits(load(path))
+    staged = load(path, num_stages)
     torch.testing.assert_close(_logits(staged), whole, rtol=1e-5, atol=1e-5)
 
 
@@ -123,7 +80,7 @@ def test_each_stage_holds_only_its_own_weights(tmp_path):
     """5 layers over 2 stages: 3 + 2 (the extra layer goes before the last stage, which runs the
     head). Stage 0 has the embedding and layers 0-2; stage 1 layers 3-4, the norm and the head."""
     path = make_checkpoint(tmp_path / "ckpt", "llama", num_layers=5)
-    first, last = _load(path, 2).stages
+    first, last = load(path, 2).stages
     names = [{n.split(".weight")[0] for n, _ in stage.named_parameters()} for stage in (first, last)]
     layers = [sorted({int(n.split(".")[2]) for n in stage if ".layers." in n}) for stage in names]
     assert layers == [[0, 1, 2], [3, 4]]
