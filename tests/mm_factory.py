@@ -47,7 +47,7 @@ def make_llava_checkpoint(tmp_dir, *, text_arch: str = "llama", image_size: int 
                           vision_feature_layer: int | list[int] = -2, num_layers: int = 2,
                           **text_overrides) -> str:
     import transformers
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, GenerationConfig, LlavaConfig, LlavaProcessor
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaProcessor
 
     path = os.fspath(tmp_dir)
     os.makedirs(path, exist_ok=True)
@@ -69,15 +69,7 @@ def make_llava_checkpoint(tmp_dir, *, text_arch: str = "llama", image_size: int 
                          vision_feature_layer=vision_feature_layer)
     config.architectures = ["LlavaForConditionalGeneration"]
     config.dtype = "float32"
-    torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config).to(torch.float32)
-    _randomize(model, 64, seed)
-    with torch.no_grad():  # the vision tower's hidden size is 32: its weights at 1/sqrt(32)
-        for name, param in model.named_parameters():
-            if "vision_tower" in name and param.dim() >= 2 and "embedding" not in name:
-                param.mul_(math.sqrt(64 / 32))
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model.save_pretrained(path, safe_serialization=True)
+    _save_random_model(transformers.LlavaForConditionalGeneration, config, path, seed, _clip_tower_scale)
     image_processor = CLIPImageProcessor(size={"shortest_edge": image_size},
                                          crop_size={"height": image_size, "width": image_size})
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
@@ -87,6 +79,43 @@ def make_llava_checkpoint(tmp_dir, *, text_arch: str = "llama", image_size: int 
     processor.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _save_random_model(model_cls, config, path: str, seed: int, rescale_vision) -> None:
+    """``model_cls(config)`` seeded and randomised like ``model_factory`` (at the decoder's width, 64), its
+    vision weights then adjusted by ``rescale_vision(name, param)``, saved to ``path`` with eos 2."""
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    _randomize(model, 64, seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            rescale_vision(name, param)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def _clip_tower_scale(name: str, param: torch.Tensor) -> None:
+    """The CLIP tower's hidden size is 32: its matrices at 1/sqrt(32)."""
+    if "vision_tower" in name and param.dim() >= 2 and "embedding" not in name:
+        param.mul_(math.sqrt(64 / 32))
+
+
+def _qwen_tower_scale(name: str, param: torch.Tensor) -> None:
+    """Qwen2-VL's vision matrices at 1/sqrt(fan-in) (the patch embedding's is 3 * 2 * 14 * 14)."""
+    if "visual" in name and param.dim() >= 2:
+        param.mul_(math.sqrt(64 / param[0].numel()))
+
+
+def _internvit_scale(name: str, param: torch.Tensor) -> None:
+    """InternViT: layer scales around 1 per channel (every layer matters), matrices at 1/sqrt(fan-in)."""
+    if "vision_tower" not in name:
+        return
+    if ".lambda_" in name:
+        param.copy_(1.0 + 0.1 * torch.randn(param.shape))
+    elif param.dim() >= 2 and "cls_token" not in name and "position_embeddings" not in name:
+        param.mul_(math.sqrt(64 / param[0].numel()))
 
 
 def make_image(seed: int, size: tuple[int, int] = (40, 30)):
@@ -145,7 +174,6 @@ def make_qwen2_vl_checkpoint(tmp_dir, *, version: str = "2", seed: int = 0, tie_
       for the video processor).
     """
     import transformers
-    from transformers import GenerationConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if version not in ("2", "2.5"):
@@ -176,15 +204,7 @@ def make_qwen2_vl_checkpoint(tmp_dir, *, version: str = "2", seed: int = 0, tie_
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config.architectures = [model_cls]
     config.dtype = "float32"
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).to(torch.float32)
-    _randomize(model, 64, seed)
-    with torch.no_grad():  # vision weights at 1/sqrt(fan-in) (the patch embedding's is 3 * 2 * 14 * 14)
-        for name, param in model.named_parameters():
-            if "visual" in name and param.dim() >= 2:
-                param.mul_(math.sqrt(64 / param[0].numel()))
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model.save_pretrained(path, safe_serialization=True)
+    _save_random_model(getattr(transformers, model_cls), config, path, seed, _qwen_tower_scale)
     # What a Hub checkpoint ships for its processor. (transformers' processor class itself cannot be built, nor
     # saved, without torchvision, for its video processor: ``qwen2_vl_processor`` below builds it for images.)
     Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2,
@@ -256,7 +276,7 @@ def make_llava_next_checkpoint(tmp_dir, *, image_size: int = 56, patch_size: int
     """
     import transformers
     from safetensors.torch import load_file, save_file
-    from transformers import CLIPVisionConfig, GenerationConfig, LlavaNextConfig, LlavaNextProcessor
+    from transformers import CLIPVisionConfig, LlavaNextConfig, LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
     path = os.fspath(tmp_dir)
@@ -280,15 +300,7 @@ def make_llava_next_checkpoint(tmp_dir, *, image_size: int = 56, patch_size: int
                              image_seq_length=(image_size // patch_size) ** 2)
     config.architectures = ["LlavaNextForConditionalGeneration"]
     config.dtype = "float32"
-    torch.manual_seed(seed)
-    model = transformers.LlavaNextForConditionalGeneration(config).to(torch.float32)
-    _randomize(model, 64, seed)
-    with torch.no_grad():  # the vision tower's hidden size is 32: its weights at 1/sqrt(32)
-        for name, param in model.named_parameters():
-            if "vision_tower" in name and param.dim() >= 2 and "embedding" not in name:
-                param.mul_(math.sqrt(64 / 32))
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model.save_pretrained(path, safe_serialization=True)
+    _save_random_model(transformers.LlavaNextForConditionalGeneration, config, path, seed, _clip_tower_scale)
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
     hub_names = {}
@@ -345,7 +357,7 @@ def make_internvl_checkpoint(tmp_dir, *, image_size: int = 56, patch_size: int =
       below builds it for images.
     """
     import transformers
-    from transformers import GenerationConfig, InternVLConfig, InternVLVisionConfig
+    from transformers import InternVLConfig, InternVLVisionConfig
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
     path = os.fspath(tmp_dir)
@@ -374,19 +386,7 @@ def make_internvl_checkpoint(tmp_dir, *, image_size: int = 56, patch_size: int =
         tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config.architectures = ["InternVLForConditionalGeneration"]
     config.dtype = "float32"
-    torch.manual_seed(seed)
-    model = transformers.InternVLForConditionalGeneration(config).to(torch.float32)
-    _randomize(model, 64, seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "vision_tower" not in name:
-                continue
-            if ".lambda_" in name:  # layer scales around 1, per channel: every layer matters
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape))
-            elif param.dim() >= 2 and "cls_token" not in name and "position_embeddings" not in name:
-                param.mul_(math.sqrt(64 / param[0].numel()))  # at 1/sqrt(fan-in)
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model.save_pretrained(path, safe_serialization=True)
+    _save_random_model(transformers.InternVLForConditionalGeneration, config, path, seed, _internvit_scale)
     GotOcr2ImageProcessorPil(size={"height": image_size, "width": image_size}, crop_to_patches=False,
                              min_patches=min_patches, max_patches=max_patches, image_mean=[0.485, 0.456, 0.406],
                              image_std=[0.229, 0.224, 0.225]).save_pretrained(path)
