@@ -158,14 +158,6 @@ class InternVLForConditionalGeneration(VisionLanguageModel):
 
     # -- multimodal inputs (class methods: the processor side calls them without a model) -----
     @classmethod
-    def image_token_id(cls, hf_config: Any) -> int:
-        """The id of the image placeholder token ``<IMG_CONTEXT>``."""
-        token_id = getattr(hf_config, "image_token_id", None)
-        if token_id is None:
-            raise ValueError("the InternVL config names no image token (image_token_id)")
-        return int(token_id)
-
-    @classmethod
     def image_token_wrappers(cls, hf_config: Any, tokenizer: Any) -> tuple[list[int], list[int]]:
         """The ids put before and after each image's run of placeholders: ``<img>`` and ``</img>`` (the
         tokenizer's ``start_image_token`` / ``end_image_token``, as ``InternVLProcessor`` reads them)."""

@@ -135,17 +135,6 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         num_patches = (vision_config.image_size // vision_config.patch_size) ** 2
         return num_patches + (_select_strategy(hf_config) == "full")
 
-    @classmethod
-    def image_token_id(cls, hf_config: Any) -> int:
-        """The id of the image placeholder token (``image_token_id``, or ``image_token_index`` in older
-        configs)."""
-        token_id = getattr(hf_config, "image_token_id", None)
-        if token_id is None:
-            token_id = getattr(hf_config, "image_token_index", None)
-        if token_id is None:
-            raise ValueError("the LLaVA config names no image token (image_token_id / image_token_index)")
-        return int(token_id)
-
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, 3, S, S] (the image processor's) -> the rows [N, num_image_tokens, H] that
         replace each image's placeholder tokens (first pipeline stage)."""

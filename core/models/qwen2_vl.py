@@ -101,14 +101,6 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
 
     # -- multimodal inputs (class methods: the processor side calls them without a model) -----
     @classmethod
-    def image_token_id(cls, hf_config: Any) -> int:
-        """The id of the image placeholder token ``<|image_pad|>``."""
-        token_id = getattr(hf_config, "image_token_id", None)
-        if token_id is None:
-            raise ValueError(f"the {type(hf_config).__name__} names no image token (image_token_id)")
-        return int(token_id)
-
-    @classmethod
     def split_image_inputs(cls, hf_config: Any, processed: Mapping[str, torch.Tensor],
                            num_images: int) -> list[dict[str, torch.Tensor]]:
         """The image processor's batched output (``pixel_values`` [sum of patches, C * Tp * p * p],

@@ -4,7 +4,7 @@ first pipeline stage only. Subclasses add the multimodal protocol's model-specif
 (docs/multimodal.md) and ``_load_vision_weight``."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -43,6 +43,18 @@ class VisionLanguageModel(nn.Module):
         return self.language_model.attention_layers
 
     @classmethod
+    def image_token_id(cls, hf_config: Any) -> int:
+        """The id of the image placeholder token: the config's ``image_token_id`` (``image_token_index``
+        in older LLaVA configs)."""
+        token_id = getattr(hf_config, "image_token_id", None)
+        if token_id is None:
+            token_id = getattr(hf_config, "image_token_index", None)
+        if token_id is None:
+            raise ValueError(f"the {type(hf_config).__name__} names no image token (image_token_id / "
+                             "image_token_index); is the checkpoint's config.json complete?")
+        return int(token_id)
+
+    @classmethod
     def map_checkpoint_name(cls, name: str) -> str:
         """A checkpoint's (or a LoRA adapter's) tensor or module name -> ours."""
         for theirs, ours in cls.CHECKPOINT_RENAMES:
@@ -75,8 +87,9 @@ class VisionLanguageModel(nn.Module):
 
     def _load_vision_weight(self, name: str, original: str, tensor: torch.Tensor) -> Iterable[str]:
         """Load one vision tensor (``name``: ours, ``original``: the checkpoint's); the names of the
-        parameters it loaded (none for a tensor skipped: a vision layer not built)."""
-        raise NotImplementedError
+        parameters it loaded (none for a tensor skipped: a vision layer not built). Each model defines it."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how to load its vision tensors "
+                                  "(_load_vision_weight)")
 
     def _load_parameter(self, module: nn.Module, prefix: str, name: str, original: str,
                         tensor: torch.Tensor) -> set[str]:
