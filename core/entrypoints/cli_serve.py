@@ -300,7 +300,10 @@ def check_features(config: Any, platform: Any) -> list[str]:
             else f"--distributed-executor-backend {executor}: no such executor"
         )
         problems.append(f"{why}, which is not registered (registered executors: {', '.join(manager.executors.names()) or 'none'})")
-    if config.quantization is not None and config.quantization not in manager.quant_methods:
+    from halserve.models.loader import QUANTIZATION_ALIASES
+
+    quantization = QUANTIZATION_ALIASES.get(config.quantization, config.quantization)
+    if quantization is not None and quantization not in manager.quant_methods:
         problems.append(
             f"--quantization {config.quantization}: no quantization method of that name is registered "
             f"(registered: {', '.join(manager.quant_methods.names()) or 'none'})"

@@ -276,6 +276,12 @@ def iterate_weights(files: list[str], progress: bool | None = None) -> Iterator[
             bar.close()
 
 
+# vLLM's names for kernels of a format, accepted for the format itself
+QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors"}
+# formats that quantize a float checkpoint at load (the others need a quantized checkpoint)
+ONLINE_QUANTIZATION = ("fp8",)
+
+
 def get_quant_method(config: Any, info: ModelInfo, platform: Any):
     """The QuantMethod instance for this checkpoint (``--quantization`` or its quantization_config)."""
     from halserve.plugins import get_plugin_manager
@@ -283,7 +289,18 @@ def get_quant_method(config: Any, info: ModelInfo, platform: Any):
     quant_config = getattr(info.hf_config, "quantization_config", None)
     if quant_config is not None and not isinstance(quant_config, dict):
         quant_config = quant_config.to_dict()
-    name = config.quantization or (quant_config or {}).get("quant_method") or "unquantized"
+    checkpoint_method = (quant_config or {}).get("quant_method")
+    checkpoint_method = QUANTIZATION_ALIASES.get(checkpoint_method, checkpoint_method)
+    flag = QUANTIZATION_ALIASES.get(config.quantization, config.quantization)
+    if flag is not None and checkpoint_method is not None and flag != checkpoint_method:
+        raise ValueError(f"--quantization {config.quantization} does not match the checkpoint's quantization "
+                         f"{checkpoint_method!r} (config.json quantization_config); drop the flag or give "
+                         f"--quantization {checkpoint_method}")
+    if flag is not None and flag != "unquantized" and checkpoint_method is None and flag not in ONLINE_QUANTIZATION:
+        raise ValueError(f"--quantization {config.quantization} needs a checkpoint quantized in that format (its "
+                         f"config.json has no quantization_config); of a float checkpoint halserve can make "
+                         f"{', '.join(ONLINE_QUANTIZATION)} at load")
+    name = flag or checkpoint_method or "unquantized"
     registry = get_plugin_manager().quant_methods
     if name == "unquantized" and name not in registry:
         from halserve.quant_methods.unquantized import UnquantizedLinearMethod as cls
@@ -294,7 +311,7 @@ def get_quant_method(config: Any, info: ModelInfo, platform: Any):
     reason = cls.supports(platform=platform.name, dtype=str(info.dtype).replace("torch.", ""))
     if reason is not None:
         raise ValueError(reason)
-    return cls(platform.name, quant_config)
+    return cls(platform.name, quant_config if checkpoint_method is not None else None)
 
 
 def model_class(architecture: str) -> type:
