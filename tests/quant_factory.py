@@ -92,6 +92,8 @@ def make_ct_checkpoint(base: str, out: str, scheme: str, *, group_size: int = 32
     with torch.no_grad():
         for name in _linear_names(model):
             module = model.get_submodule(name)
+            if not hasattr(module, "weight_scale"):
+                continue  # ignored: stays in floats
             args = qscheme.weights
             scale, zero = calculate_qparams(*_minmax(module.weight.data, args), args)
             module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
