@@ -197,3 +197,23 @@ def test_layers_left_in_floats(base, tmp_path):
     assert (attn.qkv_proj.quant_method.name, attn.o_proj.quant_method.name) == ("unquantized", "unquantized")
     assert model.model.layers[0].mlp.down_proj.quant_method.name == "compressed-tensors"
     torch.testing.assert_close(run_steps(model), reference_steps(transformers_model(path)), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow  # two spawned ranks per case
+@pytest.mark.parametrize("case", ["gptq-act-order", "ct-w4a16-asym", "ct-fp8-static", "awq"])
+def test_two_tensor_parallel_ranks_match_one(base, tmp_path, case):
+    """Shards of packed weights, zeros and groups (act-order rows indexing the global groups on a
+    row-parallel rank) and per-part scales of fused layers give one rank's logits."""
+    import socket
+
+    import torch.multiprocessing as mp
+    from test_tensor_parallel import _rank_main, run_model
+
+    path, _ = CASES[case][0](base, str(tmp_path / case))
+    want = run_model(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out_file = str(tmp_path / "tp2.pt")
+    mp.start_processes(_rank_main, args=(2, port, path, out_file), nprocs=2, join=True, start_method="spawn")
+    torch.testing.assert_close(torch.load(out_file), want, atol=tolerance(case), rtol=1e-4)
