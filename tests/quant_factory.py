@@ -87,6 +87,9 @@ def make_ct_checkpoint(base: str, out: str, scheme: str, *, group_size: int = 32
     qscheme = preset_name_to_scheme(scheme, ["Linear"])
     if qscheme.weights.group_size and qscheme.weights.strategy == "group":
         qscheme.weights.group_size = group_size
+    if qscheme.weights.strategy == "block":  # blocks (and activation groups) of group_size: tiny layers
+        qscheme.weights.block_structure = [group_size, group_size]
+        qscheme.input_activations.group_size = group_size
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": qscheme}, ignore=list(ignore)))
     dequantized = {}
     with torch.no_grad():

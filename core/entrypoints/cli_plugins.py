@@ -31,6 +31,9 @@ _PROBLEMS: dict[str, dict[str, Any]] = {
     "int8_scaled_gemm": {"dtype": "int8", "n": 4096, "k": 4096},
     "scaled_fp8_quant": {"dtype": "act", "fp8_dtype": "fp8"},
     "scaled_int8_quant": {"dtype": "act"},
+    "per_token_group_fp8_quant": {"dtype": "act", "fp8_dtype": "fp8", "group_size": 128},
+    "fp8_block_scaled_gemm": {"dtype": "fp8", "fp8_dtype": "fp8", "n": 4096, "k": 7168,
+                              "block_size": (128, 128)},  # (DeepSeek-V3)
     "awq_gemm": {"dtype": "act", "n": 4096, "k": 4096, "group_size": 128},
     "gptq_gemm": {"dtype": "act", "n": 4096, "k": 4096, "group_size": 128},
     "rms_norm": {"dtype": "act", "hidden_size": 4096},

@@ -49,6 +49,19 @@ OPS: dict[str, OpSpec] = {
             (),
         ),
         OpSpec(
+            "per_token_group_fp8_quant",
+            "per_token_group_fp8_quant(x[M,K], fp8_dtype, group_size G) -> (q[M,K] fp8, scale[M,ceil(K/G)] f32); "
+            "dynamic: scale = max(amax of the group / fp8 max, 1e-12), q = clamp(x / scale)",
+            ("fp8_dtype", "group_size"),
+        ),
+        OpSpec(
+            "fp8_block_scaled_gemm",
+            "fp8_block_scaled_gemm(a[M,K] fp8, b[N,K] fp8, scale_a[M,ceil(K/Bk)] f32, "
+            "scale_b[ceil(N/Bn),ceil(K/Bk)] f32, block_size (Bn, Bk), out_dtype, bias[N] | None) -> [M,N] "
+            "= (a * scale_a per 1xBk group) @ (b * scale_b per BnxBk block).T + bias",
+            ("n", "k", "block_size", "fp8_dtype"),
+        ),
+        OpSpec(
             "awq_gemm",
             "awq_gemm(x[M,K], qweight[K,N/8] int32, qzeros[K/G,N/8] int32, scales[K/G,N], group_size) -> [M,N] "
             "(AutoAWQ GEMM packing: 8 nibbles per int32 in order 0,2,4,6,1,3,5,7)",

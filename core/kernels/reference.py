@@ -92,6 +92,64 @@ class TorchScaledInt8Quant(Kernel):
         return q, scale.float()
 
 
+def check_block_scaled_operands(a, b, scale_a, scale_b, block_size) -> tuple[int, int]:
+    """Validate the operands of ``fp8_block_scaled_gemm``; returns ``(Bn, Bk)``. Shared by its kernels."""
+    if len(block_size) != 2 or min(block_size) < 1:
+        raise ValueError(f"block_size must be (Bn, Bk) of positive ints (e.g. (128, 128)), got {block_size!r}")
+    block_n, block_k = (int(v) for v in block_size)
+    (m, k), n = a.shape, b.shape[0]
+    if b.shape[1] != k:
+        raise ValueError(f"a is [{m}, {k}] but b is {list(b.shape)}; b must be [N, K]")
+    if a.dtype != b.dtype:
+        raise ValueError(f"a is {a.dtype} but b is {b.dtype}; quantize both to the same fp8 dtype")
+    k_blocks = -(-k // block_k)
+    if tuple(scale_a.shape) != (m, k_blocks):
+        raise ValueError(f"scale_a is {list(scale_a.shape)}, expected [M, ceil(K/{block_k})] = [{m}, {k_blocks}]")
+    if tuple(scale_b.shape) != (-(-n // block_n), k_blocks):
+        raise ValueError(f"scale_b is {list(scale_b.shape)}, expected [ceil(N/{block_n}), ceil(K/{block_k})] = "
+                         f"[{-(-n // block_n)}, {k_blocks}]")
+    return block_n, block_k
+
+
+class TorchFp8BlockScaledGemm(Kernel):
+    op = "fp8_block_scaled_gemm"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")
+    description = "expand the block scales, dequantize to fp32 and matmul (reference)"
+
+    def __call__(self, a, b, scale_a, scale_b, block_size, out_dtype, bias=None):
+        block_n, block_k = check_block_scaled_operands(a, b, scale_a, scale_b, block_size)
+        (m, k), n = a.shape, b.shape[0]
+        # one scale per element: repeat each block's scale over its rows/columns, cut the tails
+        sa = scale_a.float().repeat_interleave(block_k, dim=1)[:, :k]  # [M, K]
+        sb = scale_b.float().repeat_interleave(block_n, dim=0).repeat_interleave(block_k, dim=1)[:n, :k]  # [N, K]
+        out = (a.float() * sa) @ (b.float() * sb).T
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
+
+
+class TorchPerTokenGroupFp8Quant(Kernel):
+    op = "per_token_group_fp8_quant"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = _FLOATS
+
+    def __call__(self, x, fp8_dtype, group_size):
+        if group_size < 1:
+            raise ValueError(f"group_size must be a positive int (128 for DeepSeek-V3-style fp8), got {group_size}")
+        fp8 = getattr(torch, fp8_dtype) if isinstance(fp8_dtype, str) else fp8_dtype
+        fmax = torch.finfo(fp8).max
+        m, k = x.shape
+        num_groups = -(-k // group_size)
+        # zero-pad K to whole groups (zeros leave every amax unchanged): [M, groups, G]
+        xf = F.pad(x.float(), (0, num_groups * group_size - k)).reshape(m, num_groups, group_size)
+        scale = (xf.abs().amax(dim=-1) / fmax).clamp(min=1e-12)  # [M, groups]
+        q = (xf / scale[..., None]).clamp(-fmax, fmax).reshape(m, -1)[:, :k].to(fp8)
+        return q, scale
+
+
 class TorchRmsNorm(Kernel):
     op = "rms_norm"
     name = "torch"
@@ -240,4 +298,6 @@ REFERENCE_KERNELS: list[type[Kernel]] = [
     TorchSiluAndMul,
     TorchFusedMoe,
     TorchGeluTanhAndMul,
+    TorchPerTokenGroupFp8Quant,
+    TorchFp8BlockScaledGemm,
 ]

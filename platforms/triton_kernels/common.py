@@ -40,6 +40,7 @@ def kernels_for(platform: str) -> list[type[Kernel]]:
     """The Triton kernel classes ``platform`` registers: one subclass per op named
     ``triton_<platform>``, running only there, with that platform's overrides applied."""
     from halserve.platforms.triton_kernels.activation import TritonGeluTanhAndMul, TritonSiluAndMul
+    from halserve.platforms.triton_kernels.fp8_block_gemm import BLOCK_FP8_KERNELS
     from halserve.platforms.triton_kernels.fp8_gemm import TritonFp8ScaledGemm
     from halserve.platforms.triton_kernels.fused_moe import TritonFusedMoe
     from halserve.platforms.triton_kernels.int8_gemm import TritonInt8ScaledGemm
@@ -51,7 +52,7 @@ def kernels_for(platform: str) -> list[type[Kernel]]:
     bases = [
         TritonFp8ScaledGemm, TritonInt8ScaledGemm, TritonScaledFp8Quant, TritonScaledInt8Quant,
         TritonAwqGemm, TritonGptqGemm, TritonRmsNorm, TritonRotaryEmbedding, TritonSiluAndMul, TritonGeluTanhAndMul,
-        TritonFusedMoe,
+        TritonFusedMoe, *BLOCK_FP8_KERNELS,
     ]
     return [for_platform(cls, platform) for cls in bases]
 

@@ -64,6 +64,18 @@ def _gemm_case(target: GpuTarget, *, kind: str, m: int, dtype: str = "bfloat16",
         a, b = torch.empty(m, k, dtype=qdt), torch.empty(n, k, dtype=qdt)
         gemm(a, b, torch.ones(m, 1), torch.ones(n, 1), out_dt, bias=torch.empty(n, dtype=out_dt))
         return
+    if kind == "fp8_block":  # DeepSeek-V3 / Qwen3-FP8: 128 x 128 weight blocks, per-token-group activations
+        from halserve.platforms.triton_kernels.fp8_block_gemm import TritonFp8BlockScaledGemm
+        from halserve.platforms.triton_kernels.jit.fp8_block_gemm import per_token_group_quant
+
+        fp8 = getattr(torch, target.fp8_dtype or "float8_e4m3fn")
+        gemm = TritonFp8BlockScaledGemm(upcast=not target.has_fp8_dot)
+        a, b = torch.empty(m, k, dtype=fp8), torch.empty(n, k, dtype=fp8)
+        gemm(a, b, torch.ones(m, k // 128), torch.ones(n // 128, k // 128), (128, 128), out_dt,
+             bias=torch.empty(n, dtype=out_dt))
+        if target.has_fp8_dot:  # Triton cannot emit fp8 stores where the GPU has no fp8 (sm_80)
+            per_token_group_quant(torch.empty(m, k, dtype=out_dt), fp8, 128)
+        return
     from halserve.platforms.triton_kernels.wo4_gemm import TritonAwqGemm, TritonGptqGemm
 
     x = torch.empty(m, k, dtype=out_dt)
@@ -155,7 +167,7 @@ def cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
     attn("decode-float32-h256-gqa8-split2", dtype="float32", head_size=256, qpk=8, block_size=16, decode=True,
          num_splits=2)
     attn("prefill-float32-h256-gqa8", dtype="float32", head_size=256, qpk=8, block_size=16, decode=False)
-    for kind in ("fp8", "int8", "awq", "gptq", "gptq_act_order"):
+    for kind in ("fp8", "int8", "awq", "gptq", "gptq_act_order", "fp8_block"):
         for m in (1, 32, 64, 512):  # every M bucket of gemm_tiles
             out[f"gemm/{kind}-m{m}"] = lambda kind=kind, m=m: _gemm_case(target, kind=kind, m=m)
     out["gemm/awq-m64-fp16"] = lambda: _gemm_case(target, kind="awq", m=64, dtype="float16")

@@ -106,6 +106,64 @@ def fp8_gemm_cases(quick: bool) -> list[KernelCase]:
     return cases
 
 
+def fp8_block_gemm_cases(quick: bool) -> list[KernelCase]:
+    import torch
+
+    # (fp8 dtype, block (Bn, Bk), out dtype, M, N, K, bias): N and K not multiples of the block
+    grid = [
+        ("float8_e4m3fn", (32, 32), "float32", 7, 48, 80, True),
+        ("float8_e4m3fn", (128, 128), "float16", 1, 136, 200, False),
+        ("float8_e5m2", (16, 64), "float32", 33, 40, 72, True),
+        ("float8_e4m3fnuz", (32, 32), "float32", 7, 48, 80, False),
+        ("float8_e4m3fn", (128, 128), "bfloat16", 33, 136, 200, True),
+    ]
+    if quick:
+        grid = grid[:3]
+    cases = []
+    for i, (fp8, block, out, m, n, k, bias) in enumerate(grid):
+
+        def make(fp8=fp8, block=block, out=out, m=m, n=n, k=k, bias=bias, seed=1000 + i):
+            g = _gen(seed)
+            a = (torch.randn(m, k, generator=g) * 4).to(_t(fp8))
+            b = (torch.randn(n, k, generator=g) * 4).to(_t(fp8))
+            sa = torch.rand(m, -(-k // block[1]), generator=g) + 0.5  # per token per Bk features
+            sb = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) + 0.5  # per Bn x Bk block
+            bias_t = torch.randn(n, generator=g).to(_t(out)) if bias else None
+            return [a, b, sa, sb, block, _t(out)], {"bias": bias_t}
+
+        label = f"M={m} N={n} K={k} {fp8} {block[0]}x{block[1]} blocks -> {out}{' bias' if bias else ''}"
+        cases.append(KernelCase(label, {"dtype": fp8, "fp8_dtype": fp8, "n": n, "k": k, "block_size": block}, make,
+                                2 * TOLERANCE[out], dtypes=(out, fp8)))
+    return cases
+
+
+def group_fp8_quant_cases(quick: bool) -> list[KernelCase]:
+    import torch
+
+    # (activation dtype, fp8 dtype, group size): K = 300 leaves a partial last group
+    grid = [
+        ("float32", "float8_e4m3fn", 128),
+        ("float16", "float8_e4m3fn", 64),
+        ("float32", "float8_e5m2", 48),
+        ("float32", "float8_e4m3fnuz", 128),
+        ("bfloat16", "float8_e4m3fn", 128),
+    ]
+    if quick:
+        grid = grid[:3]
+    m, k = (5, 200) if quick else (7, 300)
+    cases = []
+    for i, (dtype, fp8, group) in enumerate(grid):
+
+        def make(dtype=dtype, fp8=fp8, group=group, seed=1100 + i):
+            g = _gen(seed)
+            return [(torch.randn(m, k, generator=g) * 2).to(_t(dtype)), fp8, group], {}
+
+        cases.append(KernelCase(f"[{m},{k}] {dtype} -> {fp8} groups of {group}",
+                                {"dtype": dtype, "fp8_dtype": fp8, "group_size": group}, make,
+                                compare="fp8_quant", dtypes=(dtype, fp8)))
+    return cases
+
+
 def int8_gemm_cases(quick: bool) -> list[KernelCase]:
     import torch
 
@@ -334,4 +392,6 @@ CASES: dict[str, Callable[[bool], list[KernelCase]]] = {
     "silu_and_mul": silu_and_mul_cases,
     "fused_moe": fused_moe_cases,
     "gelu_tanh_and_mul": silu_and_mul_cases,  # the same gated [T, 2I] -> [T, I] inputs and problem keys
+    "per_token_group_fp8_quant": group_fp8_quant_cases,
+    "fp8_block_scaled_gemm": fp8_block_gemm_cases,
 }

@@ -140,6 +140,8 @@ CASES = {
                       "compressed-tensors"),
     "ct-fp8-dynamic": (lambda b, o: make_ct_checkpoint(b, o, "FP8_DYNAMIC"), lambda b, o, d: transformers_model(o),
                        "compressed-tensors"),
+    "ct-fp8-block": (lambda b, o: make_ct_checkpoint(b, o, "FP8_BLOCK"), lambda b, o, d: transformers_model(o),
+                     "compressed-tensors"),
     "fp8-dynamic": (lambda b, o: make_fp8_checkpoint(b, o),
                     lambda b, o, d: with_input_quant(dequantized_hf_model(b, d), d, fp8_per_token), "fp8"),
     "fp8-static": (lambda b, o: make_fp8_checkpoint(b, o, static=True),
