@@ -141,8 +141,21 @@ def _write_packed(base: str, out: str, quant_config: dict, pack) -> tuple[str, d
     return out, dequantized
 
 
-def make_gptq_checkpoint(base: str, out: str, *, group_size: int = 32, desc_act: bool = False, seed: int = 0):
+def _quantize_symmetric(w: torch.Tensor, group_size: int):
+    """Symmetric 4-bit: zero 8 in every group, ``w ~= (q - 8) * s`` with ``s = amax / 7``."""
+    k, n = w.shape
+    g = k if group_size == -1 else group_size
+    wg = w.float().reshape(k // g, g, n)
+    scales = (wg.abs().amax(dim=1) / 7).clamp(min=1e-6)
+    q = (torch.round(wg / scales[:, None]) + 8).clamp(0, 15).to(torch.int32).reshape(k, n)
+    return q, torch.full_like(scales, 8, dtype=torch.int32), scales
+
+
+def make_gptq_checkpoint(base: str, out: str, *, group_size: int = 32, desc_act: bool = False, sym: bool = False,
+                         seed: int = 0):
     from halserve.kernels.packing import dequantize_gptq, pack_gptq, quantize_4bit
+
+    quantize = _quantize_symmetric if sym else quantize_4bit
 
     def pack(name, w):  # w [K, N]
         k = w.shape[0]
@@ -150,14 +163,14 @@ def make_gptq_checkpoint(base: str, out: str, *, group_size: int = 32, desc_act:
         g_idx = _shared_perm(name, k, g, seed) if desc_act else (torch.arange(k) // g).to(torch.int32)
         # quantize with each row's group as the checkpoint will say (rows of a group gathered together)
         order = torch.argsort(g_idx, stable=True)
-        q_sorted, zeros, scales = quantize_4bit(w[order], group_size)
+        q_sorted, zeros, scales = quantize(w[order], group_size)
         q = torch.empty_like(q_sorted)
         q[order] = q_sorted
         qweight, qzeros, scales16 = pack_gptq(q, zeros, scales)
         deq = dequantize_gptq(qweight, qzeros, scales16, g_idx, group_size)
         return {"qweight": qweight, "qzeros": qzeros, "scales": scales16, "g_idx": g_idx}, deq
 
-    cfg = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": False,
+    cfg = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": sym,
            "checkpoint_format": "gptq", "lm_head": False, "damp_percent": 0.01, "true_sequential": True}
     return _write_packed(base, out, cfg, pack)
 

@@ -22,6 +22,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", "-q", default=None,
+                        help="quantization method (default: the checkpoint's, if any; fp8 quantizes a float one)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -96,6 +98,7 @@ def _make_llm(llm_class: Any, args: argparse.Namespace) -> Any:
         args.model,
         platform=args.platform,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
