@@ -258,7 +258,7 @@ def _wo4_cases(fmt: str, quick: bool) -> list[KernelCase]:
 
     from halserve.kernels import packing
 
-    n = 40
+    n = 48  # a multiple of 8 (packing) and of 16 (CPU int4 kernels), of no GPU tile
     cases = []
     for i, (dtype, k, group, m, act_order) in enumerate(_wo4_grid(quick)):
         if fmt == "awq" and act_order:

@@ -152,7 +152,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_quantized_checkpoint_matches_its_float_model(base, tmp_path, case):
+def test_quantized_checkpoint_matches_its_float_model(base, tmp_path, case, reference_4bit_kernels):
     build, reference, method = CASES[case]
     path, dequantized = build(base, str(tmp_path / case))
     model = load(path)
@@ -184,7 +184,20 @@ def test_online_fp8_quantizes_a_float_checkpoint(base):
     torch.testing.assert_close(run_steps(model), reference_steps(hf), atol=1e-3, rtol=1e-4)
 
 
-def test_layers_left_in_floats(base, tmp_path):
+def test_cpu_int4_kernels_in_a_model(base, tmp_path):
+    """The CPU's 4-bit kernels (torch's int4 matmul, in bf16) in a whole model: within bf16's error
+    of the exact model, where a wrong zero, scale or group moves the logits by 10% and more."""
+    for case in ("gptq-act-order", "awq"):
+        path, dequantized = CASES[case][0](base, str(tmp_path / case))
+        model = load(path)
+        layer = model.model.layers[0].mlp.down_proj
+        assert layer.int4_kernel.name == "torch_int4pack"
+        want = reference_steps(dequantized_hf_model(base, dequantized))
+        got = run_steps(model)
+        assert (got - want).abs().max() < 3e-2 * want.abs().max(), case
+
+
+def test_layers_left_in_floats(base, tmp_path, reference_4bit_kernels):
     """AWQ's modules_to_not_convert and compressed-tensors' ignore (names and re: patterns)."""
     path, dequantized = make_awq_checkpoint(base, str(tmp_path / "awq"), modules_to_not_convert=["down_proj"])
     model = load(path)
@@ -201,21 +214,27 @@ def test_layers_left_in_floats(base, tmp_path):
     torch.testing.assert_close(run_steps(model), reference_steps(transformers_model(path)), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.slow  # two spawned ranks per case
-@pytest.mark.parametrize("case", ["gptq-act-order", "ct-w4a16-asym", "ct-fp8-static", "awq"])
-def test_two_tensor_parallel_ranks_match_one(base, tmp_path, case):
+@pytest.mark.slow  # an engine with two spawned ranks per case
+@pytest.mark.parametrize("case", ["gptq-act-order", "ct-w4a16-asym", "awq", "ct-fp8-static"])
+def test_two_tensor_parallel_ranks_match_one(base, tmp_path, case, reference_4bit_kernels):
     """Shards of packed weights, zeros and groups (act-order rows indexing the global groups on a
-    row-parallel rank) and per-part scales of fused layers give one rank's logits."""
-    import socket
+    row-parallel rank) and per-part scales of fused layers: greedy tokens of two ranks are one rank's
+    (and, for the weight-only formats, the float model's)."""
+    from engine_helpers import generate_ids, greedy_params, hf_greedy
+    from halserve import LLM
 
-    import torch.multiprocessing as mp
-    from test_tensor_parallel import _rank_main, run_model
-
-    path, _ = CASES[case][0](base, str(tmp_path / case))
-    want = run_model(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out_file = str(tmp_path / "tp2.pt")
-    mp.start_processes(_rank_main, args=(2, port, path, out_file), nprocs=2, join=True, start_method="spawn")
-    torch.testing.assert_close(torch.load(out_file), want, atol=tolerance(case), rtol=1e-4)
+    path, dequantized = CASES[case][0](base, str(tmp_path / case))
+    prompts = [p * 3 for p in PROMPTS]  # chunked over several steps
+    engine = dict(platform="cpu", dtype="float32", max_model_len=64, max_num_batched_tokens=16)
+    results = []
+    for tp in (1, 2):
+        llm = LLM(path, tensor_parallel_size=tp, **engine)
+        try:
+            results.append(generate_ids(llm, prompts, greedy_params(6)))
+        finally:
+            llm.llm_engine.shutdown()
+    assert results[1] == results[0]
+    if tolerance(case) == 1e-4:  # weight-only: exact float32 arithmetic
+        float_path = str(tmp_path / "float")
+        dequantized_hf_model(base, dequantized).save_pretrained(float_path)
+        assert results[0] == hf_greedy(float_path, prompts, 6)

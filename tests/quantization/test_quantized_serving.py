@@ -28,7 +28,7 @@ def gptq(base, tmp_path_factory):
     return path, float_path
 
 
-def test_engine_greedy_matches_the_float_model(gptq):
+def test_engine_greedy_matches_the_float_model(gptq, reference_4bit_kernels):
     """Through the scheduler: chunked prefill (8-token budget), batched decodes, prefix-cache hits."""
     from halserve import LLM
 
@@ -46,8 +46,14 @@ def test_server_serves_a_quantized_checkpoint(gptq, tmp_path):
     from openai import OpenAI
     from server_utils import ServerProcess
 
-    path, float_path = gptq
-    expected = hf_greedy(float_path, [PROMPTS[0]], 5)[0]
+    from halserve import LLM
+
+    path, _ = gptq
+    llm = LLM(path, platform="cpu", dtype="float32", max_model_len=64)  # the server's kernels (CPU int4)
+    try:
+        expected = generate_ids(llm, [PROMPTS[0]], greedy_params(5))[0]
+    finally:
+        llm.llm_engine.shutdown()
     server = ServerProcess([path, "--dtype", "float32", "--max-model-len", "64", "--served-model-name", "q"],
                            str(tmp_path / "server.log"))
     try:
