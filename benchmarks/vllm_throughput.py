@@ -3,12 +3,12 @@
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 \
         /path/to/vllm-venv/bin/python benchmarks/vllm_throughput.py MODEL N I O [--json FILE] \
         [--speculative-config JSON] [--tensor-parallel-size N] [--pipeline-parallel-size N] \
-        [--distributed-executor-backend mp|ray]
+        [--distributed-executor-backend mp|ray] [--dtype float32|bfloat16]
 
 (several ranks on CPU: VLLM_CPU_OMP_THREADS_BIND gives each rank its cores, e.g. "0|1")
 
 Same prompts as ``halserve bench throughput`` (numpy default_rng(seed) ids in [10, vocab)),
-greedy, ignore_eos, prefix caching off, float32. Prints output tokens/s.
+greedy, ignore_eos, prefix caching off, float32 (or --dtype). Prints output tokens/s.
 """
 import json
 import sys
@@ -27,7 +27,8 @@ def main() -> None:
                        ("--distributed-executor-backend", str)):
         if flag in sys.argv:
             extra[flag.removeprefix("--").replace("-", "_")] = cast(sys.argv[sys.argv.index(flag) + 1])
-    llm = LLM(model=model, dtype="float32", enable_prefix_caching=False, seed=0, max_num_seqs=256, **extra)
+    dtype = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "float32"
+    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False, seed=0, max_num_seqs=256, **extra)
     vocab = llm.get_tokenizer().vocab_size if hasattr(llm.get_tokenizer(), "vocab_size") else 8192
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": p} for p in rng.integers(min(10, vocab - 1), vocab, size=(n, i)).tolist()]

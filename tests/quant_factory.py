@@ -39,9 +39,11 @@ def _copy_base(base: str, out: str) -> None:
 
 
 def _hf(path: str):
-    from transformers import AutoModelForCausalLM
+    import transformers
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with open(os.path.join(path, "config.json")) as f:
+        architecture = json.load(f)["architectures"][0]  # e.g. a vision-language model's own class
+    return getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32).eval()
 
 
 def _linear_names(model) -> list[str]:
@@ -111,6 +113,15 @@ def make_ct_checkpoint(base: str, out: str, scheme: str, *, group_size: int = 32
     _copy_base(base, out)
     model.save_pretrained(out)
     compressor.update_config(out)
+    # compressed-tensors rewrites ``ignore`` as the module names it skipped, relative to a submodule
+    # for some models (LLaVA's ``vision_tower...`` for ``model.vision_tower...``); keep the patterns given,
+    # as llm-compressor recipes write them
+    config_path = os.path.join(out, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"]["ignore"] = list(ignore)
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
     return out, dequantized
 
 
