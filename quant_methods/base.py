@@ -23,6 +23,7 @@ Parameter attributes the layer's weight loader understands (set with ``set_weigh
     output_dim   int | None   dim split across ranks / shards (column-parallel)
     input_dim    int | None   dim split across ranks (row-parallel)
     packed_dim, pack_factor   the dim stores ``pack_factor`` logical values per element
+    optional     bool         the checkpoint may leave it out (the loader then skips it)
     weight_loader             (param, loaded_weight, shard_id) -> None: the method loads it
 """
 from __future__ import annotations

@@ -71,8 +71,9 @@ class GptqLinearMethod(PackedInt4Method):
         add_param(layer, "qzeros", (num_groups, output_size // PACK_FACTOR), torch.int32,
                   input_dim=group_dim, output_dim=1, packed_dim=1, pack_factor=PACK_FACTOR)
         add_param(layer, "scales", (num_groups, output_size), params_dtype, input_dim=group_dim, output_dim=1)
+        # without act-order the rows are in group order: some writers leave g_idx out
         g_idx = add_param(layer, "g_idx", (input_size,), torch.int32, input_dim=0,
-                          weight_loader=_g_idx_loader(layer))
+                          weight_loader=_g_idx_loader(layer), optional=not self.desc_act)
         g_idx.data.fill_(-1)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -350,7 +350,9 @@ def load_model(config: Any, info: ModelInfo, platform: Any, attn_backend_cls: ty
     with torch.device(platform.device()):
         model = model_cls(info.hf_config, ctx)
     loaded = model.load_weights(iterate_weights(safetensors_files(info.model_path), progress))
-    missing = sorted(set(dict(model.named_parameters())) - set(loaded))
+    # a parameter marked ``optional`` (e.g. GPTQ's g_idx without act-order) may be absent
+    missing = sorted(name for name, param in model.named_parameters()
+                     if name not in loaded and not getattr(param, "optional", False))
     if missing:
         raise ValueError(f"checkpoint {info.model_path!r} has no weights for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))

@@ -218,8 +218,8 @@ def test_layers_left_in_floats(base, tmp_path, reference_4bit_kernels):
 @pytest.mark.parametrize("case", ["gptq-act-order", "ct-w4a16-asym", "awq", "ct-fp8-static"])
 def test_two_tensor_parallel_ranks_match_one(base, tmp_path, case, reference_4bit_kernels):
     """Shards of packed weights, zeros and groups (act-order rows indexing the global groups on a
-    row-parallel rank) and per-part scales of fused layers: greedy tokens of two ranks are one rank's
-    (and, for the weight-only formats, the float model's)."""
+    row-parallel rank) and per-part scales of fused layers: greedy tokens of two ranks (and, for AWQ,
+    two pipeline stages) are one rank's (and, for the weight-only formats, the float model's)."""
     from engine_helpers import generate_ids, greedy_params, hf_greedy
     from halserve import LLM
 
@@ -227,13 +227,14 @@ def test_two_tensor_parallel_ranks_match_one(base, tmp_path, case, reference_4bi
     prompts = [p * 3 for p in PROMPTS]  # chunked over several steps
     engine = dict(platform="cpu", dtype="float32", max_model_len=64, max_num_batched_tokens=16)
     results = []
-    for tp in (1, 2):
-        llm = LLM(path, tensor_parallel_size=tp, **engine)
+    layouts = [dict(), dict(tensor_parallel_size=2)] + ([dict(pipeline_parallel_size=2)] if case == "awq" else [])
+    for layout in layouts:
+        llm = LLM(path, **layout, **engine)
         try:
             results.append(generate_ids(llm, prompts, greedy_params(6)))
         finally:
             llm.llm_engine.shutdown()
-    assert results[1] == results[0]
+    assert all(r == results[0] for r in results[1:])
     if tolerance(case) == 1e-4:  # weight-only: exact float32 arithmetic
         float_path = str(tmp_path / "float")
         dequantized_hf_model(base, dequantized).save_pretrained(float_path)

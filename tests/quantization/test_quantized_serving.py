@@ -112,6 +112,20 @@ def test_unsupported_checkpoints_and_flags_are_refused_clearly(base, tmp_path):
         _load(ct2)
 
 
+def test_gptq_without_g_idx_loads_unless_act_order(base, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    for desc_act in (False, True):
+        path, _ = make_gptq_checkpoint(base, str(tmp_path / f"gptq-{desc_act}"), desc_act=desc_act)
+        file = os.path.join(path, "model.safetensors")
+        save_file({k: v for k, v in load_file(file).items() if not k.endswith(".g_idx")}, file)
+        if desc_act:
+            with pytest.raises(ValueError, match="has no weights for: .*qkv_proj.g_idx"):
+                _load(path)
+        else:
+            assert _load(path).model.layers[0].self_attn.qkv_proj.g_idx is None
+
+
 def test_quantized_moe_experts_are_refused(tmp_path):
     path = make_checkpoint(tmp_path / "moe", "llama")
     path, _ = make_gptq_checkpoint(path, str(tmp_path / "gptq"))
