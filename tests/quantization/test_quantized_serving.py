@@ -143,3 +143,22 @@ def test_plugins_lists_the_quantization_methods():
 
     names = set(get_plugin_manager().quant_methods.names())
     assert {"unquantized", "gptq", "awq", "compressed-tensors", "fp8"} <= names
+
+
+def test_lora_on_a_quantized_base(gptq, tmp_path, reference_4bit_kernels):
+    """A PEFT adapter (trained on the float model) served on the GPTQ base gives the tokens of the
+    float model the checkpoint stands for with the adapter merged in."""
+    from halserve import LLM, LoRARequest
+    from lora_factory import make_adapter, merge_adapter
+
+    path, float_path = gptq
+    adapter = make_adapter(tmp_path / "adapter", path, r=8, lora_alpha=16, seed=1)
+    expected = hf_greedy(merge_adapter(float_path, adapter, tmp_path / "merged"), PROMPTS, 6)
+    llm = LLM(path, platform="cpu", dtype="float32", max_model_len=64, enable_lora=True, max_lora_rank=8)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params(6), use_tqdm=False,
+                            lora_request=LoRARequest("a", 1, adapter))
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert generate_ids(llm, PROMPTS, greedy_params(6)) != expected  # the adapter matters
+    finally:
+        llm.llm_engine.shutdown()
