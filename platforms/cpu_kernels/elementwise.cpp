@@ -1,5 +1,5 @@
-// Fused elementwise kernels of the CPU platform (float32): one pass over memory where
-// torch needs several ops (and their temporaries) for the same result.
+// Fused elementwise kernels of the CPU platform (float32 and bfloat16): one pass over memory
+// where torch needs several ops (and their temporaries) for the same result.
 //
 //   add_rms_norm(x [T, H], residual [T, H], weight [H], eps) -> (out, x + residual)
 //       s = x + residual; out = s / sqrt(mean(s^2) + eps) * weight
@@ -10,6 +10,11 @@
 //   silu_and_mul(x [T, 2I]) -> [T, I] = silu(x[:, :I]) * x[:, I:], silu(g) = g / (1 + e^-g)
 //       with the 16-lane exp of vec16.h (about 1 ulp; the torch reference takes two ops
 //       and a temporary).
+//
+// bfloat16 inputs go through separate functions (the float32 code is untouched) that compute
+// in float32 and round to bf16 where the torch reference ops do (kernels/reference.py): the
+// residual sum, x * rsqrt(...) before the weight, silu(gate) before the multiply, the
+// rotated values once.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -21,10 +26,46 @@
 // replace (no fused multiply-add contraction), so results are bit-identical to them.
 #pragma GCC optimize("fp-contract=off")
 
+using bf16 = c10::BFloat16;
+using halserve_cpu::from_float;
+using halserve_cpu::to_float;
+
+static std::vector<torch::Tensor> add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                                                    double eps) {
+  auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
+  const int64_t T = x.size(0), H = x.size(1);
+  auto out = torch::empty_like(xc), sum = torch::empty_like(xc);
+  const bf16 *xp = xc.data_ptr<bf16>(), *rp = rc.data_ptr<bf16>(), *wp = wc.data_ptr<bf16>();
+  bf16 *op = out.data_ptr<bf16>(), *sp = sum.data_ptr<bf16>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> sf(H);  // the rounded sum, widened once
+    for (int64_t t = begin; t < end; ++t) {
+      const bf16 *a = xp + t * H, *b = rp + t * H;
+      bf16* s = sp + t * H;
+      float ss = 0.f;
+      for (int64_t i = 0; i < H; ++i) {
+        const bf16 v = from_float<bf16>(to_float(a[i]) + to_float(b[i]));
+        s[i] = v;
+        sf[i] = to_float(v);
+        ss += sf[i] * sf[i];
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
+      bf16* o = op + t * H;
+      for (int64_t i = 0; i < H; ++i)
+        o[i] = from_float<bf16>(to_float(from_float<bf16>(sf[i] * inv)) * to_float(wp[i]));
+    }
+  });
+  return {out, sum};
+}
+
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes(), "x and residual must be [T, H] of one shape");
+  if (x.scalar_type() == torch::kBFloat16 && residual.scalar_type() == torch::kBFloat16 &&
+      weight.scalar_type() == torch::kBFloat16)
+    return add_rms_norm_bf16(x, residual, weight, eps);
   TORCH_CHECK(x.scalar_type() == torch::kFloat && residual.scalar_type() == torch::kFloat &&
-                  weight.scalar_type() == torch::kFloat, "add_rms_norm takes float32");
+                  weight.scalar_type() == torch::kFloat, "add_rms_norm takes float32 or bfloat16 (all three alike)");
   auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
   const int64_t T = x.size(0), H = x.size(1);
   auto out = torch::empty_like(xc), sum = torch::empty_like(xc);
@@ -81,10 +122,36 @@ static void rotate_rows(const int64_t* pos, const float* src, int64_t src_stride
   });
 }
 
+// rotate_rows for bf16 rows: the same arithmetic on widened values, rounded once.
+static void rotate_rows_bf16(const int64_t* pos, const bf16* src, int64_t src_stride, bf16* dst, int64_t T,
+                             int64_t heads, int64_t D, const float* cs, int64_t R, bool neox) {
+  const int64_t half = R / 2;
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cs + pos[t] * R;  // cos[0:half] then sin[0:half]
+      const float* s = c + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const bf16* x = src + t * src_stride + h * D;
+        bf16* y = dst + (t * heads + h) * D;
+        const int64_t step = neox ? 1 : 2, other = neox ? half : 1;  // pair i: (i, i + half) or (2i, 2i + 1)
+        for (int64_t i = 0; i < half; ++i) {
+          const int64_t i1 = i * step, i2 = i * step + other;
+          const float x1 = to_float(x[i1]), x2 = to_float(x[i2]);
+          y[i1] = from_float<bf16>(x1 * c[i] - x2 * s[i]);
+          y[i2] = from_float<bf16>(x2 * c[i] + x1 * s[i]);
+        }
+        for (int64_t i = R; i < D; ++i) y[i] = x[i];
+      }
+    }
+  });
+}
+
 std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_sin,
                                   int64_t head_size, bool is_neox) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-                  cos_sin.scalar_type() == torch::kFloat, "rotary takes float32 q, k and cos_sin cache");
+  const bool is_bf16 = q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(((q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat) || is_bf16) &&
+                  cos_sin.scalar_type() == torch::kFloat,
+              "rotary takes float32 or bfloat16 q, k and a float32 cos_sin cache");
   TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && q.stride(1) == 1 && k.stride(1) == 1,
               "q and k must be [T, heads * head_size] with unit column stride");
   auto pos = positions.to(torch::kLong).contiguous();
@@ -93,6 +160,13 @@ std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torc
   TORCH_CHECK(R <= D && R % 2 == 0, "rotary dim must be even and at most head_size");
   auto q_out = torch::empty({T, q.size(1)}, q.options());
   auto k_out = torch::empty({T, k.size(1)}, k.options());
+  if (is_bf16) {
+    rotate_rows_bf16(pos.data_ptr<int64_t>(), q.data_ptr<bf16>(), q.stride(0), q_out.data_ptr<bf16>(), T, q.size(1) / D,
+                     D, cs.data_ptr<float>(), R, is_neox);
+    rotate_rows_bf16(pos.data_ptr<int64_t>(), k.data_ptr<bf16>(), k.stride(0), k_out.data_ptr<bf16>(), T, k.size(1) / D,
+                     D, cs.data_ptr<float>(), R, is_neox);
+    return {q_out, k_out};
+  }
   rotate_rows(pos.data_ptr<int64_t>(), q.data_ptr<float>(), q.stride(0), q_out.data_ptr<float>(), T, q.size(1) / D, D,
               cs.data_ptr<float>(), R, is_neox);
   rotate_rows(pos.data_ptr<int64_t>(), k.data_ptr<float>(), k.stride(0), k_out.data_ptr<float>(), T, k.size(1) / D, D,
@@ -100,9 +174,40 @@ std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torc
   return {q_out, k_out};
 }
 
+// silu(gate) rounded to bf16, then times up and rounded again: F.silu(gate).mul_(up) in bf16.
+static torch::Tensor silu_and_mul_bf16(torch::Tensor xc) {
+  const int64_t T = xc.size(0), I = xc.size(1) / 2, ld = xc.stride(0);
+  auto out = torch::empty({T, I}, xc.options());
+  const bf16* xp = xc.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  using namespace halserve_cpu;
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
+    float sg[16];
+    for (int64_t t = begin; t < end; ++t) {
+      const bf16* g = xp + t * ld;
+      const bf16* u = g + I;
+      bf16* o = op + t * I;
+      int64_t i = 0;
+      for (; i + 16 <= I; i += 16) {
+        const v16 gv = load16(g + i);
+        store16(sg, gv / (1.0f + exp16(-gv)));
+        for (int j = 0; j < 16; ++j)
+          o[i + j] = from_float<bf16>(to_float(from_float<bf16>(sg[j])) * to_float(u[i + j]));
+      }
+      for (; i < I; ++i) {
+        const float gf = to_float(g[i]);
+        o[i] = from_float<bf16>(to_float(from_float<bf16>(gf / (1.0f + std::exp(-gf)))) * to_float(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
 torch::Tensor silu_and_mul(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.scalar_type() == torch::kFloat,
-              "silu_and_mul takes float32 [T, 2 * I]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 &&
+              (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "silu_and_mul takes float32 or bfloat16 [T, 2 * I]");
+  if (x.scalar_type() == torch::kBFloat16) return silu_and_mul_bf16(x.stride(1) == 1 ? x : x.contiguous());
   auto xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t T = xc.size(0), I = xc.size(1) / 2, ld = xc.stride(0);
   auto out = torch::empty({T, I}, xc.options());

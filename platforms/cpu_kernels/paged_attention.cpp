@@ -1,4 +1,6 @@
-// Paged attention for the CPU platform's `cpu_native` backend (float32).
+// Paged attention for the CPU platform's `cpu_native` backend: float32, or bfloat16 q,
+// cache and output with float32 arithmetic (the kernels are templates over the storage
+// type T; the float32 instantiation does exactly what the float32-only kernels did).
 //
 // Cache layout, one tensor per layer: kv_cache [2, num_blocks, Hk, B * D] where
 //   keys   kv_cache[0][blk][h] is [D, B]   (token-minor: B consecutive tokens per d)
@@ -27,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec16.h"
@@ -37,8 +40,8 @@ using namespace halserve_cpu;
 
 // s[g][0:16] = scale * sum_d q[g][d] * kb[d * ldk + 0:16]: the 16 keys starting at kb of
 // a block stored [D, ldk] (tokens innermost), G accumulators in registers.
-template <int G>
-inline void score16(const float* qh, const float* kb, int64_t D, int64_t ldk, float scale, float* s, int64_t s_stride) {
+template <int G, typename T>
+inline void score16(const float* qh, const T* kb, int64_t D, int64_t ldk, float scale, float* s, int64_t s_stride) {
   v16 acc[G];
   for (int g = 0; g < G; ++g) acc[g] = v16{};
   for (int64_t d = 0; d < D; ++d) {
@@ -51,8 +54,8 @@ inline void score16(const float* qh, const float* kb, int64_t D, int64_t ldk, fl
 // acc[g][0:D] += sum_{t in [lo, hi)} p[g][t - base] * v[t - t0][0:D] for one block stored
 // [B, D]; D = 16 * chunks, one 16-wide column chunk at a time so G accumulators stay in
 // registers whatever D is.
-template <int G>
-inline void pv16(const float* vb, const float* p, int64_t p_stride, int64_t base, int64_t lo, int64_t hi, int64_t t0,
+template <int G, typename T>
+inline void pv16(const T* vb, const float* p, int64_t p_stride, int64_t base, int64_t lo, int64_t hi, int64_t t0,
                  int64_t D, float* acc) {
   for (int64_t c = 0; c < D; c += 16) {
     v16 a[G];
@@ -66,61 +69,61 @@ inline void pv16(const float* vb, const float* p, int64_t p_stride, int64_t base
 }
 
 // Generic scoring: any block size, any group size.
-inline void score_block(const float* qh, const float* kb, int64_t D, int64_t B, int64_t G, float* s) {
+template <typename T>
+inline void score_block(const float* qh, const T* kb, int64_t D, int64_t B, int64_t G, float* s) {
   std::fill(s, s + G * B, 0.f);
   for (int64_t d = 0; d < D; ++d) {
-    const float* kd = kb + d * B;
+    const T* kd = kb + d * B;
     for (int64_t g = 0; g < G; ++g) {
       const float qv = qh[g * D + d];
       float* sg = s + g * B;
 #pragma omp simd
-      for (int64_t t = 0; t < B; ++t) sg[t] += qv * kd[t];
+      for (int64_t t = 0; t < B; ++t) sg[t] += qv * to_float(kd[t]);
     }
   }
 }
 
-inline void pv_generic(const float* vb, const float* p, int64_t p_stride, int64_t base, int64_t lo, int64_t hi, int64_t t0,
+template <typename T>
+inline void pv_generic(const T* vb, const float* p, int64_t p_stride, int64_t base, int64_t lo, int64_t hi, int64_t t0,
                        int64_t G, int64_t D, float* acc) {
   for (int64_t t = lo; t < hi; ++t) {
-    const float* v = vb + (t - t0) * D;
+    const T* v = vb + (t - t0) * D;
     for (int64_t g = 0; g < G; ++g) {
       const float pg = p[g * p_stride + (t - base)];
       float* a = acc + g * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] += pg * v[d];
+      for (int64_t d = 0; d < D; ++d) a[d] += pg * to_float(v[d]);
     }
   }
 }
 
-// Everything one (request, kv head) task needs.
+// Everything one (request, kv head) task needs; T is the cache and output element type.
+template <typename T>
 struct DecodeTask {
-  const float* qh;        // [G, D] the query heads of this kv head
-  const float* kp;        // key cache base
-  const float* vp;        // value cache base
+  const float* qh;        // [G, D] the query heads of this kv head (widened to float)
+  const T* kp;            // key cache base
+  const T* vp;            // value cache base
   const int32_t* row;     // block-table row
   int64_t head_off;       // h * B * D
   int64_t block_stride;   // Hk * B * D
   int64_t NB, B, D, G;
   int64_t start, len;     // visible keys: [start, len)
   float scale, cap;
-  float* out;             // [G, D]
+  T* out;                 // [G, D]
 };
 
-inline const float* block_ptr(const DecodeTask& k, const float* base, int64_t lb) {
+template <typename T>
+inline const T* block_ptr(const DecodeTask<T>& k, const T* base, int64_t lb) {
   const int64_t blk = k.row[lb];
   TORCH_CHECK(blk >= 0 && blk < k.NB, "block id out of range");
   return base + blk * k.block_stride + k.head_off;
 }
 
-inline void prefetch_head(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
-}
-
 // Fast path: B a multiple of 16, D a multiple of 16, G <= 8. Scores of whole blocks are
 // written in place (span is a whole number of blocks), the edges masked to -inf, then a
 // vectorised softmax (exp16) and the unnormalised p * V, divided by the sum at the end.
-template <int G>
-void decode_task_fast(const DecodeTask& k, std::vector<float>& scores, std::vector<float>& acc) {
+template <int G, typename T>
+void decode_task_fast(const DecodeTask<T>& k, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t B = k.B, D = k.D;
   const int64_t first_blk = k.start / B, last_blk = (k.len - 1) / B;
   const int64_t base = first_blk * B, span = (last_blk + 1) * B - base;
@@ -128,12 +131,12 @@ void decode_task_fast(const DecodeTask& k, std::vector<float>& scores, std::vect
   float* sc = scores.data();
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t lb = first_blk; lb <= last_blk; ++lb) {
-    const float* kb = block_ptr(k, k.kp, lb);
+    const T* kb = block_ptr(k, k.kp, lb);
     // Blocks are scattered, which hardware prefetchers cannot follow: fetch the next
     // block's keys (or this task's first values) while scoring this one.
-    prefetch_head(lb < last_blk ? block_ptr(k, k.kp, lb + 1) : block_ptr(k, k.vp, first_blk), B * D);
+    prefetch_lines(lb < last_blk ? block_ptr(k, k.kp, lb + 1) : block_ptr(k, k.vp, first_blk), B * D);
     const int64_t t0 = lb * B;
-    for (int64_t j = 0; j < B; j += 16) score16<G>(k.qh, kb + j, D, B, k.scale, sc + (t0 - base) + j, span);
+    for (int64_t j = 0; j < B; j += 16) score16<G, T>(k.qh, kb + j, D, B, k.scale, sc + (t0 - base) + j, span);
   }
   for (int g = 0; g < G; ++g) {
     float* s = sc + g * span;
@@ -161,17 +164,18 @@ void decode_task_fast(const DecodeTask& k, std::vector<float>& scores, std::vect
   }
   acc.assign(G * D, 0.f);
   for (int64_t lb = first_blk; lb <= last_blk; ++lb) {
-    const float* vb = block_ptr(k, k.vp, lb);
-    if (lb < last_blk) prefetch_head(block_ptr(k, k.vp, lb + 1), B * D);
+    const T* vb = block_ptr(k, k.vp, lb);
+    if (lb < last_blk) prefetch_lines(block_ptr(k, k.vp, lb + 1), B * D);
     const int64_t t0 = lb * B;
-    pv16<G>(vb, sc, span, base, std::max(k.start, t0), std::min(k.len, t0 + B), t0, D, acc.data());
+    pv16<G, T>(vb, sc, span, base, std::max(k.start, t0), std::min(k.len, t0 + B), t0, D, acc.data());
   }
   for (int g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) k.out[g * D + d] = acc[g * D + d] * inv[g];
+    for (int64_t d = 0; d < D; ++d) k.out[g * D + d] = from_float<T>(acc[g * D + d] * inv[g]);
 }
 
 // Any block size, head size and group size.
-void decode_task_generic(const DecodeTask& k, std::vector<float>& scores, std::vector<float>& acc) {
+template <typename T>
+void decode_task_generic(const DecodeTask<T>& k, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t B = k.B, D = k.D, G = k.G;
   const int64_t first_blk = k.start / B, last_blk = (k.len - 1) / B;
   const int64_t base = first_blk * B, span = (last_blk + 1) * B - base;
@@ -207,71 +211,67 @@ void decode_task_generic(const DecodeTask& k, std::vector<float>& scores, std::v
     pv_generic(block_ptr(k, k.vp, lb), scores.data(), span, base, std::max(k.start, t0), std::min(k.len, t0 + B), t0,
                G, D, acc.data());
   }
-  std::copy(acc.begin(), acc.end(), k.out);
+  for (int64_t i = 0; i < G * D; ++i) k.out[i] = from_float<T>(acc[i]);
 }
 
-using TaskFn = void (*)(const DecodeTask&, std::vector<float>&, std::vector<float>&);
+template <typename T>
+using TaskFn = void (*)(const DecodeTask<T>&, std::vector<float>&, std::vector<float>&);
 
-TaskFn pick_task_fn(int64_t B, int64_t D, int64_t G) {
+template <typename T>
+TaskFn<T> pick_task_fn(int64_t B, int64_t D, int64_t G) {
   if (B % 16 == 0 && D % 16 == 0) {
     switch (G) {
-      case 1: return decode_task_fast<1>;
-      case 2: return decode_task_fast<2>;
-      case 3: return decode_task_fast<3>;
-      case 4: return decode_task_fast<4>;
-      case 5: return decode_task_fast<5>;
-      case 6: return decode_task_fast<6>;
-      case 7: return decode_task_fast<7>;
-      case 8: return decode_task_fast<8>;
+      case 1: return decode_task_fast<1, T>;
+      case 2: return decode_task_fast<2, T>;
+      case 3: return decode_task_fast<3, T>;
+      case 4: return decode_task_fast<4, T>;
+      case 5: return decode_task_fast<5, T>;
+      case 6: return decode_task_fast<6, T>;
+      case 7: return decode_task_fast<7, T>;
+      case 8: return decode_task_fast<8, T>;
       default: break;
     }
   }
-  return decode_task_generic;
+  return decode_task_generic<T>;
+}
+
+bool is_storage_dtype(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
 }
 
 void check(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& bt, const torch::Tensor& sl) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q must be contiguous float32 [N, Hq, D]");
-  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.scalar_type() == torch::kFloat && kv.is_contiguous(),
-              "kv_cache must be contiguous float32 [2, num_blocks, Hk, B*D]");
+  TORCH_CHECK(q.dim() == 3 && is_storage_dtype(q) && q.is_contiguous(),
+              "q must be contiguous float32 or bfloat16 [N, Hq, D]");
+  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.scalar_type() == q.scalar_type() && kv.is_contiguous(),
+              "kv_cache must be contiguous [2, num_blocks, Hk, B*D] of q's dtype");
   TORCH_CHECK(bt.scalar_type() == torch::kInt && sl.scalar_type() == torch::kInt, "block_table/seq_lens must be int32");
   TORCH_CHECK(bt.size(0) == q.size(0) && sl.size(0) == q.size(0), "one block-table row and seq_len per query");
 }
 
-}  // namespace
-
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table, torch::Tensor seq_lens,
-                           int64_t block_size, double scale, int64_t sliding_window, double soft_cap) {
-  check(q, kv_cache, block_table, seq_lens);
-  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t NB = kv_cache.size(1), Hk = kv_cache.size(2), B = block_size;
-  TORCH_CHECK(kv_cache.size(3) == B * D, "kv_cache last dim must be block_size * head_size");
-  TORCH_CHECK(Hq % Hk == 0, "num_heads must be a multiple of num_kv_heads");
+template <typename T>
+void run_decode(const T* qp, const T* kp, T* op, const int32_t* btp, const int32_t* slp, int64_t N, int64_t Hq,
+                int64_t Hk, int64_t D, int64_t NB, int64_t B, int64_t max_blocks, float fscale, float cap,
+                int64_t sliding_window) {
   const int64_t G = Hq / Hk;
-  const int64_t max_blocks = block_table.size(1);
-  auto bt = block_table.contiguous();
-  auto sl = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
-
-  const float* qp = q.data_ptr<float>();
-  const float* kp = kv_cache.data_ptr<float>();
-  const float* vp = kp + NB * Hk * B * D;
-  const int32_t* btp = bt.data_ptr<int32_t>();
-  const int32_t* slp = sl.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  const float cap = static_cast<float>(soft_cap);
-  const int64_t head_stride = B * D;       // floats of one (block, head)
-  const int64_t block_stride = Hk * B * D;  // floats of one block
-
-  const TaskFn task_fn = pick_task_fn(B, D, G);
+  const T* vp = kp + NB * Hk * B * D;
+  const int64_t head_stride = B * D;       // elements of one (block, head)
+  const int64_t block_stride = Hk * B * D;  // elements of one block
+  const TaskFn<T> task_fn = pick_task_fn<T>(B, D, G);
   at::parallel_for(0, N * Hk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc;
+    std::vector<float> scores, acc, qbuf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / Hk, h = task % Hk;
       const int64_t len = slp[n];
       TORCH_CHECK(len >= 1 && len <= max_blocks * B, "seq_len out of range for the block table");
-      DecodeTask k;
-      k.qh = qp + (n * Hq + h * G) * D;
+      DecodeTask<T> k;
+      const T* qh = qp + (n * Hq + h * G) * D;
+      if constexpr (std::is_same_v<T, float>) {
+        k.qh = qh;
+      } else {  // the G query rows widened once, read D times each by the scoring loop
+        qbuf.resize(G * D);
+        for (int64_t i = 0; i < G * D; ++i) qbuf[i] = to_float(qh[i]);
+        k.qh = qbuf.data();
+      }
       k.kp = kp;
       k.vp = vp;
       k.row = btp + n * max_blocks;
@@ -291,50 +291,84 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
         if (len1 >= 1 && len1 <= max_blocks * B) {
           const int64_t start1 = sliding_window > 0 ? std::max<int64_t>(0, len1 - sliding_window) : 0;
           const int64_t blk1 = btp[n1 * max_blocks + start1 / B];
-          if (blk1 >= 0 && blk1 < NB) prefetch_head(kp + blk1 * block_stride + h1 * head_stride, B * D);
+          if (blk1 >= 0 && blk1 < NB) prefetch_lines(kp + blk1 * block_stride + h1 * head_stride, B * D);
         }
       }
       task_fn(k, scores, acc);
     }
   });
+}
+
+template <typename T>
+void run_write_kv(T* keys, const T* kp, const T* vp, const int64_t* sp, int64_t T_, int64_t Hk, int64_t D, int64_t NB,
+                  int64_t B) {
+  T* values = keys + NB * Hk * B * D;
+  at::parallel_for(0, T_, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = sp[t];
+      if (slot < 0) continue;
+      const int64_t blk = slot / B, off = slot % B;
+      for (int64_t h = 0; h < Hk; ++h) {
+        const T* ks = kp + (t * Hk + h) * D;
+        const T* vs = vp + (t * Hk + h) * D;
+        T* kt = keys + (blk * Hk + h) * B * D + off;      // [D, B] tile, column off
+        T* vt = values + (blk * Hk + h) * B * D + off * D;  // [B, D] tile, row off
+        for (int64_t d = 0; d < D; ++d) kt[d * B] = ks[d];
+        std::copy(vs, vs + D, vt);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table, torch::Tensor seq_lens,
+                           int64_t block_size, double scale, int64_t sliding_window, double soft_cap) {
+  check(q, kv_cache, block_table, seq_lens);
+  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t NB = kv_cache.size(1), Hk = kv_cache.size(2), B = block_size;
+  TORCH_CHECK(kv_cache.size(3) == B * D, "kv_cache last dim must be block_size * head_size");
+  TORCH_CHECK(Hq % Hk == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t max_blocks = block_table.size(1);
+  auto bt = block_table.contiguous();
+  auto sl = seq_lens.contiguous();
+  auto out = torch::empty_like(q);
+  const int32_t* btp = bt.data_ptr<int32_t>();
+  const int32_t* slp = sl.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
+  if (q.scalar_type() == torch::kFloat)
+    run_decode<float>(q.data_ptr<float>(), kv_cache.data_ptr<float>(), out.data_ptr<float>(), btp, slp, N, Hq, Hk, D,
+                      NB, B, max_blocks, fscale, cap, sliding_window);
+  else
+    run_decode<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), kv_cache.data_ptr<c10::BFloat16>(),
+                              out.data_ptr<c10::BFloat16>(), btp, slp, N, Hq, Hk, D, NB, B, max_blocks, fscale, cap,
+                              sliding_window);
   return out;
 }
 
 // Writes the step's new keys and values into the cache: token t goes to slot
 // slot_mapping[t] = block * B + offset; its key column-wise into the block's [D, B] key
 // tile, its value as row `offset` of the [B, D] value tile. Negative slots (padding) are
-// skipped.
+// skipped. Values are copied as they are: k, v and the cache share one dtype.
 void write_kv(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping, int64_t block_size) {
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.scalar_type() == torch::kFloat &&
-                  kv_cache.is_contiguous(), "kv_cache must be contiguous float32 [2, num_blocks, Hk, B*D]");
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == torch::kFloat &&
-                  v.scalar_type() == torch::kFloat, "k and v must be float32 [T, Hk, D] of one shape");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && is_storage_dtype(kv_cache) && kv_cache.is_contiguous(),
+              "kv_cache must be contiguous float32 or bfloat16 [2, num_blocks, Hk, B*D]");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == kv_cache.scalar_type() &&
+                  v.scalar_type() == kv_cache.scalar_type(),
+              "k and v must be [T, Hk, D] of one shape and the cache's dtype");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0), "one slot per token");
   const int64_t T = k.size(0), Hk = k.size(1), D = k.size(2), B = block_size, NB = kv_cache.size(1);
   TORCH_CHECK(kv_cache.size(2) == Hk && kv_cache.size(3) == B * D, "kv_cache does not match k/v heads, head size and block size");
   auto kc = k.contiguous(), vc = v.contiguous();
   auto slots = slot_mapping.to(torch::kLong).contiguous();
-  const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] < NB * B, "slot ", sp[t], " is outside the cache (", NB, " blocks of ", B, ")");
-  float* keys = kv_cache.data_ptr<float>();
-  float* values = keys + NB * Hk * B * D;
-  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = sp[t];
-      if (slot < 0) continue;
-      const int64_t blk = slot / B, off = slot % B;
-      for (int64_t h = 0; h < Hk; ++h) {
-        const float* ks = kp + (t * Hk + h) * D;
-        const float* vs = vp + (t * Hk + h) * D;
-        float* kt = keys + (blk * Hk + h) * B * D + off;      // [D, B] tile, column off
-        float* vt = values + (blk * Hk + h) * B * D + off * D;  // [B, D] tile, row off
-        for (int64_t d = 0; d < D; ++d) kt[d * B] = ks[d];
-        std::copy(vs, vs + D, vt);
-      }
-    }
-  });
+  if (kv_cache.scalar_type() == torch::kFloat)
+    run_write_kv<float>(kv_cache.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), sp, T, Hk, D, NB, B);
+  else
+    run_write_kv<c10::BFloat16>(kv_cache.data_ptr<c10::BFloat16>(), kc.data_ptr<c10::BFloat16>(),
+                                vc.data_ptr<c10::BFloat16>(), sp, T, Hk, D, NB, B);
 }
 
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -357,12 +391,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm (float32)");
   m.def("rotary", &rotary, "rotary embedding of q and k (float32, neox or gpt-j pairs)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (float32)");
-  m.def("write_kv", &write_kv, "write new K/V into a [2, blocks, Hk, B*D] float32 cache (keys stored [D, B] per block)");
+  m.def("write_kv", &write_kv,
+        "write new K/V into a [2, blocks, Hk, B*D] float32 or bfloat16 cache (keys stored [D, B] per block)");
   m.def("paged_prefill_supported", &paged_prefill_supported, "whether paged_prefill runs this head/block configuration");
   m.def("paged_prefill", &paged_prefill,
-        "flash-style prefill attention over the paged [2, blocks, Hk, B*D] float32 cache, all spans in one call");
+        "flash-style prefill attention over the paged [2, blocks, Hk, B*D] float32/bfloat16 cache, all spans at once");
   m.def("shm_all_reduce", &shm_all_reduce, "sum x over the ranks mapping one shared buffer, in place");
   m.def("shm_all_gather", &shm_all_gather, "every rank's x, through one shared buffer");
   m.def("paged_decode", &paged_decode,
-        "paged attention decode over a [2, blocks, Hk, B*D] float32 cache (keys stored [D, B] per block)");
+        "paged attention decode over a [2, blocks, Hk, B*D] float32 or bfloat16 cache (keys stored [D, B] per block)");
 }

@@ -1,6 +1,7 @@
 // Prefill (and chunked-prefill) attention for the CPU platform's `cpu_native` backend
-// (float32), reading keys and values from the paged cache, so a chunk after a prefix hit
-// or an earlier chunk is handled like a fresh prompt.
+// (float32, or bfloat16 q/cache/out with float32 arithmetic), reading keys and values from
+// the paged cache, so a chunk after a prefix hit or an earlier chunk is handled like a
+// fresh prompt.
 //
 //   paged_prefill(out [T, Hq, D], q [T, Hq, D], kv_cache [2, NB, Hk, B*D],
 //                 block_table [R, max_blocks] int32, token_start [S], query_len [S],
@@ -34,11 +35,12 @@ struct PrefillTask {
   int64_t span, head, tile;
 };
 
+template <typename T>
 struct Problem {
-  const float* q;
-  float* out;
-  const float* keys;
-  const float* values;
+  const T* q;
+  T* out;
+  const T* keys;
+  const T* values;
   const int32_t* block_table;
   int64_t max_blocks, NB, Hq, Hk, D, B, G;
   float scale, cap;
@@ -46,8 +48,8 @@ struct Problem {
 };
 
 // One tile: rows r = i * G + g for query position i of the tile and head g of the group.
-template <int G, int MQ>
-void prefill_tile(const Problem& P, int64_t token_start, int64_t query_len, int64_t seq_len, const int32_t* row,
+template <int G, int MQ, typename T>
+void prefill_tile(const Problem<T>& P, int64_t token_start, int64_t query_len, int64_t seq_len, const int32_t* row,
                   int64_t h, int64_t tile) {
   constexpr int R = G * MQ;
   const int64_t D = P.D, B = P.B;
@@ -62,8 +64,9 @@ void prefill_tile(const Problem& P, int64_t token_start, int64_t query_len, int6
   for (int i = 0; i < MQ; ++i) {
     const int64_t ii = i0 + std::min<int64_t>(i, rows_here - 1);
     for (int g = 0; g < G; ++g) {
-      const float* src = P.q + ((token_start + ii) * P.Hq + h * G + g) * D;
-      std::copy(src, src + D, qbuf.data() + (i * G + g) * D);
+      const T* src = P.q + ((token_start + ii) * P.Hq + h * G + g) * D;
+      float* dst = qbuf.data() + (i * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
       qpos[i * G + g] = context + ii;
     }
   }
@@ -81,8 +84,8 @@ void prefill_tile(const Problem& P, int64_t token_start, int64_t query_len, int6
     const int64_t blk = row[c0 / B];
     TORCH_CHECK(blk >= 0 && blk < P.NB, "block id out of range");
     const int64_t j = c0 % B;
-    const float* kb = P.keys + (blk * P.Hk + h) * B * D + j;    // [D, B] tile, column j
-    const float* vb = P.values + (blk * P.Hk + h) * B * D + j * D;  // [B, D] tile, row j
+    const T* kb = P.keys + (blk * P.Hk + h) * B * D + j;    // [D, B] tile, column j
+    const T* vb = P.values + (blk * P.Hk + h) * B * D + j * D;  // [B, D] tile, row j
 
     v16 s[R];
     for (int r = 0; r < R; ++r) s[r] = v16{};
@@ -133,25 +136,27 @@ void prefill_tile(const Problem& P, int64_t token_start, int64_t query_len, int6
     for (int g = 0; g < G; ++g) {
       const int r = i * G + g;
       const float inv = 1.f / hsum16(l[r]);
-      float* dst = P.out + ((token_start + i0 + i) * P.Hq + h * G + g) * D;
+      T* dst = P.out + ((token_start + i0 + i) * P.Hq + h * G + g) * D;
       const float* a = acc.data() + r * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = a[d] * inv;
+      for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(a[d] * inv);
     }
 }
 
-using TileFn = void (*)(const Problem&, int64_t, int64_t, int64_t, const int32_t*, int64_t, int64_t);
+template <typename T>
+using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, const int32_t*, int64_t, int64_t);
 
 // (tile function, query positions per tile): about 24 accumulator rows in registers.
-std::pair<TileFn, int64_t> pick_tile_fn(int64_t G) {
+template <typename T>
+std::pair<TileFn<T>, int64_t> pick_tile_fn(int64_t G) {
   switch (G) {
-    case 1: return {prefill_tile<1, 16>, 16};
-    case 2: return {prefill_tile<2, 12>, 12};
-    case 3: return {prefill_tile<3, 8>, 8};
-    case 4: return {prefill_tile<4, 6>, 6};
-    case 5: return {prefill_tile<5, 4>, 4};
-    case 6: return {prefill_tile<6, 4>, 4};
-    case 7: return {prefill_tile<7, 3>, 3};
-    case 8: return {prefill_tile<8, 3>, 3};
+    case 1: return {prefill_tile<1, 16, T>, 16};
+    case 2: return {prefill_tile<2, 12, T>, 12};
+    case 3: return {prefill_tile<3, 8, T>, 8};
+    case 4: return {prefill_tile<4, 6, T>, 6};
+    case 5: return {prefill_tile<5, 4, T>, 4};
+    case 6: return {prefill_tile<6, 4, T>, 4};
+    case 7: return {prefill_tile<7, 3, T>, 3};
+    case 8: return {prefill_tile<8, 3, T>, 3};
     default: return {nullptr, 0};
   }
 }
@@ -159,48 +164,31 @@ std::pair<TileFn, int64_t> pick_tile_fn(int64_t G) {
 }  // namespace
 
 bool paged_prefill_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size) {
-  return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && pick_tile_fn(num_heads / num_kv_heads).first &&
+  return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && pick_tile_fn<float>(num_heads / num_kv_heads).first &&
          head_size % 16 == 0 && block_size % 16 == 0;
 }
 
-void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
-                   torch::Tensor token_start, torch::Tensor query_len, torch::Tensor seq_len, torch::Tensor row,
-                   int64_t block_size, double scale, int64_t sliding_window, double soft_cap) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q must be contiguous float32 [T, Hq, D]");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat && out.is_contiguous(),
-              "out must be contiguous float32 shaped like q");
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.scalar_type() == torch::kFloat &&
-                  kv_cache.is_contiguous(), "kv_cache must be contiguous float32 [2, num_blocks, Hk, B*D]");
-  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == torch::kInt && block_table.is_contiguous(),
-              "block_table must be contiguous int32 [R, max_blocks]");
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), NB = kv_cache.size(1), Hk = kv_cache.size(2), B = block_size;
-  TORCH_CHECK(kv_cache.size(3) == B * D, "kv_cache last dim must be block_size * head_size");
-  TORCH_CHECK(paged_prefill_supported(Hq, Hk, D, B), "paged_prefill needs num_heads / num_kv_heads <= 8, head_size and "
-              "block_size multiples of 16; got ", Hq, "/", Hk, " heads, head size ", D, ", block size ", B);
-  auto ts = token_start.to(torch::kLong).contiguous(), ql = query_len.to(torch::kLong).contiguous();
-  auto sl = seq_len.to(torch::kLong).contiguous(), rw = row.to(torch::kLong).contiguous();
-  const int64_t S = ts.size(0);
-  TORCH_CHECK(ql.size(0) == S && sl.size(0) == S && rw.size(0) == S, "one token_start, query_len, seq_len, row per span");
-  const int64_t *tsp = ts.data_ptr<int64_t>(), *qlp = ql.data_ptr<int64_t>(), *slp = sl.data_ptr<int64_t>(),
-                *rwp = rw.data_ptr<int64_t>();
-  const int64_t max_blocks = block_table.size(1), G = Hq / Hk;
-  const std::pair<TileFn, int64_t> picked = pick_tile_fn(G);
-  const TileFn tile_fn = picked.first;
-  const int64_t MQ = picked.second;
+namespace {
 
+template <typename T>
+void run_prefill(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
+                 const torch::Tensor& block_table, const int64_t* tsp, const int64_t* qlp, const int64_t* slp,
+                 const int64_t* rwp, int64_t S, int64_t B, double scale, int64_t sliding_window, double soft_cap) {
+  const int64_t Hq = q.size(1), D = q.size(2), NB = kv_cache.size(1), Hk = kv_cache.size(2);
+  const int64_t max_blocks = block_table.size(1), G = Hq / Hk;
+  const std::pair<TileFn<T>, int64_t> picked = pick_tile_fn<T>(G);
+  const TileFn<T> tile_fn = picked.first;
+  const int64_t MQ = picked.second;
   std::vector<PrefillTask> tasks;
   for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(qlp[s] >= 1 && tsp[s] >= 0 && tsp[s] + qlp[s] <= T, "span ", s, " is outside the batch");
-    TORCH_CHECK(slp[s] >= qlp[s] && slp[s] <= max_blocks * B, "span ", s, ": seq_len out of range for the block table");
-    TORCH_CHECK(rwp[s] >= 0 && rwp[s] < block_table.size(0), "span ", s, ": block-table row out of range");
     const int64_t tiles = (qlp[s] + MQ - 1) / MQ;
     for (int64_t h = 0; h < Hk; ++h)
       for (int64_t t = 0; t < tiles; ++t) tasks.push_back({s, h, t});
   }
-  Problem P;
-  P.q = q.data_ptr<float>();
-  P.out = out.data_ptr<float>();
-  P.keys = kv_cache.data_ptr<float>();
+  Problem<T> P;
+  P.q = q.data_ptr<T>();
+  P.out = out.data_ptr<T>();
+  P.keys = kv_cache.data_ptr<T>();
   P.values = P.keys + NB * Hk * B * D;
   P.block_table = block_table.data_ptr<int32_t>();
   P.max_blocks = max_blocks;
@@ -219,4 +207,40 @@ void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, t
       tile_fn(P, tsp[t.span], qlp[t.span], slp[t.span], P.block_table + rwp[t.span] * max_blocks, t.head, t.tile);
     }
   });
+}
+
+}  // namespace
+
+void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
+                   torch::Tensor token_start, torch::Tensor query_len, torch::Tensor seq_len, torch::Tensor row,
+                   int64_t block_size, double scale, int64_t sliding_window, double soft_cap) {
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16) &&
+                  q.is_contiguous(), "q must be contiguous float32 or bfloat16 [T, Hq, D]");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous(),
+              "out must be contiguous, shaped like q and of its dtype");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.scalar_type() == q.scalar_type() &&
+                  kv_cache.is_contiguous(), "kv_cache must be contiguous [2, num_blocks, Hk, B*D] of q's dtype");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == torch::kInt && block_table.is_contiguous(),
+              "block_table must be contiguous int32 [R, max_blocks]");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hk = kv_cache.size(2), B = block_size;
+  TORCH_CHECK(kv_cache.size(3) == B * D, "kv_cache last dim must be block_size * head_size");
+  TORCH_CHECK(paged_prefill_supported(Hq, Hk, D, B), "paged_prefill needs num_heads / num_kv_heads <= 8, head_size and "
+              "block_size multiples of 16; got ", Hq, "/", Hk, " heads, head size ", D, ", block size ", B);
+  auto ts = token_start.to(torch::kLong).contiguous(), ql = query_len.to(torch::kLong).contiguous();
+  auto sl = seq_len.to(torch::kLong).contiguous(), rw = row.to(torch::kLong).contiguous();
+  const int64_t S = ts.size(0);
+  TORCH_CHECK(ql.size(0) == S && sl.size(0) == S && rw.size(0) == S, "one token_start, query_len, seq_len, row per span");
+  const int64_t *tsp = ts.data_ptr<int64_t>(), *qlp = ql.data_ptr<int64_t>(), *slp = sl.data_ptr<int64_t>(),
+                *rwp = rw.data_ptr<int64_t>();
+  const int64_t max_blocks = block_table.size(1);
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(qlp[s] >= 1 && tsp[s] >= 0 && tsp[s] + qlp[s] <= T, "span ", s, " is outside the batch");
+    TORCH_CHECK(slp[s] >= qlp[s] && slp[s] <= max_blocks * B, "span ", s, ": seq_len out of range for the block table");
+    TORCH_CHECK(rwp[s] >= 0 && rwp[s] < block_table.size(0), "span ", s, ": block-table row out of range");
+  }
+  if (q.scalar_type() == torch::kFloat)
+    run_prefill<float>(out, q, kv_cache, block_table, tsp, qlp, slp, rwp, S, B, scale, sliding_window, soft_cap);
+  else
+    run_prefill<c10::BFloat16>(out, q, kv_cache, block_table, tsp, qlp, slp, rwp, S, B, scale, sliding_window,
+                               soft_cap);
 }

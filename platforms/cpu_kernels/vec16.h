@@ -2,6 +2,8 @@
 // AVX2 registers; GCC lowers them for whatever -march the build targets).
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
 #include <cstdint>
 
@@ -74,6 +76,31 @@ inline float hmax16(v16 v) {
   return m;
 }
 #endif
+
+// bfloat16 storage (caches, q, out of the attention kernels): values are widened to float
+// on load and all arithmetic is float32. bf16 -> float is exact (the bf16 bits are the
+// float's top 16 bits): zero-extend to 32 bits and shift, which GCC lowers to
+// vpmovzxwd + vpslld. float -> bf16 rounds to nearest even (c10::BFloat16's constructor).
+typedef uint16_t vh16 __attribute__((vector_size(32), aligned(2)));
+
+inline v16 load16(const c10::BFloat16* p) {
+  vh16 h;
+  __builtin_memcpy(&h, p, sizeof(vh16));
+  const vi16 bits = __builtin_convertvector(h, vi16) << 16;
+  v16 v;
+  __builtin_memcpy(&v, &bits, sizeof(v16));
+  return v;
+}
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_float(float x) { return T(x); }  // float: the value itself; bf16: rounded
+
+// Prefetches n elements from p into all cache levels, one 64-byte line at a time.
+template <typename T>
+inline void prefetch_lines(const T* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(p + i, 0, 3);
+}
 
 // 0, 1, ..., 15: lane offsets of 16 consecutive positions.
 inline vi16 iota16() { return vi16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }

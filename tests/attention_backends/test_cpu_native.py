@@ -46,24 +46,28 @@ def _history_step(history, block_table, block_size):
     )
 
 
-def _run(backend_cls, steps, num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, gen_seed):
+def _run(backend_cls, steps, num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, gen_seed,
+         dtype=torch.float32, rounded_to=None):
+    """Runs ``steps`` in ``dtype``; ``rounded_to`` rounds the random inputs through that
+    dtype first (a float32 reference run on exactly the inputs a bfloat16 run sees)."""
     gen = torch.Generator().manual_seed(gen_seed)
     backend = backend_cls(num_heads, head_size, head_size**-0.5, num_kv_heads, **kwargs)
-    cache = torch.zeros(backend_cls.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size))
+    cache = torch.zeros(backend_cls.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype)
     outs = []
     for meta_args in steps:
         t = meta_args.num_actual_tokens
-        q = torch.randn(t, num_heads, head_size, generator=gen)
-        k = torch.randn(t, num_kv_heads, head_size, generator=gen)
-        v = torch.randn(t, num_kv_heads, head_size, generator=gen)
+        qkv = [torch.randn(t, heads, head_size, generator=gen) for heads in (num_heads, num_kv_heads, num_kv_heads)]
+        q, k, v = (x.to(rounded_to or dtype).to(dtype) for x in qkv)
         outs.append(backend.forward(q, k, v, cache, backend_cls.build_metadata(meta_args)))
     return outs
 
 
 def _assert_two_steps_match(history, query_lens, num_heads, num_kv_heads, head_size, block_size, window, soft_cap,
-                            *, gen_seed, run_seed, spare_blocks):
+                            *, gen_seed, run_seed, spare_blocks, dtype=torch.float32):
     """Step 1 prefills every request's history; step 2 schedules ``query_lens`` after it.
-    Each backend fills its own cache layout; cpu_native must match the torch backend."""
+    Each backend fills its own cache layout; cpu_native must match the torch backend.
+    In bfloat16 the reference is the torch backend in float32 on the same (rounded) inputs:
+    the kernels compute in float32, so the only difference is the output's bf16 rounding."""
     gen = torch.Generator().manual_seed(gen_seed)
     seq_lens = [h + q for h, q in zip(history, query_lens)]
     num_blocks = len(history) * -(-max(seq_lens) // block_size) + spare_blocks
@@ -71,10 +75,17 @@ def _assert_two_steps_match(history, query_lens, num_heads, num_kv_heads, head_s
     step1 = _history_step(history, step2.block_table, block_size)
     kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
     args = (num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, run_seed)
-    want = _run(TorchAttentionBackend, [step1, step2], *args)
-    got = _run(CpuNativeAttentionBackend, [step1, step2], *args)
+    want = _run(TorchAttentionBackend, [step1, step2], *args, rounded_to=dtype)
+    got = _run(CpuNativeAttentionBackend, [step1, step2], *args, dtype=dtype)
     for w, g in zip(want, got):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+        assert g.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+        elif cpu_kernels.load().paged_prefill_supported(num_heads, num_kv_heads, head_size, block_size):
+            # All native: float32 inside, one bf16 rounding of the output (2^-8 relative).
+            torch.testing.assert_close(g.float(), w, atol=1e-5, rtol=2**-8)
+        else:  # prefills through the SDPA fallback, which computes in bf16 itself
+            torch.testing.assert_close(g.float(), w, atol=1e-2, rtol=2**-8)
 
 
 @pytest.mark.parametrize(
@@ -91,8 +102,26 @@ def test_matches_torch_backend(num_heads, num_kv_heads, head_size, block_size, w
                             gen_seed=num_heads * 31 + head_size, run_seed=7, spare_blocks=5)
 
 
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size,window,soft_cap",
+    [(12, 4, 64, 16, None, None), (8, 2, 80, 16, 9, None), (6, 1, 32, 4, None, None), (4, 2, 64, 8, None, 30.0),
+     (20, 2, 32, 16, None, None), (14, 2, 32, 32, None, 10.0)],
+)
+def test_bfloat16_matches_float32_reference(num_heads, num_kv_heads, head_size, block_size, window, soft_cap):
+    """bf16 q/k/v/cache/output through every path (fast and generic decode, native prefill,
+    SDPA fallback for block 8 / group 10): float32 math inside, so within one output rounding."""
+    history = [37, 1, 36, 15, 2, 69]
+    query_lens = [20, 1, 1, 9, 17, 1]
+    _assert_two_steps_match(history, query_lens, num_heads, num_kv_heads, head_size, block_size, window, soft_cap,
+                            gen_seed=num_heads * 3 + head_size, run_seed=13, spare_blocks=3, dtype=torch.bfloat16)
+    decode_history = [1, 300, 17, 64]
+    _assert_two_steps_match(decode_history, [1] * 4, num_heads, num_kv_heads, head_size, block_size, window, soft_cap,
+                            gen_seed=num_heads * 5 + block_size, run_seed=17, spare_blocks=2, dtype=torch.bfloat16)
+
+
 def test_declines_what_it_does_not_run():
-    assert CpuNativeAttentionBackend.supports(dtype="bfloat16", head_size=64, block_size=16)
+    assert CpuNativeAttentionBackend.supports(dtype="float16", head_size=64, block_size=16)
+    assert CpuNativeAttentionBackend.supports(dtype="bfloat16", head_size=64, block_size=16) is None
     assert CpuNativeAttentionBackend.supports(dtype="float32", head_size=64, block_size=16, kv_cache_dtype="fp8")
     assert CpuNativeAttentionBackend.supports(dtype="float32", head_size=64, block_size=16) is None
 

@@ -249,3 +249,67 @@ def test_platform_describe_is_json_ready() -> None:
         data = json.loads(json.dumps(cls.describe()))
         assert data["device_type"] == cls.device_type
         assert data["default_dtype"] in data["supported_dtypes"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_gemm_is_prepacked_onednn_and_matches_torch_linear(dtype: str) -> None:
+    """float32 and bfloat16 dense layers resolve to the prepacked oneDNN kernel, which gives
+    torch's F.linear result (bf16: the same oneDNN kernels, so bit-identical) at decode and
+    prefill batch sizes, with and without a bias."""
+    from halserve.kernels import resolve_kernel
+
+    if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bfloat16 kernels on this CPU")
+    torch_dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    n, k = 384, 256
+    kernel = resolve_kernel("gemm", "cpu", dtype=dtype, n=n, k=k)
+    assert kernel.name == "onednn"
+    weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch_dtype)
+    bias = torch.randn(n, generator=gen).to(torch_dtype)
+    prepared = kernel.prepare_weight(weight)
+    for m, b in ((1, None), (64, bias), (300, None)):
+        x = torch.randn(m, k, generator=gen).to(torch_dtype)
+        got = kernel(x, prepared, b)
+        assert got.dtype == torch_dtype and got.shape == (m, n)
+        want = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+        # float32: rounding of a 256-term sum; bfloat16: float32 accumulation, one bf16 rounding
+        atol, rtol = (1e-5, 1e-5) if dtype == "float32" else (1e-2, 2**-8)
+        torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol)
+        if dtype == "bfloat16":
+            assert torch.equal(got, torch.nn.functional.linear(x, weight, b))
+
+
+def test_cpu_fused_kernels_take_bfloat16_like_the_reference() -> None:
+    """bf16 residual-add + RMSNorm, SiLU-and-mul and rotary resolve to the native kernels and
+    round where the torch references do: equal to them on W1's shapes (768 hidden, 12/4 heads
+    of 64, 2048 intermediate), up to a last-bit difference from the exp and sum orders."""
+    from halserve.kernels import resolve_kernel
+    from halserve.kernels.reference import TorchRmsNorm, TorchRotaryEmbedding, TorchSiluAndMul
+    from halserve.platforms.cpu_kernels import toolchain_missing
+
+    if toolchain_missing():
+        pytest.skip(toolchain_missing())
+    gen = torch.Generator().manual_seed(0)
+    bf16 = torch.bfloat16
+    x, res = (torch.randn(37, 768, generator=gen).to(bf16) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(768, generator=gen)).to(bf16)
+    norm = resolve_kernel("rms_norm", "cpu", dtype="bfloat16", hidden_size=768)
+    assert norm.name == "cpu_fused"
+    (out, summed), (want_out, want_sum) = norm(x, weight, 1e-6, res), TorchRmsNorm()(x, weight, 1e-6, res)
+    assert torch.equal(summed, want_sum) and out.dtype == bf16
+    torch.testing.assert_close(out, want_out, atol=0, rtol=2**-7)
+    gate_up = torch.randn(37, 2 * 2048, generator=gen).to(bf16)
+    got = resolve_kernel("silu_and_mul", "cpu", dtype="bfloat16")(gate_up)
+    torch.testing.assert_close(got, TorchSiluAndMul()(gate_up), atol=2**-14, rtol=2**-7)
+    positions = torch.randint(0, 100, (37,), generator=gen)
+    qkv = torch.randn(37, 20 * 64, generator=gen).to(bf16)
+    angles = torch.arange(128).float()[:, None] * 10000 ** (-torch.arange(0, 64, 2).float() / 64)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    rotary = resolve_kernel("rotary_embedding", "cpu", dtype="bfloat16", head_size=64, rotary_dim=64, is_neox=True)
+    for is_neox in (True, False):
+        got = rotary(positions, qkv[:, :768], qkv[:, 768:], cos_sin, 64, is_neox)
+        want = TorchRotaryEmbedding()(positions, qkv[:, :768], qkv[:, 768:], cos_sin, 64, is_neox)
+        for g, w in zip(got, want):
+            assert g.dtype == bf16
+            torch.testing.assert_close(g, w, atol=2**-14, rtol=2**-7)

@@ -1,0 +1,62 @@
+"""bfloat16 on the CPU platform: the default attention backend is then cpu_native (native
+bf16 kernels, float32 arithmetic inside) and its greedy output equals the torch reference
+backend's in bf16, prompts long enough to take the native prefill, chunked prefill and
+decode paths."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from halserve.platforms import cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.toolchain_missing() is not None, reason=f"no C++ toolchain: {cpu_kernels.toolchain_missing()}"
+)
+
+BLOCK = 16
+NEW_TOKENS = 16
+PROMPT_LENGTHS = [5, 16, 23, 40, 71]
+
+
+# bf16 rounds differently in the two backends (the torch one computes attention in bf16, the
+# native kernels in float32), so where the reference's top two tokens are this close in
+# log-probability the argmax may flip; the texts are compared up to such a near-tie.
+NEAR_TIE = 0.05
+
+
+def _greedy(path, prompts, **kwargs):
+    from halserve import LLM, SamplingParams
+
+    # A 64-token budget chunks the 71-token prompt: its second chunk reads cached context.
+    llm = LLM(path, platform="cpu", dtype="bfloat16", block_size=BLOCK, max_num_batched_tokens=64, **kwargs)
+    backend = llm.llm_engine.core.executor.collective_rpc("attention_backend_name")[0]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return backend, [o.outputs[0] for o in outputs]
+
+
+def test_bfloat16_greedy_matches_torch_backend(checkpoint_factory):
+    from transformers import AutoConfig
+
+    path = checkpoint_factory("llama")
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    backend, got = _greedy(path, prompts)
+    assert backend == "cpu_native"
+    ref_backend, want = _greedy(path, prompts, attention_backend="torch")
+    assert ref_backend == "torch"
+    num_equal = 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        same = 0
+        while same < NEW_TOKENS and g.token_ids[same] == w.token_ids[same]:
+            same += 1
+        num_equal += same
+        if same < NEW_TOKENS:  # only at a near-tie of the reference, between its top two
+            top = w.logprobs[same]
+            picked = g.token_ids[same]
+            assert picked in top, f"prompt {i}: token {same} is {picked}, not in the reference's top 2 {top}"
+            gap = top[w.token_ids[same]].logprob - top[picked].logprob
+            assert gap < NEAR_TIE, f"prompt {i}: token {same} differs where the reference's margin is {gap:.3f}"
+    assert num_equal >= 0.75 * NEW_TOKENS * len(prompts), f"only {num_equal} tokens agree"
