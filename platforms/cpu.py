@@ -142,9 +142,10 @@ def halserve_attention_backends() -> list[type]:
 
 @hookimpl
 def halserve_kernels() -> list[type]:
-    from halserve.platforms.cpu_kernels.fused import CpuFusedRmsNorm, CpuFusedRotaryEmbedding, CpuFusedSiluAndMul
+    from halserve.platforms.cpu_kernels.fused import (CpuFusedRmsNorm, CpuFusedRotaryEmbedding, CpuFusedSiluAndMul,
+                                                      CpuScaledInt8Quant)
     from halserve.platforms.cpu_kernels.onednn_gemm import OneDnnGemm
     from halserve.platforms.cpu_kernels.quant_gemm import CpuInt4AwqGemm, CpuInt4GptqGemm, CpuInt8ScaledGemm
 
     return [OneDnnGemm, CpuFusedRmsNorm, CpuFusedRotaryEmbedding, CpuFusedSiluAndMul,
-            CpuInt4GptqGemm, CpuInt4AwqGemm, CpuInt8ScaledGemm]
+            CpuInt4GptqGemm, CpuInt4AwqGemm, CpuInt8ScaledGemm, CpuScaledInt8Quant]

@@ -10,6 +10,12 @@
 //   silu_and_mul(x [T, 2I]) -> [T, I] = silu(x[:, :I]) * x[:, I:], silu(g) = g / (1 + e^-g)
 //       with the 16-lane exp of vec16.h (about 1 ulp; the torch reference takes two ops
 //       and a temporary).
+//   scaled_int8_quant(x [M, K], scale [1] | None) -> (q [M, K] int8, scale [M, 1] | [1])
+//       dynamic (scale None): s = max(amax|x_row| / 127, 1e-12) per row; q = clamp(rint(x / s),
+//       -128, 127). One pass per row for the amax, one writing int8; a true division (as the
+//       reference's xf / scale) and round-half-to-even, so equal to it bit for bit. Exposed as
+//       torch.ops.halserve_cpu.scaled_int8_quant (a TORCH_LIBRARY op: the pybind module lives
+//       in paged_attention.cpp).
 //
 // bfloat16 inputs go through separate functions (the float32 code is untouched) that compute
 // in float32 and round to bf16 where the torch reference ops do (kernels/reference.py): the
@@ -228,4 +234,99 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     }
   });
   return out;
+}
+
+#if defined(__AVX512F__)
+// 16 lanes straight into a register (a v16 round trip through memory here would split into
+// two 32-byte stores and one 64-byte load: a store-forwarding stall per vector).
+static inline __m512 load_ps(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load_ps(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// |x| max over a row, in float32 (bf16 widens exactly; max is order-independent).
+template <typename T>
+static float row_abs_max(const T* x, int64_t K) {
+  float r = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  for (; i + 16 <= K; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load_ps(x + i)));
+  r = _mm512_reduce_max_ps(m);
+#endif
+  for (; i < K; ++i) r = std::max(r, std::fabs(to_float(x[i])));
+  return r;
+}
+
+// q[i] = clamp(rint(x[i] / s), -128, 127): clamping before the rounding is the same (the
+// bounds are integers) and keeps the float -> int32 conversion in range.
+template <typename T>
+static void quantize_row(const T* x, int64_t K, float s, int8_t* q) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+  for (; i + 16 <= K; i += 16) {
+    const __m512 f = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(load_ps(x + i), sv), lo), hi);
+    // cvtps rounds with MXCSR's mode: nearest-even, like torch.round
+    const __m512i n = _mm512_cvtps_epi32(f);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(n));
+  }
+#endif
+  for (; i < K; ++i) {
+    const float v = std::min(std::max(to_float(x[i]) / s, -128.f), 127.f);
+    q[i] = static_cast<int8_t>(std::nearbyint(v));
+  }
+}
+
+template <typename T>
+static void scaled_int8_quant_rows(const T* xp, int64_t M, int64_t K, const float* static_scale, float* sp,
+                                   int8_t* qp) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* x = xp + t * K;
+      float s;
+      if (static_scale != nullptr) {
+        s = *static_scale;
+      } else {
+        s = std::max(row_abs_max(x, K) / 127.0f, 1e-12f);
+        sp[t] = s;
+      }
+      quantize_row(x, K, s, qp + t * K);
+    }
+  });
+}
+
+std::tuple<torch::Tensor, torch::Tensor> scaled_int8_quant(const torch::Tensor& x,
+                                                           const c10::optional<torch::Tensor>& scale) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "scaled_int8_quant takes float32 or bfloat16 [..., K]");
+  auto xc = x.contiguous();
+  const int64_t K = x.size(-1), M = K == 0 ? 0 : xc.numel() / K;
+  auto q = torch::empty(x.sizes(), x.options().dtype(torch::kChar));
+  torch::Tensor s;
+  const float* static_scale = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->numel() == 1, "a static scale must hold one value (per tensor), got ", scale->sizes());
+    s = scale->to(torch::kFloat).contiguous();
+    static_scale = s.data_ptr<float>();
+  } else {
+    auto shape = x.sizes().vec();
+    shape.back() = 1;
+    // K == 0: no row to scan (the reference's amax raises); the scales stay at the floor
+    s = K == 0 ? torch::full(shape, 1e-12f, x.options().dtype(torch::kFloat))
+               : torch::empty(shape, x.options().dtype(torch::kFloat));
+  }
+  float* sp = scale.has_value() ? nullptr : s.data_ptr<float>();
+  if (x.scalar_type() == torch::kBFloat16)
+    scaled_int8_quant_rows(xc.data_ptr<bf16>(), M, K, static_scale, sp, q.data_ptr<int8_t>());
+  else
+    scaled_int8_quant_rows(xc.data_ptr<float>(), M, K, static_scale, sp, q.data_ptr<int8_t>());
+  return {q, s};
+}
+
+TORCH_LIBRARY(halserve_cpu, m) {
+  m.def("scaled_int8_quant(Tensor x, Tensor? scale=None) -> (Tensor, Tensor)");
+  m.impl("scaled_int8_quant", &scaled_int8_quant);
 }

@@ -3,7 +3,9 @@ bfloat16): one pass over memory for the residual-add + RMSNorm, the rotary embed
 SiLU-and-mul, where the torch references take several ops and temporaries (in bf16 each of
 them also widens and narrows its operands: ~30% of a W1 bf16 run before these kernels took
 bf16). bf16 computes in float32 and rounds where the references do. Other cases (no residual,
-mixed dtypes) go through torch's own fused ``rms_norm`` or the reference."""
+mixed dtypes) go through torch's own fused ``rms_norm`` or the reference. ``scaled_int8_quant``
+(W8A8's activation quant) reads each row twice (amax, then int8) and equals the reference
+exactly."""
 from __future__ import annotations
 
 import torch
@@ -78,3 +80,17 @@ class CpuFusedSiluAndMul(_NativeKernel):
 
     def __call__(self, x):
         return self.native.silu_and_mul(x)
+
+
+class CpuScaledInt8Quant(_NativeKernel):
+    op = "scaled_int8_quant"
+    name = "cpu_fused"
+    description = "per-token (or static) int8 quant in C++: one pass for the amax, one writing int8"
+
+    def __init__(self) -> None:
+        super().__init__()
+        # a TORCH_LIBRARY op of the extension, registered when _module() loaded it
+        self.quant = torch.ops.halserve_cpu.scaled_int8_quant
+
+    def __call__(self, x, scale=None):
+        return tuple(self.quant(x, scale))

@@ -30,8 +30,8 @@ Not here: ``fp8_scaled_gemm`` through ``torch._scaled_mm``. On this CPU build it
 per-tensor scales) but no faster than the reference's dequantize-and-matmul: row-wise is a
 dequantizing fallback (K = N = 4096, M = 1: 66 ms vs the reference's 68 ms) and per-tensor
 scales are far slower (K = N = 2048: 183 ms at M = 1, 2.8 s at M = 16, reference ~10 ms).
-The activation quant ops (``scaled_int8_quant``, ``scaled_fp8_quant``) keep the reference too:
-one elementwise pass each, nothing to gain without a native kernel.
+The activation quant ops: ``scaled_int8_quant`` has a native kernel (``fused.py``,
+``CpuScaledInt8Quant``); ``scaled_fp8_quant`` keeps the reference.
 """
 from __future__ import annotations
 
