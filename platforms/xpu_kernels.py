@@ -15,8 +15,9 @@ What IPEX 2.8 (CPU) does with those inputs, measured, and what this module does 
   GEMM runs in the activation dtype, so results match the torch reference to that
   dtype's rounding (relative error ~1e-7 fp32, ~1e-3 fp16, ~1e-2 bf16).
 - A weight with more than one group and N not a multiple of 32 gives wrong numbers (or
-  a RuntimeError): N is padded with zero columns to a multiple of 32 and the output is
-  sliced back.
+  a RuntimeError), and a per-channel one aborts the process on AMX machines ("N must be
+  multiple of block_n", 2026-11-22): N is padded with zero columns to a multiple of 32 and
+  the output is sliced back.
 - ``group_size == K`` (one group) raises IndexError inside IPEX: passed as -1 instead.
 - GPTQ v1 stores ``zero - 1``; IPEX adds the 1 back but wraps a stored 15 (zero 16) to
   zero 0, where the op (and AutoGPTQ's kernels) read 16. Such zeros are repacked as 8
@@ -165,7 +166,7 @@ class _IpexWo4Gemm(Kernel):
         g = packing.group_rows(k, group_size)
         ipex_group = -1 if g == k else g  # IPEX raises IndexError for one group of size K
         n_padded = n
-        if ipex_group != -1 and n % _N_ALIGN:
+        if n % _N_ALIGN:
             n_padded = -(-n // _N_ALIGN) * _N_ALIGN
         extra = n_padded - n
         if self.quant_method == "AWQ_GEMM":  # qweight [K, N/8], qzeros [K/G, N/8]

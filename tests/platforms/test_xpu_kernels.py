@@ -29,12 +29,13 @@ def test_the_xpu_plugin_registers_both_kernels_for_xpu_and_cpu():
     assert "intel_extension_for_pytorch" not in sys.modules  # discovery imports no IPEX
 
 
-def test_unavailable_with_the_reason_and_the_torch_reference_resolves():
+def test_unavailable_with_the_reason_and_the_next_kernel_resolves():
     for op, cls in (("awq_gemm", IpexAwqGemm), ("gptq_gemm", IpexGptqGemm)):
         reason = cls.supports(**PROBLEM)
         assert reason is not None and "intel_extension_for_pytorch is not installed" in reason
-        for platform in ("xpu", "cpu"):
-            assert resolve_kernel(op, platform, **PROBLEM).name == "torch"
+        # xpu: the torch reference; cpu: the cpu plugin's own 4-bit kernel (below IPEX's priority)
+        for platform, name in (("xpu", "torch"), ("cpu", "torch_int4pack")):
+            assert resolve_kernel(op, platform, **PROBLEM).name == name
     assert "intel_extension_for_pytorch" not in sys.modules
 
 
