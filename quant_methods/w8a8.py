@@ -93,9 +93,3 @@ class ScaledW8A8Method(QuantMethod):
     def __repr__(self) -> str:
         return f"<quant method {self.name} {self.scheme}>"
 
-
-def scheme_or_error(kind: str, weight_strategy: str, static_input: bool, where: str) -> W8A8Scheme:
-    if weight_strategy not in ("channel", "tensor"):
-        raise ValueError(f"{where}: {kind} weights with strategy {weight_strategy!r} are not supported "
-                         "(per channel or per tensor)")
-    return W8A8Scheme(kind, weight_strategy, static_input)  # type: ignore[arg-type]

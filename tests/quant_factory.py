@@ -18,6 +18,8 @@ checkpoint: per-tensor (``weight_scale``, ``input_scale`` when static) or block-
 Each returns ``(path, dequantized)``: ``dequantized`` maps a linear's checkpoint name (e.g.
 ``model.layers.0.self_attn.q_proj``) to the float weight the quantized tensors stand for, so a test
 can build the float model the checkpoint represents (``dequantized_hf_model``).
+
+``load_halserve(path, **config)``: halserve's model of a checkpoint, for logit comparisons.
 """
 from __future__ import annotations
 
@@ -232,6 +234,20 @@ def make_fp8_checkpoint(base: str, out: str, *, block_size: tuple[int, int] | No
     if block_size is not None:
         cfg["weight_block_size"] = list(block_size)
     return _write_packed(base, out, cfg, pack)
+
+
+def load_halserve(path: str, **config):
+    """The model as the engine builds it (float32, CPU platform, torch reference attention);
+    ``config``: more EngineConfig fields (e.g. ``quantization="fp8"``)."""
+    from halserve.attention_backends.torch_ref import TorchAttentionBackend
+    from halserve.config import EngineConfig
+    from halserve.models.loader import get_model_info, load_model
+    from halserve.platforms.cpu import CpuPlatform
+
+    engine_config = EngineConfig(model=path, dtype="float32", **config)
+    platform = CpuPlatform()
+    return load_model(engine_config, get_model_info(engine_config, platform), platform, TorchAttentionBackend,
+                      progress=False)
 
 
 def dequantized_hf_model(base: str, dequantized: dict):

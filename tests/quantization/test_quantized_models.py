@@ -22,6 +22,7 @@ import torch
 from model_factory import make_checkpoint
 from quant_factory import (
     dequantized_hf_model,
+    load_halserve,
     make_awq_checkpoint,
     make_ct_checkpoint,
     make_fp8_checkpoint,
@@ -39,18 +40,6 @@ FP8 = torch.float8_e4m3fn
 def base(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("base"), "llama", hidden_size=64, intermediate_size=128,
                            num_heads=4, num_kv_heads=2)
-
-
-def load(path: str, **config):
-    from halserve.attention_backends.torch_ref import TorchAttentionBackend
-    from halserve.config import EngineConfig
-    from halserve.models.loader import get_model_info, load_model
-    from halserve.platforms.cpu import CpuPlatform
-
-    engine_config = EngineConfig(model=path, dtype="float32", **config)
-    platform = CpuPlatform()
-    info = get_model_info(engine_config, platform)
-    return load_model(engine_config, info, platform, TorchAttentionBackend, progress=False)
 
 
 def per_token(qdq):
@@ -155,7 +144,7 @@ CASES = {
 def test_quantized_checkpoint_matches_its_float_model(base, tmp_path, case, reference_4bit_kernels):
     build, reference, method = CASES[case]
     path, dequantized = build(base, str(tmp_path / case))
-    model = load(path)
+    model = load_halserve(path)
     layer = model.model.layers[0].self_attn.qkv_proj
     assert layer.quant_method.name == method
     hf = reference(base, path, dequantized) if reference else dequantized_hf_model(base, dequantized)
@@ -170,7 +159,7 @@ def tolerance(case: str) -> float:
 
 
 def test_online_fp8_quantizes_a_float_checkpoint(base):
-    model = load(base, quantization="fp8")
+    model = load_halserve(base, quantization="fp8")
     layer = model.model.layers[0].mlp.down_proj
     assert layer.quant_method.name == "fp8" and layer.weight.dtype == FP8
     hf = transformers_model(base)
@@ -189,7 +178,7 @@ def test_cpu_int4_kernels_in_a_model(base, tmp_path):
     of the exact model, where a wrong zero, scale or group moves the logits by 10% and more."""
     for case in ("gptq-act-order", "awq"):
         path, dequantized = CASES[case][0](base, str(tmp_path / case))
-        model = load(path)
+        model = load_halserve(path)
         layer = model.model.layers[0].mlp.down_proj
         assert layer.int4_kernel.name == "torch_int4pack"
         want = reference_steps(dequantized_hf_model(base, dequantized))
@@ -200,14 +189,14 @@ def test_cpu_int4_kernels_in_a_model(base, tmp_path):
 def test_layers_left_in_floats(base, tmp_path, reference_4bit_kernels):
     """AWQ's modules_to_not_convert and compressed-tensors' ignore (names and re: patterns)."""
     path, dequantized = make_awq_checkpoint(base, str(tmp_path / "awq"), modules_to_not_convert=["down_proj"])
-    model = load(path)
+    model = load_halserve(path)
     mlp = model.model.layers[1].mlp
     assert (mlp.down_proj.quant_method.name, mlp.gate_up_proj.quant_method.name) == ("unquantized", "awq")
     torch.testing.assert_close(run_steps(model), reference_steps(dequantized_hf_model(base, dequantized)),
                                atol=1e-4, rtol=1e-4)
 
     path, dequantized = make_ct_checkpoint(base, str(tmp_path / "ct"), "W4A16", ignore=["lm_head", "re:.*self_attn.*"])
-    model = load(path)
+    model = load_halserve(path)
     attn = model.model.layers[0].self_attn
     assert (attn.qkv_proj.quant_method.name, attn.o_proj.quant_method.name) == ("unquantized", "unquantized")
     assert model.model.layers[0].mlp.down_proj.quant_method.name == "compressed-tensors"

@@ -8,7 +8,13 @@ import pytest
 
 from engine_helpers import generate_ids, greedy_params, hf_greedy
 from model_factory import make_checkpoint
-from quant_factory import dequantized_hf_model, make_awq_checkpoint, make_ct_checkpoint, make_gptq_checkpoint
+from quant_factory import (
+    dequantized_hf_model,
+    load_halserve,
+    make_awq_checkpoint,
+    make_ct_checkpoint,
+    make_gptq_checkpoint,
+)
 
 PROMPTS = [[1, 45, 74, 299, 17, 273, 5, 9, 100, 31, 7, 8, 99, 3], [1, 300, 2, 9], [1, 100, 101, 102, 103]]
 
@@ -76,40 +82,28 @@ def _edit_quant_config(path: str, **changes) -> str:
     return path
 
 
-def _load(path: str, **config):
-    from halserve.config import EngineConfig
-    from halserve.models.loader import get_model_info, load_model
-    from halserve.attention_backends.torch_ref import TorchAttentionBackend
-    from halserve.platforms.cpu import CpuPlatform
-
-    engine_config = EngineConfig(model=path, dtype="float32", **config)
-    platform = CpuPlatform()
-    return load_model(engine_config, get_model_info(engine_config, platform), platform, TorchAttentionBackend,
-                      progress=False)
-
-
 def test_unsupported_checkpoints_and_flags_are_refused_clearly(base, tmp_path):
     gptq8, _ = make_gptq_checkpoint(base, str(tmp_path / "gptq8"))
     with pytest.raises(ValueError, match=r"gptq checkpoints with bits=8 are not supported yet \(4-bit only\)"):
-        _load(_edit_quant_config(gptq8, bits=8))
+        load_halserve(_edit_quant_config(gptq8, bits=8))
     awq, _ = make_awq_checkpoint(base, str(tmp_path / "awq"))
     with pytest.raises(ValueError, match="--quantization gptq does not match the checkpoint's quantization 'awq'"):
-        _load(awq, quantization="gptq")
+        load_halserve(awq, quantization="gptq")
     with pytest.raises(ValueError, match="AWQ version 'gemv' is not supported"):
-        _load(_edit_quant_config(awq, version="gemv"))
+        load_halserve(_edit_quant_config(awq, version="gemv"))
     with pytest.raises(ValueError, match="--quantization awq needs a checkpoint quantized in that format"):
-        _load(base, quantization="awq")
+        load_halserve(base, quantization="awq")
     ct, _ = make_ct_checkpoint(base, str(tmp_path / "ct"), "W4A16")
     group = json.load(open(os.path.join(ct, "config.json")))["quantization_config"]["config_groups"]["group_0"]
     group["weights"]["num_bits"] = 8
     with pytest.raises(ValueError, match=r"compressed-tensors group_0 \(format 'pack-quantized', weights \{type=int, "
                                          r"num_bits=8.* is not supported; halserve serves W4A16"):
-        _load(_edit_quant_config(ct, config_groups={"group_0": group}))
+        load_halserve(_edit_quant_config(ct, config_groups={"group_0": group}))
     ct2, _ = make_ct_checkpoint(base, str(tmp_path / "ct2"), "W4A16")
     _edit_quant_config(ct2, ignore=["lm_head", "model.layers.0.self_attn.q_proj"])  # but not k_proj, v_proj
     with pytest.raises(ValueError, match=r"halserve fuses .*q_proj \(listed\), .*k_proj \(not listed\).* into "
                                          r"model.layers.0.self_attn.qkv_proj"):
-        _load(ct2)
+        load_halserve(ct2)
 
 
 def test_gptq_without_g_idx_loads_unless_act_order(base, tmp_path):
@@ -121,9 +115,9 @@ def test_gptq_without_g_idx_loads_unless_act_order(base, tmp_path):
         save_file({k: v for k, v in load_file(file).items() if not k.endswith(".g_idx")}, file)
         if desc_act:
             with pytest.raises(ValueError, match="has no weights for: .*qkv_proj.g_idx"):
-                _load(path)
+                load_halserve(path)
         else:
-            assert _load(path).model.layers[0].self_attn.qkv_proj.g_idx is None
+            assert load_halserve(path).model.layers[0].self_attn.qkv_proj.g_idx is None
 
 
 def test_quantized_moe_experts_are_refused(tmp_path):
@@ -135,7 +129,7 @@ def test_quantized_moe_experts_are_refused(tmp_path):
                   num_experts_per_tok=1)
     json.dump(config, open(config_path, "w"))
     with pytest.raises(ValueError, match="quantized MoE experts are not supported yet .*'gptq'"):
-        _load(path)
+        load_halserve(path)
 
 
 def test_plugins_lists_the_quantization_methods():
