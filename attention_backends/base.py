@@ -130,6 +130,13 @@ class AttentionBackend:
         (index 0 holds keys, 1 values)."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
+    @classmethod
+    def kv_cache_block_view(cls, kv_cache: Any, block_size: int, num_kv_heads: int, head_size: int) -> Any:
+        """``kv_cache`` (this backend's shape) as a view ``[2, num_blocks, block_size, num_kv_heads,
+        head_size]`` (K then V), so KV connectors move blocks in one layout whatever the backend.
+        A backend with its own ``kv_cache_shape`` overrides this too."""
+        return kv_cache
+
     # -- per step ---------------------------------------------------------------------
     @classmethod
     def build_metadata(cls, common: AttentionMetadata) -> Any:

@@ -44,6 +44,10 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, num_kv_heads, block_size * head_size)
 
+    @classmethod
+    def kv_cache_block_view(cls, kv_cache, block_size: int, num_kv_heads: int, head_size: int):
+        return kv_cache.unflatten(3, (block_size, head_size)).transpose(2, 3)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         from halserve.platforms import cpu_kernels

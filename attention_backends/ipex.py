@@ -108,6 +108,10 @@ class IpexAttentionBackend(AttentionBackend):
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, num_kv_heads, block_size, head_size)
 
+    @classmethod
+    def kv_cache_block_view(cls, kv_cache, block_size: int, num_kv_heads: int, head_size: int):
+        return kv_cache.transpose(2, 3)
+
     # -- per step ---------------------------------------------------------------------
     @classmethod
     def build_metadata(cls, common: AttentionMetadata) -> IpexAttentionMetadata:

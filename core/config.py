@@ -6,6 +6,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from halserve.attention_backends.base import KV_CACHE_DTYPES
+from halserve.kv_connectors.base import KVTransferConfig
 from halserve.pooler_config import PoolerConfig
 from halserve.spec_decode.config import SpeculativeConfig
 
@@ -72,6 +73,13 @@ class EngineConfig(BaseModel):
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (``{"method": "ngram", "num_speculative_tokens": 4}``); a dict or JSON
     string is accepted (vLLM's ``speculative_config``). None: off."""
+    kv_transfer_config: KVTransferConfig | None = None
+    """A KV connector (``{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+    "kv_connector_extra_config": {"shared_storage_path": "/mnt/kv"}}``): K/V blocks loaded from and
+    saved outside the KV cache; a dict or JSON string is accepted (vLLM's). None: off."""
+    kv_offloading_size: float | None = Field(default=None, gt=0)
+    """GiB of host memory for a second prefix-cache tier (vLLM's ``--kv-offloading-size``): shorthand
+    for the ``OffloadingConnector`` with that ``cpu_bytes_to_use``. None: off."""
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -134,6 +142,23 @@ class EngineConfig(BaseModel):
     @classmethod
     def _speculative_config(cls, value: object) -> object:
         return None if value is None else SpeculativeConfig.parse(value)
+
+    @field_validator("kv_transfer_config", mode="before")
+    @classmethod
+    def _kv_transfer_config(cls, value: object) -> object:
+        return None if value is None else KVTransferConfig.parse(value)
+
+    @model_validator(mode="after")
+    def _kv_offloading(self) -> "EngineConfig":
+        if self.kv_offloading_size is not None:
+            if self.kv_transfer_config is not None:
+                raise ValueError("kv_offloading_size and kv_transfer_config both ask for a KV connector; give one "
+                                 "(kv_offloading_size is the OffloadingConnector with cpu_bytes_to_use)")
+            cpu_bytes = int(self.kv_offloading_size * (1 << 30))
+            self.__dict__["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="OffloadingConnector", kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes})
+            self.__dict__["kv_offloading_size"] = None
+        return self
 
     @model_validator(mode="after")
     def _lora_limits(self) -> "EngineConfig":

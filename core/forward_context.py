@@ -18,18 +18,19 @@ from typing import Any, Iterator
 @dataclass(slots=True)
 class ForwardContext:
     attn_metadata: Any  # backend metadata for this step, or None for a dummy run
+    kv_connector: Any = None  # the worker's KV connector when this step loads or saves blocks (per-layer hooks)
 
 
 _current: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
-    """Make ``attn_metadata`` visible to the layers for the duration of one model call.
-    Nesting restores the outer context on exit."""
+def set_forward_context(attn_metadata: Any, kv_connector: Any = None) -> Iterator[ForwardContext]:
+    """Make ``attn_metadata`` (and the step's KV connector) visible to the layers for the duration
+    of one model call. Nesting restores the outer context on exit."""
     global _current
     previous = _current
-    _current = ForwardContext(attn_metadata=attn_metadata)
+    _current = ForwardContext(attn_metadata=attn_metadata, kv_connector=kv_connector)
     try:
         yield _current
     finally:

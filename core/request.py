@@ -90,6 +90,8 @@ class Request:
     """Its images (placeholder runs in the prompt, pixel values, content hashes); None: none."""
     mrope_positions: "MRopePositions | None" = None
     """An M-RoPE model's (Qwen2-VL) positions of its prompt with images; None: plain positions."""
+    kv_load_failed: bool = False
+    """A KV connector's blocks for it failed to load once: it is recomputed without the connector."""
     num_output_tokens_sent: int = 0
     """Pipeline parallelism: its output tokens the workers were sent so far (stages before the last
     do not sample, so the scheduler sends them the new ones)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,8 +22,11 @@ from halserve.scheduler_output import CachedRequestData, ModelRunnerOutput, NewR
 from halserve.spec_decode.verify import count_accepted
 from halserve.structured_output import no_token_stop_reason
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
+    from halserve.kv_connectors.base import KVConnector
     from halserve.spec_decode.draft_model import WorkerDrafts
     from halserve.spec_decode.ngram import NgramProposer
     from halserve.structured_output import StructuredOutputManager
@@ -38,6 +42,7 @@ class SchedulerStats:
     prefix_cache_queries: int  # cumulative, tokens looked up at admission
     prefix_cache_hits: int  # cumulative, tokens found in the prefix cache
     num_preemptions: int  # cumulative
+    kv_connector_hit_tokens: int = 0  # cumulative: tokens a KV connector loaded instead of computing
     spec_num_drafts: int = 0  # cumulative: decode steps that carried draft tokens
     spec_num_draft_tokens: int = 0  # cumulative: draft tokens checked by the model
     spec_num_accepted_tokens: int = 0  # cumulative: of which accepted
@@ -58,6 +63,7 @@ class Scheduler:
         spec_proposer: "NgramProposer | WorkerDrafts | None" = None,
         pipeline_parallel: bool = False,
         max_concurrent_batches: int = 1,
+        kv_connector: "KVConnector | None" = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -98,11 +104,17 @@ class Scheduler:
             raise ValueError(f"max_concurrent_batches must be >= 1, got {max_concurrent_batches}")
         self.max_concurrent_batches = max_concurrent_batches
         self._in_flight: dict[str, Request] = {}  # req_id -> the request its unreturned batch computes
+        # the scheduler side of a KV connector (kv_transfer_config): K/V found outside the cache is
+        # loaded instead of computed; None: off
+        if kv_connector is not None and max_concurrent_batches > 1:
+            raise ValueError("a KV connector cannot run with batches in flight (pipeline parallelism)")
+        self.kv_connector = kv_connector
+        self.kv_connector_hit_tokens = 0
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int,
                            structured_outputs: "StructuredOutputManager | None" = None,
-                           max_concurrent_batches: int = 1) -> Scheduler:
+                           max_concurrent_batches: int = 1, kv_connector: "KVConnector | None" = None) -> Scheduler:
         """``num_blocks`` comes from KV-cache sizing and ``max_model_len`` from the model
         (``config.max_model_len`` may still be None); ``max_concurrent_batches`` from the executor."""
         return cls(
@@ -117,6 +129,7 @@ class Scheduler:
             spec_proposer=make_spec_proposer(config),
             pipeline_parallel=config.pipeline_parallel_size > 1,
             max_concurrent_batches=max_concurrent_batches,
+            kv_connector=kv_connector,
         )
 
     # -- requests in ------------------------------------------------------------------
@@ -273,16 +286,19 @@ class Scheduler:
                     break
                 num_skipped += 1  # its adapter would be one too many this step
                 continue
-            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            computed_blocks, num_local = kv.get_computed_blocks(request)
+            num_external = self._external_hit(request, num_local)  # (loaded into its blocks before the forward)
+            num_computed = num_local + num_external
             num_new_tokens = min(request.num_tokens - num_computed, token_budget)
             num_new_tokens, encoder_used = fit_encoder_budget(request, num_computed, num_new_tokens, encoder_left,
                                                               self.max_num_batched_tokens, fresh=True)
             if not num_new_tokens:  # (FCFS: no overtaking) its image waits for a step with room to encode it
                 break
             lookahead = self._draft_model_lookahead(request, num_computed + num_new_tokens)
-            new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks, num_lookahead_tokens=lookahead)
+            num_slots = num_new_tokens + num_external
+            new_block_ids = kv.allocate_slots(request, num_slots, computed_blocks, num_lookahead_tokens=lookahead)
             if new_block_ids is None and lookahead:  # the draft model proposes fewer instead
-                new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
+                new_block_ids = kv.allocate_slots(request, num_slots, computed_blocks)
             if new_block_ids is None:
                 assert self.running, f"{request.request_id} does not fit an empty KV cache (add_request should refuse it)"
                 break
@@ -293,6 +309,10 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
+            if num_external:
+                self.kv_connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id), num_local,
+                                                           num_external)
+                self.kv_connector_hit_tokens += num_external
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
             request.num_output_tokens_sent = request.num_output_tokens
             new_reqs.append(
@@ -315,7 +335,7 @@ class Scheduler:
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
         if self.max_concurrent_batches > 1:
             in_flight.update((req_id, self.requests[req_id]) for req_id in num_scheduled_tokens)
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled_tokens,
@@ -325,6 +345,35 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             **self._grammar_bitmask(num_scheduled_tokens, spec_tokens),
         )
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(output, self.requests)
+        return output
+
+    def _external_hit(self, request: Request, num_local: int) -> int:
+        """Tokens after the local prefix-cache hit that the KV connector can load: whole blocks, and
+        only where a local hit would be allowed (never the last token; not for prompt logprobs)."""
+        if self.kv_connector is None or request.kv_load_failed:
+            return 0
+        kv = self.kv_cache_manager
+        num_external = self.kv_connector.get_num_new_matched_tokens(request, num_local)
+        return max(0, min(num_external, kv.max_cache_hit_tokens(request) - num_local))
+
+    def _recover_failed_loads(self, block_ids: set[int]) -> None:
+        """The workers could not load these blocks (the connector's copy was gone or broken): forget
+        them as prefix-cache entries and recompute every running request that holds one, without
+        the connector (their outputs of the step are dropped)."""
+        kv = self.kv_cache_manager
+        for block_id in block_ids:
+            kv.block_pool.uncache(kv.block_pool.blocks[block_id])
+        victims = [r for r in self.running if not block_ids.isdisjoint(kv.get_block_ids(r.request_id))]
+        for request in reversed(victims):  # (appendleft: they keep their order at the front of waiting)
+            self.running.remove(request)
+            request.kv_load_failed = True
+            request.num_cached_tokens = None  # (what it finds when admitted again)
+            self._preempt(request)
+        self.kv_connector.on_failed_blocks(block_ids)
+        logger.warning("KV connector: %d blocks failed to load; recomputing %d requests: %s", len(block_ids),
+                       len(victims), ", ".join(r.request_id for r in victims))
 
     def _pop_victim(self) -> Request:
         """Take the lowest-priority running request that is not in flight out of ``running`` (the
@@ -411,6 +460,8 @@ class Scheduler:
         are kept and re-fed). The worker learns through ``finished_req_ids`` of the step
         being built, and gets it again as ``NewRequestData`` when resumed."""
         self.kv_cache_manager.free(request)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -426,6 +477,8 @@ class Scheduler:
         stops, free finished requests. Returns one output per request that got a token or
         ended (one whose constraints left no token ends with none, as does a pooling request,
         which ends with its pooled result: vLLM's finish_reason "stop")."""
+        if model_runner_output.invalid_block_ids:
+            self._recover_failed_loads(model_runner_output.invalid_block_ids)
         position = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         logprobs = model_runner_output.logprobs
         outputs: list[EngineCoreOutput] = []
@@ -497,6 +550,8 @@ class Scheduler:
         if self.structured_outputs is not None:
             self.structured_outputs.cancel(request)  # (aborted while its grammar compiled)
         self.kv_cache_manager.free(request)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(request)
         del self.requests[request.request_id]
         del self._priority[request.request_id]
         if self.spec_proposer is not None:
@@ -543,6 +598,7 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            kv_connector_hit_tokens=self.kv_connector_hit_tokens,
             spec_num_drafts=self.spec_num_drafts,
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from halserve.kv_connectors.base import KVConnectorMetadata
     from halserve.lora.request import LoRARequest
     from halserve.multimodal.processing import MRopePositions, MultiModalFeature
     from halserve.sampling_params import SamplingParams
@@ -60,6 +61,8 @@ class SchedulerOutput:
     # speculative decoding: req_id -> draft tokens fed after its last token this step (counted
     # in num_scheduled_tokens: 1 + len(drafts)); the runner samples at every one of those positions
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # a KV connector's loads and saves for this step (halserve.kv_connectors.base.KVConnectorMetadata); None: none
+    kv_connector_metadata: "KVConnectorMetadata | None" = None
 
     @property
     def is_empty(self) -> bool:
@@ -100,3 +103,6 @@ class ModelRunnerOutput:
     # draft-model speculative decoding: per request (batch order), the drafts its draft model proposes
     # for its next step ([] none); empty list when no draft model runs
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    # a KV connector's blocks that could not be loaded this step (their K/V is garbage): the scheduler
+    # recomputes the requests holding them
+    invalid_block_ids: set[int] = field(default_factory=set)

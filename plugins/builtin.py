@@ -11,7 +11,7 @@ def halserve_manifest() -> PluginManifest:
         name="builtin",
         version="0.1.0",
         api=">=1,<2",
-        description="torch reference kernels and attention, executors, "
+        description="torch reference kernels and attention, executors, KV connectors, "
                     "Llama/Qwen/Mistral/Gemma/Phi-3/MoE/LLaVA/LLaVA-NeXT/Qwen2-VL/InternVL models",
     )
 
@@ -37,6 +37,14 @@ def halserve_executors() -> list[type]:
     from halserve.executors.uni import UniExecutor
 
     return [UniExecutor, MultiprocExecutor, RayExecutor]
+
+
+@hookimpl
+def halserve_kv_connectors() -> list[type]:
+    from halserve.kv_connectors.cpu_offload import OffloadingConnector
+    from halserve.kv_connectors.shared_storage import SharedStorageConnector
+
+    return [SharedStorageConnector, OffloadingConnector]
 
 
 @hookimpl

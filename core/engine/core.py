@@ -39,6 +39,9 @@ class EngineCore:
         self.config = config
         self.model_info = get_model_info(config, self.platform)
 
+        from halserve.kv_connectors import check_kv_transfer
+
+        check_kv_transfer(config)  # (before anything loads: a mistake costs nothing)
         executor_name = config.executor_name
         reg = manager.executors.get(executor_name)
         if reg is None:
@@ -49,6 +52,7 @@ class EngineCore:
         self.executor = reg.obj(config, self.platform.name, self.model_info)
         try:
             self.num_blocks = self.executor.initialize()
+            kv_connector = self._scheduler_connector()
         except BaseException:
             self.executor.shutdown()
             raise
@@ -58,7 +62,7 @@ class EngineCore:
         self.scheduler = Scheduler.from_engine_config(
             config, num_blocks=self.num_blocks, max_model_len=self.model_info.max_model_len,
             structured_outputs=StructuredOutputManager(self._load_tokenizer, self.model_info.vocab_size),
-            max_concurrent_batches=self.max_concurrent_batches,
+            max_concurrent_batches=self.max_concurrent_batches, kv_connector=kv_connector,
         )
         self.lora_registry = None  # with enable_lora: the adapters the workers hold (halserve.lora.registry)
         if config.enable_lora:
@@ -74,6 +78,18 @@ class EngineCore:
             self.model_info.architecture,
             self.num_blocks,
         )
+
+    def _scheduler_connector(self):
+        """The scheduler side of ``kv_transfer_config``'s connector, told about the workers' side; None: off."""
+        config = self.config
+        if config.kv_transfer_config is None:
+            return None
+        from halserve.kv_connectors import connector_context, make_connector
+        from halserve.kv_connectors.base import Role
+
+        connector = make_connector(config, Role.SCHEDULER, connector_context(config, self.model_info))
+        connector.on_workers_ready(self.executor.collective_rpc("kv_connector_info"))
+        return connector
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request; raises ValueError if it can never fit in the KV cache."""

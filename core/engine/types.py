@@ -38,6 +38,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0
+    kv_connector_hit_tokens: int = 0  # prompt tokens a KV connector loaded instead of computing
     spec_num_drafts: int = 0  # speculative decoding: decode steps that carried drafts
     spec_num_draft_tokens: int = 0  # draft tokens checked
     spec_num_accepted_tokens: int = 0  # of which accepted

@@ -76,6 +76,10 @@ class BlockPool:
             del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Stop serving ``block`` as a prefix hit (its content is wrong); it stays with its holders."""
+        self._evict(block)
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block (prefix hits); free ones leave the free queue."""
         for block in blocks:

@@ -73,14 +73,11 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
-        if getattr(request.sampling_params, "prompt_logprobs", None) is not None and not request.num_output_tokens:
-            return [], 0  # its prompt logprobs need the logits of every prompt position
-        pooling = getattr(request.sampling_params, "pooling", None)
-        if pooling is not None and pooling.reads_whole_prompt:
-            return [], 0  # MEAN/CLS embeddings pool the hidden states of every prompt position
+        max_hit_blocks = self.max_cache_hit_tokens(request) // self.block_size
+        if not max_hit_blocks:
+            return [], 0
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
                             extra_keys=request.block_hash_extra_keys)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -88,6 +85,17 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def max_cache_hit_tokens(self, request: Request) -> int:
+        """The longest prefix of ``request`` that may come from a cache (this one or a KV connector's):
+        whole blocks, never its last token (fed to the model for its logits), and none for a request
+        that needs every prompt position computed."""
+        if getattr(request.sampling_params, "prompt_logprobs", None) is not None and not request.num_output_tokens:
+            return 0  # its prompt logprobs need the logits of every prompt position
+        pooling = getattr(request.sampling_params, "pooling", None)
+        if pooling is not None and pooling.reads_whole_prompt:
+            return 0  # MEAN/CLS embeddings pool the hidden states of every prompt position
+        return (request.num_tokens - 1) // self.block_size * self.block_size
 
     # -- allocation -------------------------------------------------------------------
     def allocate_slots(

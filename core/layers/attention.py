@@ -15,6 +15,7 @@ class Attention(nn.Module):
     Attributes the model runner sets after building the model:
         kv_cache          this layer's cache tensor, ``backend.kv_cache_shape(...)``
         k_scale, v_scale  per-tensor fp8 KV scales (floats; 1.0 unless the checkpoint has them)
+        layer_index       its place among the model's attention layers (a KV connector's layer)
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, ctx: ModelContext,
@@ -31,15 +32,19 @@ class Attention(nn.Module):
         self.kv_cache = torch.empty(0)
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.layer_index = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, Hq * D], k/v [T, Hk * D] -> [T, Hq * D]
         num_tokens = q.shape[0]
-        metadata = get_forward_context().attn_metadata
+        context = get_forward_context()
+        metadata, connector = context.attn_metadata, context.kv_connector
         if metadata is None:  # dummy run (profiling / warm-up): no cache, no attention
             return torch.zeros_like(q)
         if self.kv_cache.numel() == 0:
             raise RuntimeError(f"attention layer {self.prefix!r} has no kv_cache; the model runner must set it")
+        if connector is not None:
+            connector.wait_for_layer_load(self.layer_index)
         out = self.backend.forward(
             q.view(num_tokens, self.num_heads, self.head_size),
             k.view(num_tokens, self.num_kv_heads, self.head_size),
@@ -49,6 +54,8 @@ class Attention(nn.Module):
             self.k_scale,
             self.v_scale,
         )
+        if connector is not None:
+            connector.save_kv_layer(self.layer_index)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
     def extra_repr(self) -> str:

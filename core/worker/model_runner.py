@@ -52,6 +52,8 @@ class ModelRunner:
     supports_pipeline_parallel: bool = True
     # Whether it feeds images to a vision-language model (halserve.multimodal).
     supports_multimodal: bool = True
+    # Whether it runs a KV connector's loads and saves (kv_transfer_config; worker/kv_transfer.py).
+    supports_kv_connector: bool = True
 
     def __init__(self, config: "EngineConfig", platform: "Platform", model_info: "ModelInfo") -> None:
         self.config = config
@@ -81,6 +83,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.lora_manager = None  # a halserve.lora.manager.LoRAManager with enable_lora
+        self.kv_connector = None  # the worker side of kv_transfer_config's connector
+        self._step_connector = None  # it, while a step with loads or saves runs
         self.drafter = None  # a DraftModelProposer when speculative_config's method is "draft_model"
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model" and self.pp.is_last:  # (it needs the sampled tokens)
@@ -158,6 +162,9 @@ class ModelRunner:
             self.kv_caches.append(cache)
         if self.drafter is not None:  # (the same block ids: it shares the block tables)
             self.drafter.initialize_kv_cache(num_blocks, self.kv_cache_dtype)
+        from halserve.worker.kv_transfer import attach_connector
+
+        self.kv_connector = attach_connector(self)
         logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, self.block_size, self.kv_cache_dtype)
 
     def warm_up(self) -> None:
@@ -217,13 +224,21 @@ class ModelRunner:
             step = self._prepare_inputs(out)
             if self.lora_manager is not None:
                 self.lora_manager.set_batch([s.lora_request for s in step.states], step.common.query_start_loc_cpu)
+            from halserve.worker import kv_transfer
+
             # The forward runs even when nothing samples (a prefill chunk): it writes the KV cache.
-            logits = self._forward(step)
+            self._step_connector = kv_transfer.start_step(self.kv_connector, out.kv_connector_metadata)
+            try:
+                logits = self._forward(step)
+            finally:
+                invalid_block_ids = kv_transfer.finish_step(self._step_connector)
+                self._step_connector = None
             if not self.pp.is_last:
                 for r, state in enumerate(step.states):
                     state.num_computed_tokens = int(step.seq_lens[r])
                 return None
             output = self._sample(step, logits if step.sample_rows else None, out)
+            output.invalid_block_ids = invalid_block_ids
             if self.drafter is not None and self._drafting_enabled():
                 rows = [r for r in step.sample_rows if output.sampled_token_ids[r]]
                 drafts = self.drafter.propose([step.states[r] for r in rows], self.info.max_model_len)
@@ -274,7 +289,7 @@ class ModelRunner:
             embeds = step_inputs_embeds(self.model, step, input_ids)
             if embeds is not None:
                 kwargs["inputs_embeds"] = embeds
-        with set_forward_context(attn_metadata):
+        with set_forward_context(attn_metadata, self._step_connector):
             hidden = self.model(input_ids, positions, intermediate, **kwargs)
         if not self.pp.is_last:
             from halserve.distributed import pp_send

@@ -75,6 +75,11 @@ class Worker:
     def warm_up(self) -> None:
         self.model_runner.warm_up()
 
+    def kv_connector_info(self) -> dict:
+        """This rank's ``worker_info`` for the scheduler side of the KV connector ({} without one)."""
+        connector = self.model_runner.kv_connector
+        return {} if connector is None else connector.worker_info()
+
     def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput | None":
         """The step's output; None on ranks before the last pipeline stage (they do not sample)."""
         return self.model_runner.execute_model(scheduler_output)

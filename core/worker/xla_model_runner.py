@@ -23,6 +23,7 @@ class XlaModelRunner(ModelRunner):
     supports_speculative_decoding = False  # (its buckets pad one logits row per request)
     supports_pipeline_parallel = False  # (its compiled graph is the whole model)
     supports_multimodal = False  # (images would add a data-dependent encoder pass to its graph)
+    supports_kv_connector = False  # (its _forward runs the compiled graph without the connector's hooks)
 
     def load_model(self) -> None:
         if self.info.runner == "pooling":  # (its requests all classify, which needs pooling)
