@@ -57,6 +57,22 @@ def parse_speculative_config(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_kv_transfer_config(text: str) -> Any:
+    """``'{"kv_connector": "SharedStorageConnector", ...}'`` -> KVTransferConfig (vLLM's --kv-transfer-config)."""
+    from pydantic import ValidationError
+
+    from halserve.kv_connectors.base import KVTransferConfig
+
+    try:
+        return KVTransferConfig.parse(text)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'value'}: {e['msg']}"
+                             for e in exc.errors(include_url=False))
+        raise argparse.ArgumentTypeError(problems) from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_lora_module(text: str) -> Any:
     """``name=path`` or vLLM's JSON form -> LoRAModulePath (one --lora-modules entry)."""
     from halserve.entrypoints.openai.serving_lora import LoRAModulePath
@@ -154,6 +170,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(DeepSeek-R1, QwQ: always thinks), qwen3 (Qwen3: thinks unless enable_thinking is false)",
     )
     g.add_argument(
+        "--enable-prompt-tokens-details", action="store_true",
+        help="usage reports prompt_tokens_details.cached_tokens: prompt tokens found in the prefix cache or "
+        "loaded by a KV connector",
+    )
+    g.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"], help="log level"
     )
 
@@ -201,6 +222,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (prompt-lookup drafts) or '{\"model\": DRAFT, "
         "\"num_speculative_tokens\": 4}' (a draft model of the same vocabulary); drafts are checked in one forward",
     )
+
+    g.add_argument(
+        "--kv-transfer-config", type=parse_kv_transfer_config, default=None, metavar="JSON",
+        help="a KV connector, e.g. '{\"kv_connector\": \"SharedStorageConnector\", \"kv_role\": \"kv_both\", "
+        "\"kv_connector_extra_config\": {\"shared_storage_path\": \"/mnt/kv\"}}' (prompt K/V shared through a "
+        "directory) or OffloadingConnector with cpu_bytes_to_use (a host-memory prefix-cache tier)",
+    )
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="GiB of host memory for a second prefix-cache tier (the OffloadingConnector)")
 
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) by name")
@@ -271,6 +301,8 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
             speculative_config=args.speculative_config,
+            kv_transfer_config=args.kv_transfer_config,
+            kv_offloading_size=args.kv_offloading_size,
             limit_mm_per_prompt=args.limit_mm_per_prompt,
             mm_processor_kwargs=args.mm_processor_kwargs,
         )
@@ -308,6 +340,13 @@ def check_features(config: Any, platform: Any) -> list[str]:
             f"--quantization {config.quantization}: no quantization method of that name is registered "
             f"(registered: {', '.join(manager.quant_methods.names()) or 'none'})"
         )
+    if config.kv_transfer_config is not None:
+        from halserve.kv_connectors import check_kv_transfer
+
+        try:
+            check_kv_transfer(config)
+        except ValueError as exc:
+            problems.append(f"--kv-transfer-config: {exc}")
     backends = [
         reg.obj for reg in manager.attention_backends
         if reg.obj.runs_on(platform.name)
@@ -423,6 +462,7 @@ def run(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser, lora_modules=lora_modules,
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=args.allowed_media_domains,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("HALSERVE_API_KEY"):

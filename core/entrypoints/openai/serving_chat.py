@@ -256,6 +256,7 @@ class OpenAIServingChat:
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
                 total_tokens=prompt_tokens + completion_tokens,
+                prompt_tokens_details=serving.prompt_tokens_details([final]),
             ),
             prompt_logprobs=prompt_logprobs(final, decode) if req.prompt_logprobs is not None else None,
         )

@@ -141,6 +141,7 @@ class OpenAIServingCompletion:
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
                 total_tokens=prompt_tokens + completion_tokens,
+                prompt_tokens_details=self.serving.prompt_tokens_details(finals),
             ),
         )
 

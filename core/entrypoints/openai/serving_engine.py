@@ -57,6 +57,7 @@ class OpenAIServing:
         lora_modules: "LoRAModules | None" = None,
         allowed_local_media_path: str | None = None,
         allowed_media_domains: list[str] | None = None,
+        enable_prompt_tokens_details: bool = False,
     ) -> None:
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
@@ -65,6 +66,8 @@ class OpenAIServing:
         self.model_path = model_path
         self.chat_template = chat_template
         self.tool_parser = tool_parser  # tool_choice 'auto': the --tool-call-parser, None when not enabled
+        # usage reports prompt_tokens_details.cached_tokens (prefix cache and KV connector hits), vLLM's flag
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.tokenizer = engine.tokenizer
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
         # the token ids of its tags: a constrained reply's grammar starts after the end tag's
@@ -188,6 +191,12 @@ class OpenAIServing:
                 raise OpenAIError(str(exc), status_code=503, code="engine_dead") from None
             raise
         return streams
+
+    def prompt_tokens_details(self, finals: Sequence["RequestOutput"]) -> dict[str, int] | None:
+        """``{"cached_tokens": n}`` of these prompts' outputs with --enable-prompt-tokens-details; else None."""
+        if not self.enable_prompt_tokens_details:
+            return None
+        return {"cached_tokens": sum(final.num_cached_tokens or 0 for final in finals)}
 
     async def collect(self, streams: list[RequestStream], raw_request: Request | None) -> list["RequestOutput"]:
         """Wait for every stream's final output. If the client disconnects first, abort
