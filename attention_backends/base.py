@@ -131,11 +131,11 @@ class AttentionBackend:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
-    def kv_cache_block_view(cls, kv_cache: Any, block_size: int, num_kv_heads: int, head_size: int) -> Any:
-        """``kv_cache`` (this backend's shape) as a view ``[2, num_blocks, block_size, num_kv_heads,
-        head_size]`` (K then V), so KV connectors move blocks in one layout whatever the backend.
-        A backend with its own ``kv_cache_shape`` overrides this too."""
-        return kv_cache
+    def kv_cache_block_views(cls, kv_cache: Any, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
+        """``kv_cache`` (this backend's shape) as two views, keys and values, each ``[num_blocks,
+        block_size, num_kv_heads, head_size]``, so KV connectors move blocks in one layout whatever
+        the backend. A backend with its own ``kv_cache_shape`` overrides this too."""
+        return kv_cache[0], kv_cache[1]
 
     # -- per step ---------------------------------------------------------------------
     @classmethod

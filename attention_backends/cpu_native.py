@@ -45,8 +45,10 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         return (2, num_blocks, num_kv_heads, block_size * head_size)
 
     @classmethod
-    def kv_cache_block_view(cls, kv_cache, block_size: int, num_kv_heads: int, head_size: int):
-        return kv_cache.unflatten(3, (block_size, head_size)).transpose(2, 3)
+    def kv_cache_block_views(cls, kv_cache, block_size: int, num_kv_heads: int, head_size: int):
+        keys = kv_cache[0].unflatten(2, (head_size, block_size)).permute(0, 3, 1, 2)  # (transposed)
+        values = kv_cache[1].unflatten(2, (block_size, head_size)).transpose(1, 2)
+        return keys, values
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from halserve.attention_backends.base import AttentionBackend, AttentionMetadata
 
@@ -109,8 +109,8 @@ class IpexAttentionBackend(AttentionBackend):
         return (2, num_blocks, num_kv_heads, block_size, head_size)
 
     @classmethod
-    def kv_cache_block_view(cls, kv_cache, block_size: int, num_kv_heads: int, head_size: int):
-        return kv_cache.transpose(2, 3)
+    def kv_cache_block_views(cls, kv_cache, block_size: int, num_kv_heads: int, head_size: int):
+        return kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
 
     # -- per step ---------------------------------------------------------------------
     @classmethod

@@ -87,9 +87,9 @@ class XlaAttentionBackend(AttentionBackend):
         return (num_blocks, block_size, 2 * num_kv_heads, head_size)
 
     @classmethod
-    def kv_cache_block_view(cls, kv_cache, block_size: int, num_kv_heads: int, head_size: int):
-        # (heads interleave K and V: 2h is head h's key, 2h + 1 its value)
-        return kv_cache.unflatten(2, (num_kv_heads, 2)).permute(3, 0, 1, 2, 4)
+    def kv_cache_block_views(cls, kv_cache, block_size: int, num_kv_heads: int, head_size: int):
+        pairs = kv_cache.unflatten(2, (num_kv_heads, 2))  # (2h is head h's key, 2h + 1 its value)
+        return pairs[:, :, :, 0], pairs[:, :, :, 1]
 
     @classmethod
     def build_metadata(cls, common: AttentionMetadata) -> XlaAttentionMetadata:

@@ -116,15 +116,15 @@ class ConnectorContext:
 class KVCacheAccess:
     """A worker's KV cache seen block by block, in the connector layout.
 
-    ``views[i]`` is layer i's cache as ``[2, num_blocks, block_size, num_kv_heads, head_size]``
-    (a view of the backend's own tensor: ``AttentionBackend.kv_cache_block_view``)."""
+    ``views[i]`` is layer i's (keys, values), each ``[num_blocks, block_size, num_kv_heads, head_size]``
+    (views of the backend's own tensor: ``AttentionBackend.kv_cache_block_views``)."""
 
-    def __init__(self, views: list["torch.Tensor"]) -> None:
+    def __init__(self, views: list[tuple["torch.Tensor", "torch.Tensor"]]) -> None:
         if not views:
             raise ValueError("a KV connector needs at least one attention layer's cache")
         self.views = views
-        first = views[0]
-        self.block_shape = (len(views), 2, *first.shape[2:])  # one block of every layer
+        first = views[0][0]
+        self.block_shape = (len(views), 2, *first.shape[1:])  # one block of every layer
         self.dtype = first.dtype
         self.device = first.device
 
@@ -133,7 +133,9 @@ class KVCacheAccess:
         import torch
 
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([view.index_select(1, index) for view in self.views]).permute(2, 0, 1, 3, 4, 5)
+        layers = [torch.stack([keys.index_select(0, index), values.index_select(0, index)])
+                  for keys, values in self.views]
+        return torch.stack(layers).permute(2, 0, 1, 3, 4, 5)
 
     def write(self, block_ids: list[int], data: "torch.Tensor") -> None:
         """Store ``data`` (as ``read`` returns it, on any device) into the blocks ``block_ids``."""
@@ -141,8 +143,9 @@ class KVCacheAccess:
 
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         data = data.to(self.device, self.dtype).permute(1, 2, 0, 3, 4, 5)  # [L, 2, n, B, H, D]
-        for view, layer in zip(self.views, data):
-            view.index_copy_(1, index, layer)
+        for (keys, values), layer in zip(self.views, data):
+            keys.index_copy_(0, index, layer[0])
+            values.index_copy_(0, index, layer[1])
 
     @property
     def bytes_per_block(self) -> int:

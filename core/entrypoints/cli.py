@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "plugins": "halserve.entrypoints.cli_plugins",
     "bench": "halserve.entrypoints.cli_bench",
     "conformance": "halserve.entrypoints.cli_conformance",
+    "proxy": "halserve.entrypoints.cli_proxy",
 }
 
 

@@ -30,7 +30,7 @@ def attach_connector(runner: "ModelRunner") -> "KVConnector | None":
     layers = runner.model.attention_layers
     for index, layer in enumerate(layers):
         layer.layer_index = index
-    views = [runner.attn_backend_cls.kv_cache_block_view(layer.kv_cache, runner.block_size, layer.num_kv_heads,
+    views = [runner.attn_backend_cls.kv_cache_block_views(layer.kv_cache, runner.block_size, layer.num_kv_heads,
                                                            runner.info.head_size) for layer in layers]
     connector = make_connector(config, Role.WORKER, connector_context(config, runner.info, get_tp_rank()))
     connector.register_kv_caches(KVCacheAccess(views))
