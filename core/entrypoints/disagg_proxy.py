@@ -19,12 +19,15 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def _error(status: int, message: str, kind: str) -> Any:
-    from fastapi.responses import JSONResponse
-
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
                         status_code=status)
 
@@ -38,12 +41,8 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float = 600.0) -> Any:
-    import httpx
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from starlette.background import BackgroundTask
-
+def build_proxy_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout: float = 600.0) -> FastAPI:
+    # (the routes' annotations name module-level classes: FastAPI resolves them from this module)
     if not prefill_urls or not decode_urls:
         raise ValueError("the proxy needs at least one --prefill and one --decode server URL")
     prefills, decodes = itertools.cycle(prefill_urls), itertools.cycle(decode_urls)
