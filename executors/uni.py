@@ -24,4 +24,6 @@ class UniExecutor(Executor):
         return self.worker.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
         self.worker = None

@@ -59,6 +59,10 @@ class KVTransferConfig(BaseModel):
     """A module holding a ``KVConnector`` subclass named ``kv_connector`` (instead of a plugin)."""
     engine_id: str | None = None
     """A name for this engine in logs and keys; free-form."""
+    kv_ip: str = "127.0.0.1"
+    """Where a connector that serves K/V (P2pConnector's producer) listens."""
+    kv_port: int = Field(default=14579, ge=1, le=65535)
+    """Its port (vLLM's default)."""
 
     @property
     def is_producer(self) -> bool:

@@ -23,13 +23,25 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.kv_connectors.base import BlockTransfer, KVCacheAccess, KVTransferConfig
 
 
-def _positive_int(extra: dict, key: str) -> int | None:
+def _positive_int(extra: dict, key: str, name: str = "OffloadingConnector") -> int | None:
     value = extra.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 1:
-        raise ValueError(f"OffloadingConnector: {key} must be a positive integer, got {value!r}")
+        raise ValueError(f"{name}: {key} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def check_pool_config(name: str, extra: dict, config: "EngineConfig") -> None:
+    """The host pool's settings: exactly one size, and whole engine blocks."""
+    nbytes, nblocks = _positive_int(extra, "cpu_bytes_to_use", name), _positive_int(extra, "num_cpu_blocks", name)
+    if (nbytes is None) == (nblocks is None):
+        raise ValueError(f'{name} needs exactly one of kv_connector_extra_config "cpu_bytes_to_use" (host bytes for '
+                         'all ranks, e.g. 8000000000) and "num_cpu_blocks"')
+    block_size = _positive_int(extra, "block_size", name)
+    if block_size is not None and block_size != config.block_size:
+        raise ValueError(f"{name}: block_size {block_size} differs from the engine's block_size {config.block_size}; "
+                         "halserve moves whole engine blocks (drop the key or make them equal)")
 
 
 class OffloadingConnector(BlockStoreConnector):
@@ -40,16 +52,7 @@ class OffloadingConnector(BlockStoreConnector):
     @classmethod
     def check_config(cls, transfer_config: "KVTransferConfig", config: "EngineConfig") -> None:
         super().check_config(transfer_config, config)
-        extra = transfer_config.kv_connector_extra_config
-        nbytes, nblocks = _positive_int(extra, "cpu_bytes_to_use"), _positive_int(extra, "num_cpu_blocks")
-        if (nbytes is None) == (nblocks is None):
-            raise ValueError('OffloadingConnector needs exactly one of kv_connector_extra_config "cpu_bytes_to_use" '
-                             '(host bytes for all ranks, e.g. 8000000000) and "num_cpu_blocks"')
-        block_size = _positive_int(extra, "block_size")
-        if block_size is not None and block_size != config.block_size:
-            raise ValueError(f"OffloadingConnector: block_size {block_size} differs from the engine's block_size "
-                             f"{config.block_size}; halserve offloads whole engine blocks (drop the key or make "
-                             "them equal)")
+        check_pool_config(cls.name, transfer_config.kv_connector_extra_config, config)
         if transfer_config.kv_role != "kv_both":
             raise ValueError(f"OffloadingConnector saves and loads its own blocks: kv_role must be 'kv_both', "
                              f"got {transfer_config.kv_role!r}")
@@ -66,11 +69,11 @@ class OffloadingConnector(BlockStoreConnector):
         import torch
 
         super().register_kv_caches(caches)
-        rows = _positive_int(self.extra, "num_cpu_blocks")
+        rows = _positive_int(self.extra, "num_cpu_blocks", self.name)
         if rows is None:
             rows = self.extra["cpu_bytes_to_use"] // (self.context.world_size * caches.bytes_per_block)
         if rows < 1:
-            raise ValueError(f"OffloadingConnector: cpu_bytes_to_use={self.extra['cpu_bytes_to_use']} holds no block "
+            raise ValueError(f"{self.name}: cpu_bytes_to_use={self.extra['cpu_bytes_to_use']} holds no block "
                              f"of {caches.bytes_per_block} bytes per rank x {self.context.world_size} ranks; raise it")
         pin = caches.device.type != "cpu" and torch.cuda.is_available()
         self.pool = torch.empty((rows, *caches.block_shape), dtype=caches.dtype, pin_memory=pin)

@@ -206,6 +206,8 @@ class EngineCore:
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None and scheduler.structured_outputs is not None:
             scheduler.structured_outputs.shutdown()
+        if scheduler is not None and scheduler.kv_connector is not None:
+            scheduler.kv_connector.shutdown()
         executor, self.executor = getattr(self, "executor", None), None
         if executor is not None:
             executor.shutdown()

@@ -75,6 +75,12 @@ class Worker:
     def warm_up(self) -> None:
         self.model_runner.warm_up()
 
+    def shutdown(self) -> None:
+        """Release what outlives a step beyond memory (a KV connector's servers)."""
+        connector = getattr(self.model_runner, "kv_connector", None)
+        if connector is not None:
+            connector.shutdown()
+
     def kv_connector_info(self) -> dict:
         """This rank's ``worker_info`` for the scheduler side of the KV connector ({} without one)."""
         connector = self.model_runner.kv_connector

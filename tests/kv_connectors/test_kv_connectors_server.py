@@ -1,7 +1,7 @@
 """Disaggregated prefill over HTTP: a prefill server (``kv_producer``) and a decode server
-(``kv_consumer``) sharing a storage directory, behind ``halserve proxy``, spoken to with the
-official ``openai`` client. The decode server must load the prompt's K/V (its usage reports the
-cached tokens) and answer what a plain server answers."""
+(``kv_consumer``), sharing a storage directory or pulling over TCP (``P2pConnector``), behind
+``halserve proxy``, spoken to with the official ``openai`` client. The decode server must load the
+prompt's K/V (its usage reports the cached tokens) and answer what a plain server answers."""
 from __future__ import annotations
 
 import os
@@ -17,19 +17,27 @@ from server_utils import SERVED_NAME, ServerProcess, free_port, server_args
 PROMPT = [(11 * j) % 500 + 3 for j in range(70)]  # 4 full blocks of 16, and 6 tokens
 
 
-def storage(path, role):
-    return ('{"kv_connector": "SharedStorageConnector", "kv_role": "%s", '
-            '"kv_connector_extra_config": {"shared_storage_path": "%s"}}' % (role, path))
+def connector_configs(kind, store):
+    """(the prefill server's --kv-transfer-config, the decode server's)."""
+    if kind == "storage":
+        return tuple('{"kv_connector": "SharedStorageConnector", "kv_role": "%s", '
+                     '"kv_connector_extra_config": {"shared_storage_path": "%s"}}' % (role, store)
+                     for role in ("kv_producer", "kv_consumer"))
+    port = free_port()
+    return ('{"kv_connector": "P2pConnector", "kv_role": "kv_producer", "kv_port": %d, '
+            '"kv_connector_extra_config": {"num_cpu_blocks": 256}}' % port,
+            '{"kv_connector": "P2pConnector", "kv_role": "kv_consumer", '
+            '"kv_connector_extra_config": {"peer": "127.0.0.1:%d"}}' % port)
 
 
-@pytest.fixture(scope="module")
-def deployment(tiny_llama, tmp_path_factory):
-    """(proxy url, prefill server, decode server, storage dir)."""
+@pytest.fixture(scope="module", params=["storage", "p2p"])
+def deployment(request, tiny_llama, tmp_path_factory):
+    """(connector kind, proxy url, prefill server, decode server, storage dir)."""
     logs, store = tmp_path_factory.mktemp("pd_logs"), tmp_path_factory.mktemp("pd_store")
+    prefill_config, decode_config = connector_configs(request.param, store)
     servers = [
-        ServerProcess(server_args(tiny_llama, "--kv-transfer-config", storage(store, "kv_producer")),
-                      str(logs / "prefill.log")),
-        ServerProcess(server_args(tiny_llama, "--kv-transfer-config", storage(store, "kv_consumer"),
+        ServerProcess(server_args(tiny_llama, "--kv-transfer-config", prefill_config), str(logs / "prefill.log")),
+        ServerProcess(server_args(tiny_llama, "--kv-transfer-config", decode_config,
                                   "--enable-prompt-tokens-details"), str(logs / "decode.log")),
     ]
     proxy = None
@@ -50,7 +58,7 @@ def deployment(tiny_llama, tmp_path_factory):
                 pass
             assert proxy.poll() is None and time.monotonic() < deadline, (logs / "proxy.log").read_text()
             time.sleep(0.2)
-        yield url, prefill, decode, store
+        yield request.param, url, prefill, decode, store
     finally:
         if proxy is not None:
             proxy.terminate()
@@ -66,13 +74,14 @@ def client(url):
 
 
 def test_decode_server_loads_what_the_prefill_server_computed(deployment):
-    url, prefill, decode, store = deployment
+    kind, url, prefill, decode, store = deployment
     direct = client(prefill.url).completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=8, temperature=0)
     files_before = {f for _, _, fs in os.walk(store) for f in fs}
     reply = client(url).completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=8, temperature=0)
     assert reply.choices[0].text == direct.choices[0].text and reply.usage.completion_tokens == 8
     assert reply.usage.prompt_tokens_details.cached_tokens == 64  # the decode server loaded 4 blocks
-    assert {f for _, _, fs in os.walk(store) for f in fs} == files_before  # (the direct request saved them)
+    if kind == "storage":
+        assert {f for _, _, fs in os.walk(store) for f in fs} == files_before  # (the direct request saved them)
 
     other = [(13 * j) % 500 + 5 for j in range(40)]  # new to both: the proxy's prefill step saves it
     streamed = client(url).completions.create(model=SERVED_NAME, prompt=other, max_tokens=6, temperature=0,
@@ -80,7 +89,8 @@ def test_decode_server_loads_what_the_prefill_server_computed(deployment):
     text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
     plain = client(prefill.url).completions.create(model=SERVED_NAME, prompt=other, max_tokens=6, temperature=0)
     assert text == plain.choices[0].text
-    assert len({f for _, _, fs in os.walk(store) for f in fs}) == len(files_before) + 2
+    if kind == "storage":
+        assert len({f for _, _, fs in os.walk(store) for f in fs}) == len(files_before) + 2
     models = client(url).models.list()
     assert [m.id for m in models.data] == [SERVED_NAME]
 
@@ -88,7 +98,7 @@ def test_decode_server_loads_what_the_prefill_server_computed(deployment):
 def test_errors_pass_through_the_proxy(deployment):
     import openai
 
-    url, *_ = deployment
+    _, url, *_ = deployment
     with pytest.raises(openai.BadRequestError) as info:
         client(url).completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=8, temperature=-1)
     assert "temperature" in str(info.value)
