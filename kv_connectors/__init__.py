@@ -1,6 +1,7 @@
 """KV connectors (``--kv-transfer-config``): K/V blocks loaded from and saved to outside the
 engine's KV cache. ``base.py`` holds the interface; bundled: ``SharedStorageConnector`` (files
-in a shared directory) and ``OffloadingConnector`` (a host-memory tier behind the prefix cache)."""
+in a shared directory), ``OffloadingConnector`` (a host-memory tier behind the prefix cache) and
+``P2pConnector`` (decode engines pull prompt K/V from a prefill engine over TCP)."""
 from __future__ import annotations
 
 import importlib

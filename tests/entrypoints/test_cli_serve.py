@@ -54,6 +54,13 @@ def test_unavailable_platform_fails_fast_with_the_probe_reason(checkpoint):
         (["--pooler-config", "MEAN"], "pooler config is not valid JSON"),
         (["--limit-mm-per-prompt", '{"video": 1}'], "--limit-mm-per-prompt: limit_mm_per_prompt: 'video' inputs"),
         (["--limit-mm-per-prompt", "image=2"], "limit_mm_per_prompt must be JSON"),
+        (["--kv-transfer-config", '{"kv_connector": "Nope"}'], "unknown kv_connector 'Nope'; registered KV connectors: "
+                                                              "SharedStorageConnector, OffloadingConnector"),
+        (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_ip": 3}'], "kv_ip: Input should be"),
+        (["--kv-transfer-config", "{"], "kv_transfer_config is not valid JSON"),
+        (["--kv-offloading-size", "0"], "--kv-offloading-size: Input should be greater than 0"),
+        (["--kv-offloading-size", "1", "--kv-transfer-config", '{"kv_connector": "OffloadingConnector"}'],
+         "kv_offloading_size and kv_transfer_config both ask for a KV connector"),
     ],
 )
 def test_unsupported_or_invalid_flags_exit_2(checkpoint, flags, expected):
