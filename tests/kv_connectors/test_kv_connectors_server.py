@@ -91,6 +91,9 @@ def test_decode_server_loads_what_the_prefill_server_computed(deployment):
     assert text == plain.choices[0].text
     if kind == "storage":
         assert len({f for _, _, fs in os.walk(store) for f in fs}) == len(files_before) + 2
+    metrics = httpx.get(decode.url + "/metrics").text
+    loaded = [line for line in metrics.splitlines() if line.startswith("halserve:kv_connector_hit_tokens_total")]
+    assert loaded and float(loaded[0].split()[-1]) >= 64
     models = client(url).models.list()
     assert [m.id for m in models.data] == [SERVED_NAME]
 

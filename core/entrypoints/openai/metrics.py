@@ -49,6 +49,8 @@ class _EngineStatsCollector(Collector):
             ("halserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
             ("halserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
             ("halserve:num_preemptions", "Requests preempted (recomputed later).", stats.num_preemptions),
+            ("halserve:kv_connector_hit_tokens", "Prompt tokens a KV connector loaded instead of computing.",
+             stats.kv_connector_hit_tokens),
             ("halserve:spec_decode_num_drafts", "Decode steps that checked draft tokens.", stats.spec_num_drafts),
             ("halserve:spec_decode_num_draft_tokens", "Draft tokens checked.", stats.spec_num_draft_tokens),
             ("halserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens),
