@@ -25,11 +25,14 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
-def block_keys(request: "Request", block_size: int, num_tokens: int) -> list[str]:
-    """Keys (hex block hashes) of the request's full blocks within its first ``num_tokens`` tokens."""
+def block_keys(request: "Request", block_size: int, num_tokens: int, first: int = 0) -> list[str]:
+    """Keys (hex block hashes) of the request's full blocks ``first`` .. within its first ``num_tokens`` tokens."""
+    end = num_tokens // block_size
+    if end <= first:
+        return []
     hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, block_size, num_tokens,
                                  request.block_hash_extra_keys)
-    return [h.hex() for h in hashes[: num_tokens // block_size]]
+    return [h.hex() for h in hashes[first:end]]
 
 
 class BlockStoreConnector(KVConnector):
@@ -77,7 +80,7 @@ class BlockStoreConnector(KVConnector):
             return 0
         block_size = self.context.block_size
         # (never the last token: it is fed to the model for its logits)
-        keys = block_keys(request, block_size, request.num_tokens - 1)[num_computed_tokens // block_size:]
+        keys = block_keys(request, block_size, request.num_tokens - 1, num_computed_tokens // block_size)
         if self._bad_keys:
             keys = keys[:next((i for i, key in enumerate(keys) if key in self._bad_keys), len(keys))]
         return self.count_present(keys) * block_size if keys else 0
@@ -88,7 +91,7 @@ class BlockStoreConnector(KVConnector):
         first, end = num_local_tokens // block_size, (num_local_tokens + num_external_tokens) // block_size
         self._num_handled[request.request_id] = end
         if end > first:
-            keys = block_keys(request, block_size, end * block_size)[first:end]
+            keys = block_keys(request, block_size, end * block_size, first)
             self._pending_loads += [BlockTransfer(block_ids[i], key, slot)
                                     for i, key, slot in zip(range(first, end), keys, self.slots_for_loads(keys))]
             self.num_loaded_blocks += end - first
@@ -97,24 +100,26 @@ class BlockStoreConnector(KVConnector):
                              requests: dict[str, "Request"]) -> KVConnectorMetadata:
         meta, self._pending_loads = KVConnectorMetadata(loads=self._pending_loads), []
         self._loading = {t.block_id: t.key for t in meta.loads}
+        if not self.transfer_config.is_producer:
+            return meta
         for new in scheduler_output.scheduled_new_reqs:
             self._block_ids[new.req_id] = list(new.block_ids)
         for cached in scheduler_output.scheduled_cached_reqs:
             self._block_ids[cached.req_id].extend(cached.new_block_ids)
-        if not self.transfer_config.is_producer:
-            return meta
         block_size = self.context.block_size
         candidates: dict[str, int] = {}  # key -> block id (one save per key)
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = requests[req_id]
             drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
             # (its tokens whose K/V exists once the step has run; drafts may be rejected)
-            keys = block_keys(request, block_size, request.num_computed_tokens + num_tokens - drafts)
             start = self._num_handled.get(req_id, 0)
-            self._num_handled[req_id] = max(start, len(keys))
+            keys = block_keys(request, block_size, request.num_computed_tokens + num_tokens - drafts, start)
+            if not keys:  # (most decode steps: no block filled up)
+                continue
+            self._num_handled[req_id] = start + len(keys)
             table = self._block_ids[req_id]
-            for i in range(start, len(keys)):
-                candidates.setdefault(keys[i], table[i])
+            for i, key in enumerate(keys, start):
+                candidates.setdefault(key, table[i])
         keys = [key for key, lacks in zip(candidates, self.missing(list(candidates))) if lacks]
         meta.saves = [BlockTransfer(candidates[key], key, slot)
                       for key, slot in zip(keys, self.slots_for_saves(keys)) if slot is not None]
