@@ -32,7 +32,7 @@ import torch
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from halserve.spec_decode.verify import count_accepted
 from halserve.worker.backend_selection import select_attention_backend
-from halserve.worker.runner_state import CachedRequestState, StepInputs
+from halserve.worker.runner_state import CachedRequestState, StepInputs, update_states
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
@@ -187,38 +187,13 @@ class ModelRunner:
             head(hidden[: min(num_tokens, self.config.max_num_seqs)])
 
     # -- per step --------------------------------------------------------------------
-    def _update_states(self, out: SchedulerOutput) -> None:
-        for req_id in out.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for new in out.scheduled_new_reqs:
-            self.requests[new.req_id] = CachedRequestState(
-                req_id=new.req_id,
-                prompt_token_ids=new.prompt_token_ids,
-                output_token_ids=list(new.output_token_ids),
-                sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                # (a request resumed after its first token has sent its prompt logprobs already)
-                prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
-                else None,
-                lora_request=new.lora_request,
-                mm_features=new.mm_features,
-                mrope_positions=new.mrope_positions,
-            )
-        for cached in out.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
-            if not self.pp.is_last:  # (the last stage sampled them itself)
-                state.output_token_ids.extend(cached.new_token_ids)
-
     # Gradient mode of a step; XLA cannot run under inference_mode, so its runner overrides.
     grad_mode = staticmethod(torch.inference_mode)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's output; None on a pipeline stage before the last (it sends its hidden states on)."""
         with self.grad_mode():
-            self._update_states(out)
+            update_states(self.requests, out, receives_tokens=not self.pp.is_last)
             if out.is_empty:
                 return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[]) if self.pp.is_last else None
             step = self._prepare_inputs(out)

@@ -14,6 +14,7 @@ from halserve.attention_backends.base import AttentionMetadata
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.lora.request import LoRARequest
+    from halserve.scheduler_output import SchedulerOutput
     from halserve.multimodal.processing import MRopePositions, MultiModalFeature
     from halserve.sampling_params import SamplingParams
     from halserve.worker.pooler import PromptPool
@@ -75,3 +76,32 @@ class CachedRequestState:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : stop - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+
+def update_states(requests: dict[str, CachedRequestState], out: "SchedulerOutput", receives_tokens: bool) -> None:
+    """Apply a step's diffs to the runner's request states: drop finished (and preempted) requests,
+    add new (and resumed) ones, extend the others. ``receives_tokens``: a pipeline stage before the
+    last, which learns the sampled tokens from the scheduler (the last stage sampled them itself)."""
+    for req_id in out.finished_req_ids:
+        requests.pop(req_id, None)
+    for new in out.scheduled_new_reqs:
+        requests[new.req_id] = CachedRequestState(
+            req_id=new.req_id,
+            prompt_token_ids=new.prompt_token_ids,
+            output_token_ids=list(new.output_token_ids),
+            sampling_params=new.sampling_params,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            # (a request resumed after its first token has sent its prompt logprobs already)
+            prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
+            else None,
+            lora_request=new.lora_request,
+            mm_features=new.mm_features,
+            mrope_positions=new.mrope_positions,
+        )
+    for cached in out.scheduled_cached_reqs:
+        state = requests[cached.req_id]
+        state.block_ids.extend(cached.new_block_ids)
+        state.num_computed_tokens = cached.num_computed_tokens
+        if receives_tokens:
+            state.output_token_ids.extend(cached.new_token_ids)
