@@ -88,11 +88,11 @@ class Role(enum.Enum):
 @dataclass(slots=True)
 class BlockTransfer:
     """One block to move: this engine's ``block_id`` <-> the outside copy under ``key`` (a block
-    hash in hex); ``slot`` is the connector's own place for it, when it has one (a CPU pool row)."""
+    hash in hex); ``slot`` is the connector's own place for it (a host pool row), None when it has none."""
 
     block_id: int
     key: str
-    slot: int = -1
+    slot: int | None = None
 
 
 @dataclass

@@ -45,14 +45,14 @@ class BlockStoreConnector(KVConnector):
         """(scheduler) For each key, whether the store lacks it (what a save should write)."""
         raise NotImplementedError
 
-    def slots_for_loads(self, keys: list[str]) -> list[int]:
-        """(scheduler) The store's slot of each key to load (-1: the store needs none)."""
-        return [-1] * len(keys)
+    def slots_for_loads(self, keys: list[str]) -> list[int | None]:
+        """(scheduler, optional) The store's slot of each key to load; default: None (the store has none)."""
+        return [None] * len(keys)
 
-    def slots_for_saves(self, keys: list[str]) -> list[int | None]:
-        """(scheduler) A slot for each key to save, evicting others as the store needs (None: do
-        not save that one)."""
-        return [-1] * len(keys)
+    def slots_for_saves(self, keys: list[str]) -> dict[str, int | None]:
+        """(scheduler, optional) The keys to save, each with its slot (evicting others as the store
+        needs); a key left out is not saved. Default: every key, slot None (the store has none)."""
+        return dict.fromkeys(keys)
 
     def load_blocks(self, transfers: list[BlockTransfer]) -> set[int]:
         """(worker) Write the blocks into the KV cache; returns the block ids that failed."""
@@ -121,8 +121,7 @@ class BlockStoreConnector(KVConnector):
             for i, key in enumerate(keys, start):
                 candidates.setdefault(key, table[i])
         keys = [key for key, lacks in zip(candidates, self.missing(list(candidates))) if lacks]
-        meta.saves = [BlockTransfer(candidates[key], key, slot)
-                      for key, slot in zip(keys, self.slots_for_saves(keys)) if slot is not None]
+        meta.saves = [BlockTransfer(candidates[key], key, slot) for key, slot in self.slots_for_saves(keys).items()]
         self.num_saved_blocks += len(meta.saves)
         return meta
 

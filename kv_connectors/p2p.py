@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from halserve.kv_connectors.base import KVConnector
-from halserve.kv_connectors.cpu_offload import OffloadingConnector, check_pool_config
+from halserve.kv_connectors.offloading import OffloadingConnector, check_pool_config
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

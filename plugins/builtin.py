@@ -41,7 +41,7 @@ def halserve_executors() -> list[type]:
 
 @hookimpl
 def halserve_kv_connectors() -> list[type]:
-    from halserve.kv_connectors.cpu_offload import OffloadingConnector
+    from halserve.kv_connectors.offloading import OffloadingConnector
     from halserve.kv_connectors.p2p import P2pConnector
     from halserve.kv_connectors.shared_storage import SharedStorageConnector
 

@@ -97,21 +97,20 @@ class OffloadingConnector(BlockStoreConnector):
     def missing(self, keys: list[str]) -> list[bool]:
         return [key not in self._index for key in keys]
 
-    def slots_for_loads(self, keys: list[str]) -> list[int]:
+    def slots_for_loads(self, keys: list[str]) -> list[int | None]:
         for key in keys:
             self._index.move_to_end(key)
         return [self._index[key] for key in keys]
 
-    def slots_for_saves(self, keys: list[str]) -> list[int | None]:
+    def slots_for_saves(self, keys: list[str]) -> dict[str, int | None]:
         """Free rows first, then the least recently used ones. A row loaded this step may be taken:
         the workers load before the forward and save after it. Of more saves than rows, the last
-        ``num_slots`` are kept (None: not saved)."""
-        skipped = max(0, len(keys) - self.num_slots)
-        slots: list[int | None] = [None] * skipped
-        for key in keys[skipped:]:
+        ``num_slots`` are kept."""
+        slots: dict[str, int | None] = {}
+        for key in keys[max(0, len(keys) - self.num_slots):]:
             slot = self._free.pop() if self._free else self._index.popitem(last=False)[1]
             self._index[key] = slot
-            slots.append(slot)
+            slots[key] = slot
         return slots
 
     # -- worker side -------------------------------------------------------------------
