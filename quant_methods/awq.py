@@ -42,6 +42,14 @@ class AwqLinearMethod(PackedInt4Method):
             return UnquantizedLinearMethod(self.platform_name)
         return self
 
+    def expert_weight_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return ("qweight", "qzeros", "scales"), ()
+
+    def dequantize_weight(self, tensors: dict[str, torch.Tensor], input_size: int, output_size: int) -> torch.Tensor:
+        from halserve.kernels.packing import dequantize_awq
+
+        return dequantize_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], self.group_size).t()
+
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         self.check_packable(layer, input_size, packed_output=True)
         num_groups, split = self.groups(layer, input_size)

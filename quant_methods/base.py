@@ -92,5 +92,20 @@ class QuantMethod:
         """``x [M, input_size] -> [M, output_size]`` (``x @ W.T + bias``)."""
         raise NotImplementedError
 
+    # -- MoE experts: halserve's fused MoE holds them in the model dtype, dequantized at load ------
+    def expert_weight_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The checkpoint tensors of one MoE expert projection in this format, as (those
+        ``dequantize_weight`` needs, those it ignores: e.g. static input scales). Called by the
+        expert loader with the method ``get_method_for_layer`` gives the expert's projection
+        (``model.layers.0.mlp.experts.3.gate_proj``). Default: the format has no MoE support."""
+        raise ValueError(f"quantization {self.name!r} does not support MoE experts yet; serve an unquantized "
+                         "checkpoint of this model")
+
+    def dequantize_weight(self, tensors: dict[str, "torch.Tensor"], input_size: int,
+                          output_size: int) -> "torch.Tensor":
+        """The float weight ``[output_size, input_size]`` that ``tensors`` (named as
+        ``expert_weight_names`` says, the whole projection, not a rank's share) stand for."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"<quant method {self.name}>"

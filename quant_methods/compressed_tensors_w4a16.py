@@ -58,6 +58,19 @@ class CompressedTensorsW4A16(PackedInt4Method):
             add_param(layer, "weight_g_idx", (input_size,), torch.int32, input_dim=0,
                       weight_loader=_g_idx_loader(layer)).data.fill_(-1)
 
+    def expert_weight_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        names = ("weight_packed", "weight_scale", "weight_shape")
+        names += () if self.symmetric else ("weight_zero_point",)
+        return names + (("weight_g_idx",) if self.act_order else ()), ()
+
+    def dequantize_weight(self, tensors: dict[str, torch.Tensor], input_size: int, output_size: int) -> torch.Tensor:
+        u = _unpack_nibbles(tensors["weight_packed"], dim=1).float()  # [N, K], 0..15
+        scales = tensors["weight_scale"].float()  # [N, groups]
+        g_idx = tensors.get("weight_g_idx")
+        groups = (torch.arange(u.shape[1]) // (u.shape[1] // scales.shape[1]) if g_idx is None else g_idx).long()
+        zeros = 8.0 if self.symmetric else _unpack_nibbles(tensors["weight_zero_point"], dim=0).float()[:, groups]
+        return (u - zeros) * scales[:, groups]
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         packed = layer.weight_packed.data  # [N, K/8]
         scales = layer.weight_scale.data.t().contiguous()  # [groups, N]

@@ -62,6 +62,12 @@ class Fp8OnlineMethod(ScaledW8A8Method):
         add_param(layer, "weight", (output_size, input_size), params_dtype, input_dim=1, output_dim=0)
         layer.act_dtype = params_dtype
 
+    def expert_weight_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return ("weight",), ()  # (a float checkpoint: experts keep the model dtype)
+
+    def dequantize_weight(self, tensors: dict[str, torch.Tensor], input_size: int, output_size: int) -> torch.Tensor:
+        return tensors["weight"]
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.data.float()
         fp8 = getattr(torch, FP8)

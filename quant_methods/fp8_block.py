@@ -47,6 +47,14 @@ class Fp8BlockMethod(QuantMethod):
                   packed_dim=0, pack_factor=self.block_n)
         layer.act_dtype = params_dtype
 
+    def expert_weight_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return ("weight", self.scale_name), ("input_scale",)
+
+    def dequantize_weight(self, tensors: dict[str, torch.Tensor], input_size: int, output_size: int) -> torch.Tensor:
+        scale = tensors[self.scale_name].float()  # [ceil(N / bn), ceil(K / bk)]
+        full = scale.repeat_interleave(self.block_n, 0).repeat_interleave(self.block_k, 1)
+        return tensors["weight"].float() * full[:output_size, :input_size]
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         from halserve.kernels import resolve_kernel
 

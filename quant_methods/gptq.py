@@ -57,6 +57,16 @@ class GptqLinearMethod(PackedInt4Method):
             return UnquantizedLinearMethod(self.platform_name)
         return self
 
+    def expert_weight_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        names = ("qweight", "qzeros", "scales")
+        return (names + ("g_idx",), ()) if self.desc_act else (names, ("g_idx",))
+
+    def dequantize_weight(self, tensors: dict[str, torch.Tensor], input_size: int, output_size: int) -> torch.Tensor:
+        from halserve.kernels.packing import dequantize_gptq
+
+        return dequantize_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors.get("g_idx"),
+                               self.group_size).t()
+
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         self.check_packable(layer, input_size, packed_output=True)
         if input_size % PACK_FACTOR:

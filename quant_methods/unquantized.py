@@ -33,6 +33,12 @@ class UnquantizedLinearMethod(QuantMethod):
             layer.prepared_weight = prepared
             layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
 
+    def expert_weight_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return ("weight",), ()
+
+    def dequantize_weight(self, tensors: dict[str, torch.Tensor], input_size: int, output_size: int) -> torch.Tensor:
+        return tensors["weight"]
+
     def apply(self, layer: "nn.Module", x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = getattr(layer, "prepared_weight", None)
         return layer.gemm_kernel(x, layer.weight if weight is None else weight, bias)

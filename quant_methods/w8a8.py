@@ -81,6 +81,13 @@ class ScaledW8A8Method(QuantMethod):
             layer.gemm_kernel = resolve_kernel("int8_scaled_gemm", self.platform_name, dtype="int8", n=n, k=k)
             layer.quant_kernel = resolve_kernel("scaled_int8_quant", self.platform_name, dtype=act_dtype)
 
+    def expert_weight_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return ("weight", "weight_scale"), ("input_scale",)
+
+    def dequantize_weight(self, tensors: dict[str, torch.Tensor], input_size: int, output_size: int) -> torch.Tensor:
+        scale = tensors["weight_scale"].float()  # one, or one per output channel
+        return tensors["weight"].float() * (scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1))
+
     def quantize_input(self, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.scheme.kind == "fp8":
             return layer.quant_kernel(x, FP8, layer.x_scale, per_token=layer.x_scale is None)

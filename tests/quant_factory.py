@@ -31,6 +31,7 @@ import shutil
 import torch
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERT_LINEARS = ("w1", "w2", "w3")  # Mixtral's expert projections (Qwen MoE's use LINEARS' names)
 
 
 def _copy_base(base: str, out: str) -> None:
@@ -130,20 +131,31 @@ def make_ct_checkpoint(base: str, out: str, scheme: str, *, group_size: int = 32
 # -- GPTQ / AWQ ---------------------------------------------------------------------------------
 
 
-def _write_packed(base: str, out: str, quant_config: dict, pack) -> tuple[str, dict]:
-    """Replace each linear's weight [N, K] by ``pack(name, w.T [K, N])`` -> (tensors, dequantized [N, K])."""
-    from safetensors.torch import save_file
+def _is_linear(name: str) -> bool:
+    """A linear layer's checkpoint name (MoE experts included: ``...experts.3.gate_proj``, ``...experts.3.w1``)."""
+    last = name.rsplit(".", 1)[-1]
+    return last in LINEARS or (".experts." in name and last in EXPERT_LINEARS)
 
-    model = _hf(base)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+
+def _write_packed(base: str, out: str, quant_config: dict, pack) -> tuple[str, dict]:
+    """Replace each linear's weight [N, K] by ``pack(name, w.T [K, N])`` -> (tensors, dequantized [N, K]).
+    Works on ``base``'s own tensors, so MoE experts are quantized one projection at a time as the
+    quantization tools write them."""
+    import glob
+
+    from safetensors.torch import load_file, save_file
+
+    state = {}
+    for file in sorted(glob.glob(os.path.join(base, "*.safetensors"))):
+        state.update(load_file(file))
     dequantized = {}
-    for name in _linear_names(model):
-        w = state.pop(f"{name}.weight")
+    for name in [n.removesuffix(".weight") for n in list(state) if n.endswith(".weight")]:
+        if not _is_linear(name):
+            continue
+        w = state.pop(f"{name}.weight").float()
         tensors, deq = pack(name, w.T.contiguous())
         dequantized[name] = deq.T.contiguous()
-        state.update({f"{name}.{k}": v for k, v in tensors.items()})
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+        state.update({f"{name}.{k}": v.contiguous() for k, v in tensors.items()})
     _copy_base(base, out)
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out, "config.json")) as f:
@@ -256,5 +268,17 @@ def dequantized_hf_model(base: str, dequantized: dict):
     model = _hf(base)
     with torch.no_grad():
         for name, w in dequantized.items():
-            model.get_submodule(name).weight.copy_(w)
+            if ".experts." not in name:
+                model.get_submodule(name).weight.copy_(w)
+                continue
+            # transformers holds every expert in 3-D tensors: gate_up_proj [E, 2I, H] (gate rows first),
+            # down_proj [E, H, I]
+            moe, expert, proj = name.replace(".block_sparse_moe.", ".mlp.").rsplit(".", 2)
+            experts, e = model.get_submodule(moe), int(expert)
+            if proj in ("down_proj", "w2"):
+                experts.down_proj[e].copy_(w)
+            else:
+                rows = experts.gate_up_proj.shape[1] // 2
+                start = 0 if proj in ("gate_proj", "w1") else rows
+                experts.gate_up_proj[e, start : start + rows].copy_(w)
     return model

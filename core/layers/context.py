@@ -28,6 +28,12 @@ class ModelContext:
     def dtype_name(self) -> str:
         return str(self.dtype).replace("torch.", "")
 
+    def without_quantization(self) -> "ModelContext":
+        """This context for layers a quantized checkpoint leaves in floats (MoE routers, vision towers)."""
+        import dataclasses
+
+        return dataclasses.replace(self, quant_method=None)
+
     def linear_method(self, prefix: str) -> "QuantMethod":
         """The quant method for the linear layer named ``prefix``."""
         if self.quant_method is None:

@@ -12,11 +12,17 @@ Checkpoints come in two layouts; ``ExpertWeightLoader`` accepts both:
     per expert (the Hub, and transformers' save_pretrained)   {moe}.experts.{e}.{gate|up|down proj}.weight
     fused (save_pretrained(save_original_format=False))       {moe}.experts.gate_up_proj [E, 2I, H]
                                                               {moe}.experts.down_proj    [E, H, I]
+
+Quantized checkpoints (GPTQ, AWQ, fp8, compressed-tensors) store each expert projection in their
+format (``...experts.{e}.gate_proj.qweight``, ``.scales``, ...). The experts are held in the model
+dtype: the loader gathers a projection's tensors and has the quant method the checkpoint gives
+that projection dequantize them (``QuantMethod.dequantize_weight``), then loads the result like a
+float one. The other layers stay quantized; the experts take the memory of a float checkpoint's.
 """
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +31,9 @@ from torch import nn
 from halserve.distributed import divide, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from halserve.kernels import resolve_kernel
 from halserve.layers.context import ModelContext
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.quant_methods.base import QuantMethod
 
 SHARD_IDS = ("gate", "up", "down")
 
@@ -41,17 +50,6 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return topk_weights, topk_ids
 
 
-def check_experts_unquantized(ctx: ModelContext, architecture: str) -> None:
-    """Refuse a quantized checkpoint before any weight is allocated: the expert weights
-    would be read as dense tensors of the wrong shape and dtype."""
-    method = ctx.quant_method
-    if method is not None and method.name != "unquantized":
-        raise ValueError(
-            f"{architecture}: quantized MoE experts are not supported yet (this checkpoint uses quantization "
-            f"{method.name!r}); serve an unquantized (float16/bfloat16/float32) checkpoint of this model"
-        )
-
-
 class FusedMoE(nn.Module):
     """``forward(hidden [T, H], router_logits [T, E]) -> [T, H]``: the routed experts' weighted sum.
 
@@ -66,6 +64,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{prefix}: num_experts_per_tok {top_k} must be between 1 and the number of "
                              f"experts ({num_experts})")
         self.prefix = prefix
+        self.ctx = ctx  # (the quant method of each expert projection, for the loader)
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.reduce_results = reduce_results
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -114,6 +113,10 @@ class FusedMoE(nn.Module):
         offset = 0 if shard_id == "gate" else local
         self._copy(param.data[expert_id, offset : offset + local], loaded[start : start + local], loaded, shard_id)
 
+    def expert_method(self, expert_id: int, proj: str) -> "QuantMethod":
+        """The quant method the checkpoint gives projection ``proj`` (its own name) of an expert."""
+        return self.ctx.linear_method(f"{self.prefix}.{expert_id}.{proj}")
+
     def _check_rows(self, loaded: torch.Tensor, rows: int, what: str) -> None:
         # a tensor with more rows than the config says would still slice without error, wrongly
         if loaded.dim() < 2 or loaded.shape[-2] != rows:
@@ -136,7 +139,7 @@ class FusedMoE(nn.Module):
                 f"renormalize={self.renormalize}, tp={self.tp_size}")
 
 
-_PER_EXPERT = re.compile(r"^(?P<moe>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_PER_EXPERT = re.compile(r"^(?P<moe>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<tensor>\w+)$")
 _FUSED = re.compile(r"^(?P<moe>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 
 
@@ -152,10 +155,13 @@ class ExpertWeightLoader:
         assert set(proj_names.values()) == set(SHARD_IDS), proj_names
         self.params = dict(model.named_parameters())
         self.proj_names = proj_names
-        # "model.layers.0.mlp" -> experts of the FusedMoE registered there as ``experts``
-        self.num_experts = {name.removesuffix(".experts"): module.num_experts
-                            for name, module in model.named_modules() if isinstance(module, FusedMoE)}
+        # "model.layers.0.mlp" -> the FusedMoE registered there as ``experts``
+        self.modules = {name.removesuffix(".experts"): module
+                        for name, module in model.named_modules() if isinstance(module, FusedMoE)}
+        self.num_experts = {name: module.num_experts for name, module in self.modules.items()}
         self.seen: dict[str, set[tuple[int, str]]] = {}  # parameter -> (expert, shard) loaded so far
+        # (moe, expert, proj) -> the tensors of a quantized projection gathered so far
+        self.pending: dict[tuple[str, int, str], dict[str, torch.Tensor]] = {}
 
     def load_or_pass(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
@@ -165,11 +171,18 @@ class ExpertWeightLoader:
     def _load(self, name: str, tensor: torch.Tensor) -> bool:
         if match := _PER_EXPERT.match(name):
             shard_id = self.proj_names.get(match["proj"])
-            if shard_id is None:
+            if shard_id is None or match["moe"] not in self.modules:
                 return False
             expert_id: int | None = int(match["expert"])
+            tensor = self._gather(match["moe"], expert_id, match["proj"], shard_id, match["tensor"], tensor)
+            if tensor is None:  # (kept until the projection's other tensors come, or ignored)
+                return True
         elif match := _FUSED.match(name):
             shard_id, expert_id = None, None
+            module = self.modules.get(match["moe"])
+            if module is not None and module.expert_method(0, match["proj"]).expert_weight_names()[0] != ("weight",):
+                raise ValueError(f"{name}: fused expert tensors in a quantized checkpoint are not supported (only "
+                                 "per-expert tensors: experts.{e}.{projection}.*)")
         else:
             return False
         moe = match["moe"]
@@ -184,6 +197,29 @@ class ExpertWeightLoader:
         self.seen.setdefault(target, set()).update((e, s) for e in experts for s in shards
                                                    if shard_id is None or s == shard_id)
         return True
+
+    def _gather(self, moe: str, expert_id: int, proj: str, shard_id: str, kind: str,
+                tensor: torch.Tensor) -> torch.Tensor | None:
+        """The float weight of an expert projection once all its checkpoint tensors are in (at once
+        for a float checkpoint); None while some are missing, or when ``kind`` is one the format ignores.
+        ValueError for a tensor the format does not have."""
+        module = self.modules[moe]
+        method = module.expert_method(expert_id, proj)
+        needed, ignored = method.expert_weight_names()
+        if kind in ignored:
+            return None
+        if kind not in needed:
+            raise ValueError(f"{moe}.experts.{expert_id}.{proj}.{kind}: not a tensor of a {method.name} expert "
+                             f"projection (expected {', '.join(needed)})")
+        key = (moe, expert_id, proj)
+        parts = self.pending.setdefault(key, {})
+        parts[kind] = tensor
+        if len(parts) < len(needed):
+            return None
+        del self.pending[key]
+        hidden, inter = module.w13_weight.shape[-1], module.intermediate_size
+        in_size, out_size = (inter, hidden) if shard_id == "down" else (hidden, inter)
+        return method.dequantize_weight(parts, in_size, out_size).to(module.w13_weight.dtype)
 
     def loaded(self) -> set[str]:
         """The expert parameters every expert's every shard was loaded into; a partly loaded

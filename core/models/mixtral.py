@@ -15,12 +15,8 @@ import torch
 from torch import nn
 
 from halserve.layers import FusedMoE, ModelContext, ReplicatedLinear
-from halserve.layers.fused_moe import ExpertWeightLoader, check_experts_unquantized
+from halserve.layers.fused_moe import ExpertWeightLoader
 from halserve.models.llama import LlamaForCausalLM
-
-
-def architecture_of(hf_config: Any, default: str) -> str:
-    return (getattr(hf_config, "architectures", None) or [default])[0]
 
 
 class MixtralMoE(nn.Module):
@@ -29,7 +25,8 @@ class MixtralMoE(nn.Module):
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"{prefix}: hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
         hidden, num_experts = hf_config.hidden_size, hf_config.num_local_experts
-        self.gate = ReplicatedLinear(hidden, num_experts, False, ctx, f"{prefix}.gate")
+        # (the router stays in floats in quantized checkpoints)
+        self.gate = ReplicatedLinear(hidden, num_experts, False, ctx.without_quantization(), f"{prefix}.gate")
         self.experts = FusedMoE(num_experts, hf_config.num_experts_per_tok, hidden, hf_config.intermediate_size,
                                 True, ctx, f"{prefix}.experts")
 
@@ -43,7 +40,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
     EXPERT_PROJ_NAMES = {"w1": "gate", "w3": "up", "w2": "down"}
 
     def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
-        check_experts_unquantized(ctx, architecture_of(hf_config, "MixtralForCausalLM"))
         super().__init__(hf_config, ctx, make_mlp=lambda i, prefix: MixtralMoE(hf_config, ctx, prefix))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

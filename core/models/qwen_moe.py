@@ -21,9 +21,8 @@ from torch import nn
 
 from halserve.distributed import tensor_model_parallel_all_reduce
 from halserve.layers import FusedMoE, ModelContext, ReplicatedLinear
-from halserve.layers.fused_moe import ExpertWeightLoader, check_experts_unquantized
+from halserve.layers.fused_moe import ExpertWeightLoader
 from halserve.models.llama import LlamaForCausalLM, LlamaMLP, model_type
-from halserve.models.mixtral import architecture_of
 
 MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 
@@ -42,7 +41,8 @@ class QwenMoeSparseBlock(nn.Module):
             raise ValueError(f"{prefix}: hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
         hidden, num_experts = hf_config.hidden_size, hf_config.num_experts
         has_shared = model_type(hf_config) == "qwen2_moe"
-        self.gate = ReplicatedLinear(hidden, num_experts, False, ctx, f"{prefix}.gate")
+        # (the router and the shared expert's gate stay in floats in quantized checkpoints)
+        self.gate = ReplicatedLinear(hidden, num_experts, False, ctx.without_quantization(), f"{prefix}.gate")
         # with a shared expert both partial sums are added first, so one all-reduce covers them
         self.experts = FusedMoE(num_experts, hf_config.num_experts_per_tok, hidden, hf_config.moe_intermediate_size,
                                 bool(hf_config.norm_topk_prob), ctx, f"{prefix}.experts", reduce_results=not has_shared)
@@ -51,7 +51,8 @@ class QwenMoeSparseBlock(nn.Module):
             self.shared_expert = LlamaMLP(hf_config, ctx, f"{prefix}.shared_expert",
                                           intermediate_size=hf_config.shared_expert_intermediate_size,
                                           reduce_results=False)
-            self.shared_expert_gate = ReplicatedLinear(hidden, 1, False, ctx, f"{prefix}.shared_expert_gate")
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1, False, ctx.without_quantization(),
+                                                       f"{prefix}.shared_expert_gate")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden, self.gate(hidden))  # [T, H]
@@ -72,7 +73,6 @@ class QwenMoeForCausalLM(LlamaForCausalLM):
         if kind not in MODEL_TYPES:
             raise ValueError(f"QwenMoeForCausalLM serves model_type {' or '.join(MODEL_TYPES)}, got {kind!r}; "
                              "check the checkpoint's config.json")
-        check_experts_unquantized(ctx, architecture_of(hf_config, "QwenMoeForCausalLM"))
 
         def make_mlp(i: int, prefix: str) -> nn.Module | None:
             return QwenMoeSparseBlock(hf_config, ctx, prefix) if is_sparse_layer(hf_config, i) else None

@@ -1,6 +1,7 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers on tiny random
 checkpoints (fp32), in both expert layouts transformers writes; the FusedMoE weight loader over
-simulated ranks; two real tensor-parallel ranks; the offline LLM; quantized checkpoints refused."""
+simulated ranks; two real tensor-parallel ranks; the offline LLM (quantized experts:
+tests/quantization/test_quantized_moe.py)."""
 from __future__ import annotations
 
 import math
@@ -18,7 +19,6 @@ from halserve.layers.fused_moe import ExpertWeightLoader, select_experts
 from halserve.models.llama import LlamaMLP
 from halserve.models.mixtral import MixtralForCausalLM
 from halserve.models.qwen_moe import QwenMoeForCausalLM, QwenMoeSparseBlock
-from halserve.quant_methods.base import QuantMethod
 from model_factory import _randomize, make_tokenizer
 from test_llama_family import check_against_hf
 from test_tensor_parallel import PROMPTS, run_model
@@ -237,20 +237,3 @@ def test_llm_greedy_generation_matches_transformers(checkpoint):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
-
-
-# -- quantized checkpoints --------------------------------------------------------------------
-class Fp8StandIn(QuantMethod):
-    """Only its name matters: the MoE models refuse before creating any weight."""
-
-    name = "fp8"
-
-
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_quantized_experts_are_refused_with_the_architecture_named(arch):
-    ctx = ModelContext("cpu", torch.float32, TorchAttentionBackend,
-                       quant_method=Fp8StandIn("cpu", {"quant_method": "fp8"}))
-    architecture = ARCHS[arch][1]
-    with pytest.raises(ValueError, match=f"^{architecture}: quantized MoE experts are not supported yet "
-                                         r"\(this checkpoint uses quantization 'fp8'\)"):
-        ARCHS[arch][2](hf_config(arch), ctx)

@@ -19,7 +19,6 @@ import sys
 import pytest
 import torch
 
-from model_factory import make_checkpoint
 from quant_factory import (
     dequantized_hf_model,
     load_halserve,
@@ -34,12 +33,6 @@ from paged_harness import PagedHarness  # noqa: E402
 
 PROMPTS = [[1, 45, 74, 299, 17, 273, 5, 9, 100], [1, 300, 2, 9], [1, 100, 101, 102, 103]]
 FP8 = torch.float8_e4m3fn
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("base"), "llama", hidden_size=64, intermediate_size=128,
-                           num_heads=4, num_kv_heads=2)
 
 
 def per_token(qdq):

@@ -120,18 +120,6 @@ def test_gptq_without_g_idx_loads_unless_act_order(base, tmp_path):
             assert load_halserve(path).model.layers[0].self_attn.qkv_proj.g_idx is None
 
 
-def test_quantized_moe_experts_are_refused(tmp_path):
-    path = make_checkpoint(tmp_path / "moe", "llama")
-    path, _ = make_gptq_checkpoint(path, str(tmp_path / "gptq"))
-    config_path = os.path.join(path, "config.json")
-    config = json.load(open(config_path))
-    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=2,
-                  num_experts_per_tok=1)
-    json.dump(config, open(config_path, "w"))
-    with pytest.raises(ValueError, match="quantized MoE experts are not supported yet .*'gptq'"):
-        load_halserve(path)
-
-
 def test_plugins_lists_the_quantization_methods():
     from halserve.plugins import get_plugin_manager
 
