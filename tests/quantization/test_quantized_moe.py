@@ -133,3 +133,22 @@ def test_dequantize_weight_gives_what_the_tensors_stand_for(base, tmp_path, case
             want = dequantized[layer]
             got = layer_method.dequantize_weight(tensors, want.shape[1], want.shape[0])
             torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=1e-3)
+
+
+def test_quantized_moe_through_the_engine_with_two_tensor_parallel_ranks(moe_base, tmp_path, reference_4bit_kernels):
+    """The engine (offline LLM): one rank and two ranks (each holding half of every expert's
+    dequantized intermediate rows) give the same greedy tokens."""
+    from halserve import LLM, SamplingParams
+
+    path, _ = make_gptq_checkpoint(moe_base["qwen3_moe"], str(tmp_path / "gptq"), desc_act=True)
+    prompts = [[1, 45, 74, 299, 17, 273, 5, 9, 100], [1, 300, 2, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for tp in (1, 2):
+        llm = LLM(path, dtype="float32", tensor_parallel_size=tp, num_kv_blocks=64)
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            tokens.append([o.outputs[0].token_ids for o in outputs])
+        finally:
+            llm.llm_engine.shutdown()
+    assert tokens[0] == tokens[1]
