@@ -41,36 +41,32 @@ def parse_pooler_config(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def parse_speculative_config(text: str) -> Any:
-    """``'{"method": "ngram", "num_speculative_tokens": 4}'`` -> SpeculativeConfig (vLLM's --speculative-config)."""
+def _parse_json_config(parse: Any, text: str) -> Any:
+    """``parse(text)`` (a pydantic config's ``parse``), its errors as argparse's, one line each field."""
     from pydantic import ValidationError
 
-    from halserve.spec_decode.config import SpeculativeConfig
-
     try:
-        return SpeculativeConfig.parse(text)
+        return parse(text)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'value'}: {e['msg']}"
                              for e in exc.errors(include_url=False))
         raise argparse.ArgumentTypeError(problems) from None
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_speculative_config(text: str) -> Any:
+    """``'{"method": "ngram", "num_speculative_tokens": 4}'`` -> SpeculativeConfig (vLLM's --speculative-config)."""
+    from halserve.spec_decode.config import SpeculativeConfig
+
+    return _parse_json_config(SpeculativeConfig.parse, text)
 
 
 def parse_kv_transfer_config(text: str) -> Any:
     """``'{"kv_connector": "SharedStorageConnector", ...}'`` -> KVTransferConfig (vLLM's --kv-transfer-config)."""
-    from pydantic import ValidationError
-
     from halserve.kv_connectors.base import KVTransferConfig
 
-    try:
-        return KVTransferConfig.parse(text)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'value'}: {e['msg']}"
-                             for e in exc.errors(include_url=False))
-        raise argparse.ArgumentTypeError(problems) from None
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return _parse_json_config(KVTransferConfig.parse, text)
 
 
 def parse_lora_module(text: str) -> Any:

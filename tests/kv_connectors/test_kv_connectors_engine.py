@@ -32,15 +32,6 @@ def first_logprobs(outputs):
     return [o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]].logprob for o in outputs]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=64)
-    try:
-        return generate(llm)
-    finally:
-        llm.llm_engine.shutdown()
-
-
 def run_engine(model, **kwargs):
     llm = LLM(model, num_kv_blocks=64, **kwargs)
     try:

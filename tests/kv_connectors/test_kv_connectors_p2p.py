@@ -21,15 +21,6 @@ def consumer_config(port):
             "kv_connector_extra_config": {"peer": f"127.0.0.1:{port}"}}
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_llama):
-    llm = LLM(tiny_llama, num_kv_blocks=64)
-    try:
-        return generate(llm)
-    finally:
-        llm.llm_engine.shutdown()
-
-
 @pytest.fixture()
 def producer(tiny_llama):
     port = free_port()
