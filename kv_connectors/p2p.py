@@ -241,8 +241,11 @@ class P2pConnector(OffloadingConnector):
             count += 1
         return count
 
-    def slots_for_loads(self, keys: list[str]) -> list[int]:
+    def slots_for_loads(self, keys: list[str]) -> list[int | None]:
         return [self._rows.pop(key) for key in keys]
+
+    def on_failed_blocks(self, block_ids: set[int]) -> None:
+        """(a reused row or a lost producer is passing: the keys stay worth asking for)"""
 
     def load_blocks(self, transfers: list["BlockTransfer"]) -> set[int]:
         import torch
