@@ -63,6 +63,9 @@ class OffloadingConnector(BlockStoreConnector):
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> pool row, least recently used first
         self._free: list[int] = []
         self.pool: "torch.Tensor | None" = None  # (worker) [num_slots, *block_shape]
+        # (worker) the key each row holds; None while it is written (or never was): a load checks it,
+        # so a save that failed is a failed load (recomputed), never another block's K/V
+        self._row_keys: list[str | None] = []
 
     # -- sizing (worker, then scheduler) ---------------------------------------------------
     def register_kv_caches(self, caches: "KVCacheAccess") -> None:
@@ -77,6 +80,7 @@ class OffloadingConnector(BlockStoreConnector):
                              f"of {caches.bytes_per_block} bytes per rank x {self.context.world_size} ranks; raise it")
         pin = caches.device.type != "cpu" and torch.cuda.is_available()
         self.pool = torch.empty((rows, *caches.block_shape), dtype=caches.dtype, pin_memory=pin)
+        self._row_keys = [None] * rows
 
     def worker_info(self) -> dict[str, Any]:
         return {"num_cpu_blocks": 0 if self.pool is None else self.pool.shape[0]}
@@ -117,12 +121,18 @@ class OffloadingConnector(BlockStoreConnector):
     def load_blocks(self, transfers: list["BlockTransfer"]) -> set[int]:
         import torch
 
-        rows = torch.tensor([t.slot for t in transfers], dtype=torch.long)
-        self.caches.write([t.block_id for t in transfers], self.pool.index_select(0, rows))
-        return set()
+        good = [t for t in transfers if self._row_keys[t.slot] == t.key]
+        if good:
+            rows = torch.tensor([t.slot for t in good], dtype=torch.long)
+            self.caches.write([t.block_id for t in good], self.pool.index_select(0, rows))
+        return {t.block_id for t in transfers} - {t.block_id for t in good}
 
     def save_blocks(self, transfers: list["BlockTransfer"], data: "torch.Tensor") -> None:
         import torch
 
+        for t in transfers:
+            self._row_keys[t.slot] = None
         rows = torch.tensor([t.slot for t in transfers], dtype=torch.long)
         self.pool.index_copy_(0, rows, data.to("cpu", non_blocking=False))
+        for t in transfers:
+            self._row_keys[t.slot] = t.key

@@ -31,8 +31,6 @@ from halserve.kv_connectors.base import KVConnector
 from halserve.kv_connectors.offloading import OffloadingConnector, check_pool_config
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
     from halserve.config import EngineConfig
     from halserve.kv_connectors.base import BlockTransfer, KVCacheAccess, KVTransferConfig
 
@@ -149,7 +147,6 @@ class P2pConnector(OffloadingConnector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._server: _Server | None = None
-        self._row_keys: list[str | None] = []  # (producer worker) the key each pool row holds
         self._rows: dict[str, int] = {}  # (consumer scheduler) the producer's rows of the last lookup
         self._peer: _Peer | None = None
         self._down_until = 0.0
@@ -165,7 +162,6 @@ class P2pConnector(OffloadingConnector):
             KVConnector.register_kv_caches(self, caches)
             return
         super().register_kv_caches(caches)
-        self._row_keys = [None] * self.pool.shape[0]
         self._server = serve(self.transfer_config.kv_ip, 0, self._answer_fetch)
 
     def worker_info(self) -> dict[str, Any]:
@@ -207,13 +203,6 @@ class P2pConnector(OffloadingConnector):
 
         payload = torch.stack(blocks).view(torch.uint8).numpy().tobytes() if blocks else b""
         return {"ok": ok, "shape": list(self.caches.block_shape), "dtype": str(self.caches.dtype)}, payload
-
-    def save_blocks(self, transfers: list["BlockTransfer"], data: "torch.Tensor") -> None:
-        for t in transfers:
-            self._row_keys[t.slot] = None
-        super().save_blocks(transfers, data)
-        for t in transfers:
-            self._row_keys[t.slot] = t.key
 
     # -- consumer ------------------------------------------------------------------------
     def count_present(self, keys: list[str]) -> int:

@@ -108,6 +108,23 @@ def test_offloading_brings_back_evicted_prefixes(tiny_llama, reference, how):
         llm.llm_engine.shutdown()
 
 
+def test_offloading_rows_that_do_not_hold_their_block_are_recomputed(tiny_llama, reference, caplog):
+    """A save that did not complete (its row's key is cleared first) is a failed load, never another
+    block's K/V."""
+    cfg = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 40}}
+    llm = LLM(tiny_llama, num_kv_blocks=7, max_num_seqs=1, kv_transfer_config=cfg)
+    try:
+        generate(llm)
+        worker_side = llm.llm_engine.core.executor.worker.model_runner.kv_connector
+        worker_side._row_keys[:] = [None] * len(worker_side._row_keys)
+        with caplog.at_level(logging.WARNING):
+            second = generate(llm)
+        assert tokens(second) == tokens(reference)
+        assert "recomputing" in caplog.text
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_offloading_pool_smaller_than_the_working_set_keeps_the_latest(tiny_llama, reference):
     cfg = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 5}}
     llm = LLM(tiny_llama, num_kv_blocks=7, max_num_seqs=1, kv_transfer_config=cfg)
