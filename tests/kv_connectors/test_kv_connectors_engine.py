@@ -153,6 +153,7 @@ def test_tensor_parallel_ranks_save_and_load_their_heads(tiny_llama, reference, 
     ({"kv_transfer_config": {"kv_connector": "SharedStorageConnector"}}, 'needs kv_connector_extra_config '
                                                                          '"shared_storage_path"'),
     ({"kv_transfer_config": {"kv_connector": "OffloadingConnector"}}, "needs exactly one of"),
+    ({"kv_transfer_config": storage("/tmp", max_storage_bytes=-1)}, "max_storage_bytes must be a positive integer"),
     ({"kv_transfer_config": {"kv_connector": "OffloadingConnector",
                              "kv_connector_extra_config": {"num_cpu_blocks": 8, "block_size": 64}}},
      "block_size 64 differs from the engine's block_size 16"),
@@ -178,3 +179,27 @@ def test_bad_connector_settings_are_refused_with_the_reason(tiny_llama, kwargs, 
     with pytest.raises(ValueError) as info:
         LLM(tiny_llama, num_kv_blocks=64, **kwargs)
     assert message in str(info.value)
+
+
+def test_max_storage_bytes_prunes_the_least_recently_used_files(tiny_llama, reference, tmp_path):
+    """A cap of ~5 blocks: the producer deletes the oldest files at the step after it saved 12; the
+    blocks left still serve a second engine, each prompt its leading blocks that survived."""
+    from halserve.kv_cache.hashing import hash_block_tokens
+
+    run_engine(tiny_llama, kv_transfer_config=storage(tmp_path / "probe"))
+    block_file = max(p.stat().st_size for p in (tmp_path / "probe").rglob("*.safetensors"))
+    cap = 5 * block_file
+    config = storage(tmp_path / "kv", max_storage_bytes=cap)
+    first, _ = run_engine(tiny_llama, kv_transfer_config=config)
+    files = {p.stem for p in (tmp_path / "kv").rglob("*.safetensors")}
+    assert tokens(first) == tokens(reference) and 0 < len(files) * block_file <= cap
+    expected_hits = 0
+    for prompt in PROMPTS:  # a prompt's hit: its leading blocks whose file survived
+        parent = None
+        for b in range(len(prompt) // 16):
+            parent = hash_block_tokens(parent, prompt[16 * b : 16 * b + 16])
+            if parent.hex() not in files:
+                break
+            expected_hits += 16
+    second, stats = run_engine(tiny_llama, kv_transfer_config=config)
+    assert tokens(second) == tokens(reference) and stats.kv_connector_hit_tokens == expected_hits
