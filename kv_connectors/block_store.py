@@ -62,7 +62,6 @@ class BlockStoreConnector(KVConnector):
         """(worker) Keep ``data[j]`` (``KVCacheAccess.read`` layout) under ``transfers[j]``."""
         raise NotImplementedError
 
-    # -- scheduler side ----------------------------------------------------------------
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._pending_loads: list[BlockTransfer] = []  # found at admission, sent with this step
@@ -72,9 +71,8 @@ class BlockStoreConnector(KVConnector):
         self._failed: set[int] = set()  # (worker) this step's blocks that failed to load
         self._loading: dict[int, str] = {}  # (scheduler) block id -> key, of the last step's loads
         self._bad_keys: set[str] = set()  # (scheduler) keys whose copies failed to load: never looked up again
-        self.num_loaded_blocks = 0  # (scheduler) cumulative, for stats
-        self.num_saved_blocks = 0
 
+    # -- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
         if not self.transfer_config.is_consumer:
             return 0
@@ -94,7 +92,6 @@ class BlockStoreConnector(KVConnector):
             keys = block_keys(request, block_size, end * block_size, first)
             self._pending_loads += [BlockTransfer(block_ids[i], key, slot)
                                     for i, key, slot in zip(range(first, end), keys, self.slots_for_loads(keys))]
-            self.num_loaded_blocks += end - first
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput",
                              requests: dict[str, "Request"]) -> KVConnectorMetadata:
@@ -122,7 +119,6 @@ class BlockStoreConnector(KVConnector):
                 candidates.setdefault(key, table[i])
         keys = [key for key, lacks in zip(candidates, self.missing(list(candidates))) if lacks]
         meta.saves = [BlockTransfer(candidates[key], key, slot) for key, slot in self.slots_for_saves(keys).items()]
-        self.num_saved_blocks += len(meta.saves)
         return meta
 
     def on_failed_blocks(self, block_ids: set[int]) -> None:
