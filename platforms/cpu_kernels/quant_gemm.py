@@ -60,8 +60,9 @@ class CpuInt4Weight:
     n: int  # output features
 
 
-def _rows_layout(g_idx: torch.Tensor, num_groups: int) -> tuple[torch.Tensor | None, torch.Tensor, int]:
-    """Order the K rows group by group, each group's run padded to a multiple of ``Gt``.
+def rows_layout(g_idx: torch.Tensor, num_groups: int,
+                sizes: tuple[int, ...] = TORCH_GROUP_SIZES) -> tuple[torch.Tensor | None, torch.Tensor, int]:
+    """Order the K rows group by group, each group's run padded to a multiple of ``Gt`` (one of ``sizes``).
 
     ``g_idx [K]`` is the group of each row. Returns ``(src [Kp] | None, block_group [Kp/Gt], Gt)``:
     the input row at each position (``K`` for padding; None when it is ``arange(K)``) and the
@@ -75,7 +76,7 @@ def _rows_layout(g_idx: torch.Tensor, num_groups: int) -> tuple[torch.Tensor | N
     def padded_rows(t: int) -> torch.Tensor:
         return (counts + t - 1) // t * t
 
-    gt = min(TORCH_GROUP_SIZES, key=lambda t: (int(padded_rows(t).sum()), -t))
+    gt = min(sizes, key=lambda t: (int(padded_rows(t).sum()), -t))
     padded = padded_rows(gt)
     order = torch.argsort(g_idx, stable=True)  # rows, group by group
     groups = g_idx[order]
@@ -93,7 +94,7 @@ def repack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_id
     """``q [K, N]`` (0..15), ``zeros``/``scales [num_groups, N]``, ``g_idx [K]`` -> the prepared weight
     for ``w[k, n] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n]``."""
     k, n = q.shape
-    src, block_group, gt = _rows_layout(g_idx.long(), scales.shape[0])
+    src, block_group, gt = rows_layout(g_idx.long(), scales.shape[0])
     q_nk = q.T.to(torch.int32)  # [N, K]
     if src is not None:
         pad = torch.full((n, 1), PAD_Q, dtype=torch.int32)
@@ -110,10 +111,84 @@ def _check_packed(name: str, t: torch.Tensor, shape: tuple[int, int], layout: st
         raise ValueError(f"{name} is {t.dtype} {list(t.shape)}; the {layout} needs int32 {list(shape)}")
 
 
+def unpack_gptq_args(weight: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight = (qweight [K/8, N], qzeros [num_groups, N/8], scales [num_groups, N], g_idx [K] | None,
+    group_size)`` -> ``(q [K, N], zeros [num_groups, N], scales, g_idx [K])``, checked; ``num_groups``
+    is K/G, or any count ``g_idx`` indexes (a tensor-parallel rank)."""
+    qweight, qzeros, scales, g_idx, group_size = weight
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    if g_idx is None:
+        g_idx = torch.arange(k) // packing.group_rows(k, group_size)
+    elif g_idx.shape != (k,) or g_idx.dtype.is_floating_point:
+        raise ValueError(f"g_idx is {g_idx.dtype} {list(g_idx.shape)}; expected integers [K={k}]")
+    num_groups = scales.shape[0]
+    layout = f"GPTQ v1 packing for K={k}, N={n} with {num_groups} groups"
+    _check_packed("qweight", qweight, (k // 8, n), layout)
+    _check_packed("qzeros", qzeros, (num_groups, n // 8), layout)
+    if tuple(scales.shape) != (num_groups, n):
+        raise ValueError(f"scales is {list(scales.shape)}; the {layout} needs [{num_groups}, {n}]")
+    if k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups):
+        lo, hi = int(g_idx.min()), int(g_idx.max())
+        raise ValueError(f"g_idx values must lie in [0, {num_groups}) (the scales' groups), got [{lo}, {hi}]")
+    q, zeros = packing.unpack_gptq(qweight, qzeros)  # [K, N], [num_groups, N] with the +1
+    return q, zeros, scales, g_idx.long()
+
+
+def unpack_awq_args(weight: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight = (qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N], group_size)`` -> ``(q [K, N],
+    zeros [K/G, N], scales, g_idx [K])``, checked."""
+    qweight, qzeros, scales, group_size = weight
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    g = packing.group_rows(k, group_size)
+    layout = f"AutoAWQ packing for K={k}, N={n}, group_size={group_size}"
+    _check_packed("qweight", qweight, (k, n // 8), layout)
+    _check_packed("qzeros", qzeros, (k // g, n // 8), layout)
+    if tuple(scales.shape) != (k // g, n):
+        raise ValueError(f"scales is {list(scales.shape)}; the {layout} needs [{k // g}, {n}]")
+    q, zeros = packing.unpack_awq(qweight, qzeros)  # [K, N], [K/G, N]
+    return q, zeros, scales, torch.arange(k) // g
+
+
+class GptqArgs:
+    """The ``gptq_gemm`` op's arguments for a CPU kernel class that sets ``prepared_type``, ``repack(q,
+    zeros, scales, g_idx)`` (the layout it prepares) and ``run(x, prepared)``."""
+
+    op = "gptq_gemm"
+
+    def prepare_weight(self, weight: tuple):
+        if isinstance(weight, self.prepared_type):
+            return weight
+        return self.repack(*unpack_gptq_args(weight))
+
+    def __call__(self, x, qweight, qzeros=None, scales=None, g_idx=None, group_size=None) -> torch.Tensor:
+        if not isinstance(qweight, self.prepared_type):  # unprepared: repack on every call (tests, conformance)
+            qweight = self.prepare_weight((qweight, qzeros, scales, g_idx, group_size))
+        return self.run(x, qweight)
+
+
+class AwqArgs:
+    """The ``awq_gemm`` op's arguments; as ``GptqArgs``."""
+
+    op = "awq_gemm"
+
+    def prepare_weight(self, weight: tuple):
+        if isinstance(weight, self.prepared_type):
+            return weight
+        return self.repack(*unpack_awq_args(weight))
+
+    def __call__(self, x, qweight, qzeros=None, scales=None, group_size=None) -> torch.Tensor:
+        if not isinstance(qweight, self.prepared_type):
+            qweight = self.prepare_weight((qweight, qzeros, scales, group_size))
+        return self.run(x, qweight)
+
+
 class _CpuInt4Gemm(Kernel):
+    name = "torch_int4pack"
     platforms = ("cpu",)
     priority = 8  # below IPEX's 4-bit kernels (10), which compute float32 exactly when installed
     dtypes = ("float32", "float16", "bfloat16")
+    prepared_type = CpuInt4Weight
+    repack = staticmethod(repack_int4)
 
     @classmethod
     def capabilities(cls) -> dict:
@@ -137,7 +212,7 @@ class _CpuInt4Gemm(Kernel):
         return None
 
     @staticmethod
-    def _run(x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
+    def run(x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
         if x.shape[-1] != w.k:
             raise ValueError(f"x has {x.shape[-1]} input features; the weight was prepared for K={w.k}")
         xb = x.reshape(-1, w.k).to(torch.bfloat16)  # [M, K]
@@ -149,71 +224,19 @@ class _CpuInt4Gemm(Kernel):
         return out.to(x.dtype).reshape(*x.shape[:-1], w.n)
 
 
-class CpuInt4GptqGemm(_CpuInt4Gemm):
-    op = "gptq_gemm"
-    name = "torch_int4pack"
+class CpuInt4GptqGemm(GptqArgs, _CpuInt4Gemm):
     description = (
         "torch's CPU int4 kernel (aten._weight_int4pack_mm_for_cpu) on a weight repacked once at load; "
         "computes in bfloat16 for every activation dtype (its float32/float16 paths are scalar), "
         "act-order g_idx by a column gather of x per call"
     )
 
-    def prepare_weight(self, weight: tuple) -> CpuInt4Weight:
-        """``weight = (qweight [K/8, N], qzeros [num_groups, N/8], scales [num_groups, N], g_idx [K] | None,
-        group_size)``; ``num_groups`` is K/G, or any count ``g_idx`` indexes (a tensor-parallel rank)."""
-        if isinstance(weight, CpuInt4Weight):
-            return weight
-        qweight, qzeros, scales, g_idx, group_size = weight
-        k, n = qweight.shape[0] * 8, qweight.shape[1]
-        if g_idx is None:
-            g_idx = torch.arange(k) // packing.group_rows(k, group_size)
-        elif g_idx.shape != (k,) or g_idx.dtype.is_floating_point:
-            raise ValueError(f"g_idx is {g_idx.dtype} {list(g_idx.shape)}; expected integers [K={k}]")
-        num_groups = scales.shape[0]
-        layout = f"GPTQ v1 packing for K={k}, N={n} with {num_groups} groups"
-        _check_packed("qweight", qweight, (k // 8, n), layout)
-        _check_packed("qzeros", qzeros, (num_groups, n // 8), layout)
-        if tuple(scales.shape) != (num_groups, n):
-            raise ValueError(f"scales is {list(scales.shape)}; the {layout} needs [{num_groups}, {n}]")
-        if k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups):
-            lo, hi = int(g_idx.min()), int(g_idx.max())
-            raise ValueError(f"g_idx values must lie in [0, {num_groups}) (the scales' groups), got [{lo}, {hi}]")
-        q, zeros = packing.unpack_gptq(qweight, qzeros)  # [K, N], [num_groups, N] with the +1
-        return repack_int4(q, zeros, scales, g_idx)
 
-    def __call__(self, x, qweight, qzeros=None, scales=None, g_idx=None, group_size=None) -> torch.Tensor:
-        if not isinstance(qweight, CpuInt4Weight):  # unprepared: repack on every call (tests, conformance)
-            qweight = self.prepare_weight((qweight, qzeros, scales, g_idx, group_size))
-        return self._run(x, qweight)
-
-
-class CpuInt4AwqGemm(_CpuInt4Gemm):
-    op = "awq_gemm"
-    name = "torch_int4pack"
+class CpuInt4AwqGemm(AwqArgs, _CpuInt4Gemm):
     description = (
         "torch's CPU int4 kernel (aten._weight_int4pack_mm_for_cpu) on a weight repacked once at load; "
         "computes in bfloat16 for every activation dtype (its float32/float16 paths are scalar)"
     )
-
-    def prepare_weight(self, weight: tuple) -> CpuInt4Weight:
-        """``weight = (qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N], group_size)``."""
-        if isinstance(weight, CpuInt4Weight):
-            return weight
-        qweight, qzeros, scales, group_size = weight
-        k, n = qweight.shape[0], qweight.shape[1] * 8
-        g = packing.group_rows(k, group_size)
-        layout = f"AutoAWQ packing for K={k}, N={n}, group_size={group_size}"
-        _check_packed("qweight", qweight, (k, n // 8), layout)
-        _check_packed("qzeros", qzeros, (k // g, n // 8), layout)
-        if tuple(scales.shape) != (k // g, n):
-            raise ValueError(f"scales is {list(scales.shape)}; the {layout} needs [{k // g}, {n}]")
-        q, zeros = packing.unpack_awq(qweight, qzeros)  # [K, N], [K/G, N]
-        return repack_int4(q, zeros, scales, torch.arange(k) // g)
-
-    def __call__(self, x, qweight, qzeros=None, scales=None, group_size=None) -> torch.Tensor:
-        if not isinstance(qweight, CpuInt4Weight):  # unprepared: repack on every call (tests, conformance)
-            qweight = self.prepare_weight((qweight, qzeros, scales, group_size))
-        return self._run(x, qweight)
 
 
 def _scale_column(scale: torch.Tensor, rows: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from halserve.kernels import packing, resolve_kernel
 from halserve.kernels.reference import TorchAwqGemm, TorchGptqGemm, TorchInt8ScaledGemm
+from halserve.platforms.cpu_kernels.native_int4 import NativeInt4AwqGemm, NativeInt4GptqGemm
 from halserve.platforms.cpu_kernels.quant_gemm import (
     CpuInt4AwqGemm,
     CpuInt4GptqGemm,
@@ -128,16 +129,18 @@ def test_torch_int4_kernel_convention():
 
 
 def test_resolution_and_declines():
-    assert isinstance(resolve_kernel("gptq_gemm", "cpu", dtype="float32", n=4096, k=4096, group_size=128),
-                      CpuInt4GptqGemm)
-    assert isinstance(resolve_kernel("awq_gemm", "cpu", dtype="bfloat16", n=11008, k=4096, group_size=-1),
-                      CpuInt4AwqGemm)
+    # the native kernel (native_int4.py, priority 9) wins where the CPU has AVX512-BF16
+    native = NativeInt4GptqGemm.supports(dtype="float32", n=4096, k=4096, group_size=128) is None
+    gptq, awq = (NativeInt4GptqGemm, NativeInt4AwqGemm) if native else (CpuInt4GptqGemm, CpuInt4AwqGemm)
+    assert isinstance(resolve_kernel("gptq_gemm", "cpu", dtype="float32", n=4096, k=4096, group_size=128), gptq)
+    assert isinstance(resolve_kernel("awq_gemm", "cpu", dtype="bfloat16", n=11008, k=4096, group_size=-1), awq)
     assert isinstance(resolve_kernel("int8_scaled_gemm", "cpu", dtype="int8", n=64, k=80), CpuInt8ScaledGemm)
     assert "multiple of 16" in CpuInt4GptqGemm.supports(dtype="float32", n=40, k=256, group_size=128)
     assert "not a multiple of 32" in CpuInt4AwqGemm.supports(dtype="float32", n=64, k=256, group_size=16)
     assert "not a multiple of 32" in CpuInt4GptqGemm.supports(dtype="float32", n=64, k=200, group_size=-1)
-    # what torch's op cannot take falls back to the reference
-    assert resolve_kernel("gptq_gemm", "cpu", dtype="float32", n=64, k=256, group_size=16).name == "torch"
+    # what torch's op cannot take falls back to the native kernel, else the reference
+    expected = "cpu_native" if native else "torch"
+    assert resolve_kernel("gptq_gemm", "cpu", dtype="float32", n=64, k=256, group_size=16).name == expected
 
 
 def test_prepare_rejects_mismatched_shapes():

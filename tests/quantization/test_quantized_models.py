@@ -166,14 +166,21 @@ def test_online_fp8_quantizes_a_float_checkpoint(base):
     torch.testing.assert_close(run_steps(model), reference_steps(hf), atol=1e-3, rtol=1e-4)
 
 
-def test_cpu_int4_kernels_in_a_model(base, tmp_path):
-    """The CPU's 4-bit kernels (torch's int4 matmul, in bf16) in a whole model: within bf16's error
-    of the exact model, where a wrong zero, scale or group moves the logits by 10% and more."""
+@pytest.mark.parametrize("kernel", ["cpu_native", "torch_int4pack"])
+def test_cpu_int4_kernels_in_a_model(base, tmp_path, kernel, monkeypatch):
+    """The CPU's 4-bit kernels (native_int4.py, and torch's int4 matmul; both in bf16) in a whole model:
+    within bf16's error of the exact model, where a wrong zero, scale or group moves the logits by 10%."""
+    from halserve.platforms.cpu_kernels.native_int4 import NativeInt4GptqGemm
+
+    reason = NativeInt4GptqGemm.supports(dtype="float32", n=64, k=64, group_size=32)
+    if kernel == "cpu_native" and reason is not None:
+        pytest.skip(f"the native 4-bit GEMM does not run here: {reason}")
+    monkeypatch.setenv("HALSERVE_KERNELS", f"gptq_gemm={kernel},awq_gemm={kernel}")
     for case in ("gptq-act-order", "awq"):
         path, dequantized = CASES[case][0](base, str(tmp_path / case))
         model = load_halserve(path)
         layer = model.model.layers[0].mlp.down_proj
-        assert layer.int4_kernel.name == "torch_int4pack"
+        assert layer.int4_kernel.name == kernel
         want = reference_steps(dequantized_hf_model(base, dequantized))
         got = run_steps(model)
         assert (got - want).abs().max() < 3e-2 * want.abs().max(), case
