@@ -1,13 +1,13 @@
 """Quantized checkpoints side by side: halserve vs vLLM's CPU build on W1 and its quantized copies.
 
-    python benchmarks/compare_quantized.py [--formats float gptq awq w8a8] [--repeats 2]
+    python benchmarks/compare_quantized.py [--formats float gptq awq w8a8] [--repeats 2] [--dtype bfloat16]
 
 The checkpoints: ``benchmarks/workloads.py bench_out W1`` and ``benchmarks/quantized_workloads.py
 bench_out/W1 bench_out`` (made here when missing). W1's prompts and lengths; each engine in fresh
-processes, alternating, median reported (``compare_throughput.py``'s runner). halserve runs float32
-activations (its CPU kernels: oneDNN float32, torch's int4 matmul in bf16, int8 ``_int_mm``); vLLM's
-CPU build takes these quantized checkpoints only in bfloat16 (its int8 GEMM refuses float32), so it
-runs bfloat16 for them and float32 for the float checkpoint, as in BENCHMARKS.md's W1 figures.
+processes, alternating, median reported (``compare_throughput.py``'s runner). Both engines run
+``--dtype`` activations (default bfloat16), except that vLLM's CPU build takes these quantized
+checkpoints only in bfloat16 (its int8 GEMM refuses float32): with ``--dtype float32`` it still runs
+them in bfloat16, and the table says so.
 """
 from __future__ import annotations
 
@@ -40,22 +40,23 @@ def main() -> None:
     ap.add_argument("--root", default="bench_out")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/root/venvs/vllm/bin/python"))
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
     w = WORKLOADS["W1"]
     n, i, o = str(w["num_prompts"]), str(w["input_len"]), str(w["output_len"])
     rows = []
     for fmt in args.formats:
         path = checkpoint(fmt, args.root)
-        vllm_dtype = "float32" if fmt == "float" else "bfloat16"
+        vllm_dtype = args.dtype if fmt == "float" else "bfloat16"
         engines = {
             "halserve": ([sys.executable, "-m", "halserve.entrypoints.cli", "bench", "throughput", "--model", path,
-                          "--platform", "cpu", "--dtype", "float32", "--num-prompts", n, "--input-len", i,
+                          "--platform", "cpu", "--dtype", args.dtype, "--num-prompts", n, "--input-len", i,
                           "--output-len", o, "--output-json", "{json}"], None),
             "vllm": ([args.vllm_python, os.path.join(HERE, "vllm_throughput.py"), path, n, i, o, "--dtype", vllm_dtype,
                       "--json", "{json}"], {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}),
         }
         rows.append((fmt, vllm_dtype, _interleaved(engines, args.repeats)))
-    print("\n| W1 checkpoint | halserve (float32) out tok/s | vLLM-CPU out tok/s (dtype) | halserve / vLLM |")
+    print(f"\n| W1 checkpoint | halserve ({args.dtype}) out tok/s | vLLM-CPU out tok/s (dtype) | halserve / vLLM |")
     print("|---|---|---|---|")
     for fmt, vllm_dtype, res in rows:
         h, v = (res[k]["output_tokens_per_s"] if res.get(k) else None for k in ("halserve", "vllm"))

@@ -7,9 +7,14 @@ weight for every 4 rows of x, so it loses to the dense bf16 GEMM from ~4 rows on
 steps and 2,048-token prefills); here a panel serves up to ~1 MB of x, so prefill runs near the
 dense GEMM's rate. Figures: BENCHMARKS.md "Quantized checkpoints on the CPU".
 
-Arithmetic: ``w = q * s + zf`` in float32 (``zf = -z * s``, exact for fp16 scales), rounded once to
-bf16; x rounded to bf16; float32 accumulation. So every activation dtype computes in bfloat16, as
-``torch_int4pack`` does (``compute_dtype`` bfloat16); the output is x's dtype.
+Up to four rows of x (decode of a few sequences) no bf16 weight is written: the packed nibbles become
+``bf16(128 + q)`` by one OR, the products with x are exact, and each group's sums are centred and
+scaled once (``sum s (x (128 + q) - (128 + z) x)``); there it beats torch's int4 kernel at M = 1.
+
+Arithmetic: x rounded to bf16, float32 accumulation, the output in x's dtype. From five rows on the
+weight is ``w = q * s + zf`` in float32 (``zf = -z * s``, exact for fp16 scales) rounded once to bf16;
+up to four rows it is exact. So every activation dtype computes in bfloat16, as ``torch_int4pack``
+does (``compute_dtype`` bfloat16).
 
 Layout (``NativeInt4Weight``, built once at load): the K rows group by group, each group's run padded
 to a multiple of 32 (act-order ``g_idx`` included, as ``rows_layout`` does for torch_int4pack), N
@@ -35,7 +40,7 @@ class NativeInt4Weight:
 
     qpack: torch.Tensor  # [Np/16, Kp/32, 16, 16] uint8: nibbles in AMX B-tile order
     scales: torch.Tensor  # [G, Np] float32 (0 in padded columns)
-    zeros: torch.Tensor  # [G, Np] float32: -z * s, so w = q * s + zeros
+    zeros: torch.Tensor  # [G, Np] float32: z, so w = (q - zeros) * scales
     block_group: torch.Tensor  # [Kp/32] int32: the group of each block of 32 rows
     src: torch.Tensor | None  # [Kp] int64: x column feeding each packed row (K: zero pad); None: identity
     k: int  # input features of x
@@ -57,12 +62,12 @@ def repack_native(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_
     kp, np_ = q.shape[0], -(-n // PANEL_N) * PANEL_N
     pad = np_ - n
     s = torch.nn.functional.pad(scales.float(), (0, pad))  # [G, Np]: padded columns weigh 0
-    zf = torch.nn.functional.pad(-zeros.float() * scales.float(), (0, pad))
+    z = torch.nn.functional.pad(zeros.float(), (0, pad))
     q = torch.nn.functional.pad(q, (0, pad))  # [Kp, Np]
     # [KB, r, pair, T, c] -> [T, KB, r, c, pair] = [T, KB, 16, 32 elements j = 2 c + pair]
     tiles = q.view(kp // BLOCK_K, 16, 2, np_ // 16, 16).permute(3, 0, 1, 4, 2).reshape(np_ // 16, kp // BLOCK_K, 16, 32)
     qpack = (tiles[..., :16] | (tiles[..., 16:] << 4)).contiguous()
-    return NativeInt4Weight(qpack, s.contiguous(), zf.contiguous(), block_group.to(torch.int32).contiguous(), src, k, n)
+    return NativeInt4Weight(qpack, s.contiguous(), z.contiguous(), block_group.to(torch.int32).contiguous(), src, k, n)
 
 
 @functools.lru_cache(maxsize=1)

@@ -2,11 +2,12 @@
 torch references, on both of its code paths (AMX tiles where this CPU and OS allow them, and the
 AVX512-BF16 dot products the kernel uses without AMX).
 
-Numerics: ``w = q * s + zf`` in float32 (exact for fp16 scales), rounded once to bf16; x rounded to
-bf16; float32 accumulation; the output in x's dtype. ``test_numerics_are_bf16_weights`` holds the
-kernel to that arithmetic done in float64 (only float32 accumulation order remains); against the
-float32 references the bf16 rounding of x and w stays within ``INT4_TOL`` (measured <= 4e-3 here),
-while a wrong zero or a row in the wrong group is off by a whole quantization step (>10%).
+Numerics: x rounded to bf16, float32 accumulation, the output in x's dtype. From five rows on, the
+weight is ``bf16(q * s + zf)`` (``zf = -z * s``, exact for fp16 scales): ``test_numerics_are_bf16_weights``
+holds the kernel to that arithmetic done in float64. Up to four rows the weight is exact (the sums of
+``x * (128 + q)`` are scaled per group): ``test_few_rows_use_exact_weights``. Against the float32
+references the bf16 rounding stays within ``INT4_TOL`` (measured <= 4e-3 here), while a wrong zero or a
+row in the wrong group is off by a whole quantization step (>10%).
 """
 import pytest
 import torch
@@ -106,6 +107,22 @@ def test_numerics_are_bf16_weights(isa):
     s = scales16.float().repeat_interleave(group_size, 0)
     z = zeros.float().repeat_interleave(group_size, 0)
     w = torch.addcmul(-z * s, q.float(), s).to(torch.bfloat16).double()  # one rounding of q * s - z * s
+    want = x.to(torch.bfloat16).double() @ w
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_few_rows_use_exact_weights(m):
+    # decode rows: bf16(x) @ ((q - z) * s) with the weight exact; the per-group centring of the sums of
+    # x * (128 + q) costs float32 cancellation (~136 x 2^-24 of the sums), far below bf16's 2^-9
+    k, n, group_size = 512, 96, 128
+    g = torch.Generator().manual_seed(11)
+    q, zeros, scales = packing.quantize_4bit(torch.randn(k, n, generator=g), group_size)
+    args = (*packing.pack_gptq(q, zeros, scales), None, group_size)
+    x = torch.randn(m, k, generator=g)
+    got = NativeInt4GptqGemm()(x, *args)
+    rows = torch.arange(k) // group_size
+    w = (q.double() - zeros.double()[rows]) * args[2].double()[rows]
     want = x.to(torch.bfloat16).double() @ w
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
