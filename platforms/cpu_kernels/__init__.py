@@ -39,7 +39,8 @@ def load() -> object | None:
             from torch.utils.cpp_extension import load as load_ext
 
             here = os.path.dirname(os.path.abspath(__file__))
-            names = ("paged_attention.cpp", "paged_prefill.cpp", "elementwise.cpp", "shm_comm.cpp", "int4_gemm.cpp")
+            names = ("paged_attention.cpp", "paged_prefill.cpp", "elementwise.cpp", "shm_comm.cpp", "int4_gemm.cpp",
+                     "int4_gemv.cpp")
             sources = [os.path.join(here, name) for name in names]
             logger.info("building halserve's native CPU attention kernel (once per machine)")
             _module = load_ext(

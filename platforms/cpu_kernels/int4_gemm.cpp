@@ -19,36 +19,15 @@
 //
 // x is read in place when it is bf16 in the packed column order, else copied into bf16 [Mp, Kp]
 // (columns in the packed order); AMX's 16-row tiles get x's last M % 16 rows zero-padded.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "int4_gemm.h"
 
-#include <algorithm>
-#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#define HALSERVE_INT4_BF16 1
-#endif
-#if defined(HALSERVE_INT4_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HALSERVE_INT4_AMX 1
-#endif
-
 namespace {
 
-using bf16 = c10::BFloat16;
-
-constexpr int64_t kBlockK = 32;                 // rows per k block: an AMX bf16 tile's depth
-constexpr int64_t kTileN = 16;                  // columns per tile
-constexpr int64_t kPanelN = 32;                 // columns per panel: two tiles
-constexpr int64_t kTileBytes = 16 * 16;         // packed bytes per (column tile, k block)
-constexpr int64_t kTileElems = 16 * 32;         // bf16 values per dequantized B tile
-constexpr int64_t kChunkBytes = 1 << 20;        // bytes of bf16 x one panel is used against
-constexpr int64_t kGemvRows = 4;                // up to this many rows: int4_gemv, no bf16 panel
+using namespace halserve_int4;
 
 // The OS must grant AMX's tile data to a process once (Linux arch_prctl); oneDNN asks the
 // same. False: AMX is absent from this build or refused by the kernel.
@@ -96,22 +75,6 @@ void gather_x(const T* x, int64_t M, int64_t K, const int64_t* src, int64_t Mp, 
 
 #ifdef HALSERVE_INT4_BF16
 
-// The rows of x in bf16, packed column order: rows below main_rows in main, the rest (AMX's
-// zero-padded last 16 rows, when x itself serves as main) in tail; ld elements between rows.
-struct XRows {
-  const bf16* main;
-  const bf16* tail;
-  int64_t main_rows, ld;
-  const bf16* row(int64_t m) const { return m < main_rows ? main + m * ld : tail + (m - main_rows) * ld; }
-};
-
-struct Int4Weight {
-  const uint8_t* qpack;
-  const float* scales;
-  const float* zeros;
-  const int32_t* block_group;
-  int64_t KB, Np;
-};
 
 // One panel (column tiles 2 nb, 2 nb + 1) as bf16 B tiles: panel [KB][2][16 rows][32].
 void dequant_panel(const Int4Weight& w, int64_t nb, bf16* panel) {
@@ -139,114 +102,6 @@ void dequant_panel(const Int4Weight& w, int64_t nb, bf16* panel) {
       }
     }
   }
-}
-
-// out[m, col0 + c] = acc row m (32 floats) for the columns below N
-inline void store_row(const float* a, float* o, int64_t cols) {
-  if (cols == kPanelN) {
-    _mm512_storeu_ps(o, _mm512_loadu_ps(a));
-    _mm512_storeu_ps(o + kTileN, _mm512_loadu_ps(a + kTileN));
-  } else {
-    for (int64_t c = 0; c < cols; ++c) o[c] = a[c];
-  }
-}
-
-inline void store_row(const float* a, bf16* o, int64_t cols) {
-  if (cols == kPanelN) {
-    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(a + kTileN), _mm512_loadu_ps(a));
-    _mm512_storeu_si512(o, (__m512i)v);
-  } else {
-    for (int64_t c = 0; c < cols; ++c) o[c] = bf16(a[c]);
-  }
-}
-
-template <typename T>
-void write_rows(const float* acc, int64_t ld_acc, int64_t rows, T* out, int64_t N, int64_t col0) {
-  const int64_t cols = std::min<int64_t>(kPanelN, N - col0);
-  for (int64_t m = 0; m < rows; ++m) store_row(acc + m * ld_acc, out + m * N + col0, cols);
-}
-
-// Few rows (decode of one to four sequences): x against one panel straight from the packed
-// nibbles, with no bf16 weights written. bf16(128 + q) is the bit pattern 0x4300 | q, so each
-// product x * (128 + q) is exact in float32, and each group's sums are scaled once:
-//   out[i, n] = sum_g s[g, n] * (sum_{k in g} x[i, k] (128 + q[k, n]) - (128 + z[g, n]) sum_{k in g} x[i, k])
-// bsum [RB, KB]: x's sum over each block of 32 packed rows.
-template <int RB, typename T>
-void gemv_panel(const bf16* x, int64_t ld, const float* bsum, const Int4Weight& w, int64_t nb, T* out, int64_t N) {
-  const __m512i low4 = _mm512_set1_epi16(0xF), bias = _mm512_set1_epi16(0x4300);
-  const __m512 c128 = _mm512_set1_ps(128.0f);
-  __m512 res[RB][2], acc[RB][2];
-  float rs[RB];
-  for (int i = 0; i < RB; ++i) {
-    res[i][0] = res[i][1] = acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    rs[i] = 0.0f;
-  }
-  const uint8_t* q0 = w.qpack + 2 * nb * w.KB * kTileBytes;
-  const uint8_t* q1 = q0 + w.KB * kTileBytes;
-  for (int64_t kb = 0; kb < w.KB; ++kb) {
-    for (int r = 0; r < 16; r += 2) {
-      __m512i wt[2][2];  // [tile][row r, r + 1]
-      for (int t = 0; t < 2; ++t) {
-        // rows r, r + 1: 32 bytes -> 16-bit lanes [row r's 16 bytes | row r + 1's]
-        const uint8_t* q = (t == 0 ? q0 : q1) + kb * kTileBytes + r * 16;
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-        const __m512i lo = _mm512_ternarylogic_epi32(v, low4, bias, 0xEA);  // (v & 0xF) | 0x4300
-        const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
-        wt[t][0] = _mm512_shuffle_i64x2(lo, hi, 0x44);  // row r: elements 0-15 (low), 16-31 (high)
-        wt[t][1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);  // row r + 1
-      }
-      for (int i = 0; i < RB; ++i) {
-        int32_t pair[2];  // x[i, 32 kb + 2 r .. + 3]
-        std::memcpy(pair, x + i * ld + kb * kBlockK + 2 * r, sizeof(pair));
-        const __m512bh a0 = (__m512bh)_mm512_set1_epi32(pair[0]), a1 = (__m512bh)_mm512_set1_epi32(pair[1]);
-        for (int t = 0; t < 2; ++t) {
-          acc[i][t] = _mm512_dpbf16_ps(acc[i][t], a0, (__m512bh)wt[t][0]);
-          acc[i][t] = _mm512_dpbf16_ps(acc[i][t], a1, (__m512bh)wt[t][1]);
-        }
-      }
-    }
-    for (int i = 0; i < RB; ++i) rs[i] += bsum[i * w.KB + kb];
-    const int64_t g = w.block_group[kb];
-    if (kb + 1 < w.KB && w.block_group[kb + 1] == g) continue;
-    for (int t = 0; t < 2; ++t) {  // the group's last block: scale its sums
-      const int64_t col = g * w.Np + (2 * nb + t) * kTileN;
-      const __m512 s = _mm512_loadu_ps(w.scales + col), zz = _mm512_add_ps(_mm512_loadu_ps(w.zeros + col), c128);
-      for (int i = 0; i < RB; ++i) {
-        const __m512 centred = _mm512_fnmadd_ps(zz, _mm512_set1_ps(rs[i]), acc[i][t]);
-        res[i][t] = _mm512_fmadd_ps(s, centred, res[i][t]);
-        acc[i][t] = _mm512_setzero_ps();
-      }
-    }
-    for (int i = 0; i < RB; ++i) rs[i] = 0.0f;
-  }
-  alignas(64) float row[kPanelN];
-  for (int i = 0; i < RB; ++i) {
-    _mm512_store_ps(row, res[i][0]);
-    _mm512_store_ps(row + kTileN, res[i][1]);
-    write_rows(row, kPanelN, 1, out + i * N, N, nb * kPanelN);
-  }
-}
-
-template <typename T>
-void int4_gemv(const XRows& xr, int64_t M, const Int4Weight& w, T* out, int64_t N) {
-  std::vector<float> bsum(M * w.KB);  // [M, KB]
-  for (int64_t i = 0; i < M; ++i) {
-    const bf16* x = xr.row(i);
-    for (int64_t kb = 0; kb < w.KB; ++kb) {
-      float sum = 0.0f;
-      for (int64_t j = 0; j < kBlockK; ++j) sum += static_cast<float>(x[kb * kBlockK + j]);
-      bsum[i * w.KB + kb] = sum;
-    }
-  }
-  at::parallel_for(0, w.Np / kPanelN, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const bf16* x = xr.row(0);
-      if (M == 1) gemv_panel<1>(x, xr.ld, bsum.data(), w, nb, out, N);
-      else if (M == 2) gemv_panel<2>(x, xr.ld, bsum.data(), w, nb, out, N);
-      else if (M == 3) gemv_panel<3>(x, xr.ld, bsum.data(), w, nb, out, N);
-      else gemv_panel<4>(x, xr.ld, bsum.data(), w, nb, out, N);
-    }
-  });
 }
 
 // AVX512-BF16: RB rows of x against one panel; acc [RB][32] float32
