@@ -114,6 +114,22 @@ def shared_input_scale(layer: nn.Module, scales: torch.Tensor) -> torch.Tensor:
     return scales.float().amax().reshape(1)
 
 
+def prepare_gemm_weight(layer: nn.Module) -> None:
+    """Let ``layer.gemm_kernel`` repack ``layer.weight`` once, after loading (e.g. oneDNN's blocked layout,
+    or the CPU fp8 kernel's tile order); the checkpoint's copy is then dropped so the weight is not held
+    twice. ``gemm_weight(layer)`` is what to pass the kernel."""
+    prepared = layer.gemm_kernel.prepare_weight(layer.weight.data)
+    if prepared is not layer.weight.data:
+        layer.prepared_weight = prepared
+        layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
+
+
+def gemm_weight(layer: nn.Module):
+    """The weight argument of ``layer.gemm_kernel``: the prepared one, else ``layer.weight``."""
+    prepared = getattr(layer, "prepared_weight", None)
+    return layer.weight if prepared is None else prepared
+
+
 def drop_param(layer: nn.Module, name: str) -> None:
     """Free a parameter that only served loading (e.g. a scale folded into another)."""
     if name in layer._parameters:

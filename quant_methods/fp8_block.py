@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from halserve.quant_methods.base import QuantMethod
-from halserve.quant_methods.common import add_param
+from halserve.quant_methods.common import add_param, gemm_weight, prepare_gemm_weight
 
 FP8 = "float8_e4m3fn"
 
@@ -66,8 +66,9 @@ class Fp8BlockMethod(QuantMethod):
         layer.quant_kernel = resolve_kernel("per_token_group_fp8_quant", self.platform_name,
                                             dtype=str(layer.act_dtype).replace("torch.", ""), fp8_dtype=FP8,
                                             group_size=self.block_k)
+        prepare_gemm_weight(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         q, x_scale = layer.quant_kernel(x, FP8, self.block_k)
-        return layer.gemm_kernel(q, layer.weight, x_scale, layer.block_scale, (self.block_n, self.block_k),
+        return layer.gemm_kernel(q, gemm_weight(layer), x_scale, layer.block_scale, (self.block_n, self.block_k),
                                  x.dtype, bias)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from halserve.quant_methods.base import QuantMethod, set_weight_attrs
+from halserve.quant_methods.common import gemm_weight, prepare_gemm_weight
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -26,12 +27,7 @@ class UnquantizedLinearMethod(QuantMethod):
         layer.gemm_kernel = resolve_kernel("gemm", self.platform_name, dtype=dtype_name, n=output_size, k=input_size)
 
     def process_weights_after_loading(self, layer: "nn.Module") -> None:
-        # The kernel may repack the weight for its library (e.g. oneDNN's blocked layout);
-        # the dense copy is then dropped so the weights are not held twice.
-        prepared = layer.gemm_kernel.prepare_weight(layer.weight.data)
-        if prepared is not layer.weight.data:
-            layer.prepared_weight = prepared
-            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
+        prepare_gemm_weight(layer)  # e.g. oneDNN's blocked layout, the dense copy dropped
 
     def expert_weight_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return ("weight",), ()
@@ -40,5 +36,4 @@ class UnquantizedLinearMethod(QuantMethod):
         return tensors["weight"]
 
     def apply(self, layer: "nn.Module", x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        weight = getattr(layer, "prepared_weight", None)
-        return layer.gemm_kernel(x, layer.weight if weight is None else weight, bias)
+        return layer.gemm_kernel(x, gemm_weight(layer), bias)

@@ -22,6 +22,8 @@ from halserve.quant_methods.common import (
     add_shard_scale,
     drop_param,
     expand_shard_scales,
+    gemm_weight,
+    prepare_gemm_weight,
     shared_input_scale,
 )
 
@@ -80,6 +82,7 @@ class ScaledW8A8Method(QuantMethod):
         else:
             layer.gemm_kernel = resolve_kernel("int8_scaled_gemm", self.platform_name, dtype="int8", n=n, k=k)
             layer.quant_kernel = resolve_kernel("scaled_int8_quant", self.platform_name, dtype=act_dtype)
+        prepare_gemm_weight(layer)
 
     def expert_weight_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return ("weight", "weight_scale"), ("input_scale",)
@@ -95,7 +98,7 @@ class ScaledW8A8Method(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         q, x_scale = self.quantize_input(layer, x)
-        return layer.gemm_kernel(q, layer.weight, x_scale, layer.w_scale, x.dtype, bias)
+        return layer.gemm_kernel(q, gemm_weight(layer), x_scale, layer.w_scale, x.dtype, bias)
 
     def __repr__(self) -> str:
         return f"<quant method {self.name} {self.scheme}>"

@@ -39,8 +39,9 @@ def load() -> object | None:
             from torch.utils.cpp_extension import load as load_ext
 
             here = os.path.dirname(os.path.abspath(__file__))
-            names = ("paged_attention.cpp", "paged_prefill.cpp", "elementwise.cpp", "shm_comm.cpp", "int4_gemm.cpp",
-                     "int4_gemv.cpp")
+            names = ("paged_attention.cpp", "paged_prefill.cpp", "elementwise.cpp", "shm_comm.cpp", "panel_gemm.cpp",
+                     "int4_gemm.cpp", "int4_gemv.cpp", "fp8_gemm.cpp",
+                     "fp8_quant.cpp")
             sources = [os.path.join(here, name) for name in names]
             logger.info("building halserve's native CPU attention kernel (once per machine)")
             _module = load_ext(

@@ -4,9 +4,9 @@
 #include <cstring>
 #include <vector>
 
-namespace halserve_int4 {
+namespace halserve_panel {
 
-#ifdef HALSERVE_INT4_BF16
+#ifdef HALSERVE_PANEL_BF16
 
 namespace {
 
@@ -25,14 +25,14 @@ void gemv_panel(const bf16* x, int64_t ld, const float* bsum, const Int4Weight& 
     res[i][0] = res[i][1] = acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     rs[i] = 0.0f;
   }
-  const uint8_t* q0 = w.qpack + 2 * nb * w.KB * kTileBytes;
-  const uint8_t* q1 = q0 + w.KB * kTileBytes;
+  const uint8_t* q0 = w.qpack + 2 * nb * w.KB * kInt4TileBytes;
+  const uint8_t* q1 = q0 + w.KB * kInt4TileBytes;
   for (int64_t kb = 0; kb < w.KB; ++kb) {
     for (int r = 0; r < 16; r += 2) {
       __m512i wt[2][2];  // [tile][row r, r + 1]
       for (int t = 0; t < 2; ++t) {
         // rows r, r + 1: 32 bytes -> 16-bit lanes [row r's 16 bytes | row r + 1's]
-        const uint8_t* q = (t == 0 ? q0 : q1) + kb * kTileBytes + r * 16;
+        const uint8_t* q = (t == 0 ? q0 : q1) + kb * kInt4TileBytes + r * 16;
         const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
         const __m512i lo = _mm512_ternarylogic_epi32(v, low4, bias, 0xEA);  // (v & 0xF) | 0x4300
         const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
@@ -99,6 +99,6 @@ void int4_gemv(const XRows& xr, int64_t M, const Int4Weight& w, T* out, int64_t 
 template void int4_gemv<float>(const XRows&, int64_t, const Int4Weight&, float*, int64_t);
 template void int4_gemv<bf16>(const XRows&, int64_t, const Int4Weight&, bf16*, int64_t);
 
-#endif  // HALSERVE_INT4_BF16
+#endif  // HALSERVE_PANEL_BF16
 
-}  // namespace halserve_int4
+}  // namespace halserve_panel

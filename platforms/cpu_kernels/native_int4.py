@@ -71,7 +71,7 @@ def repack_native(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_
 
 
 @functools.lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -98,7 +98,7 @@ class _NativeInt4Gemm(Kernel):
     def _supports(cls, **problem) -> str | None:
         from halserve.platforms.cpu_kernels import toolchain_missing
 
-        if "avx512_bf16" not in _cpu_flags():
+        if "avx512_bf16" not in cpu_flags():
             return "the native 4-bit GEMM needs AVX512-BF16 (this CPU's /proc/cpuinfo flags lack avx512_bf16)"
         return toolchain_missing()
 
@@ -106,7 +106,7 @@ class _NativeInt4Gemm(Kernel):
         from halserve.platforms.cpu_kernels.fused import _module
 
         _module()  # builds the extension, which registers torch.ops.halserve_cpu.int4_gemm
-        self.isa = torch.ops.halserve_cpu.int4_gemm_isa()
+        self.isa = torch.ops.halserve_cpu.panel_gemm_isa()
         if not self.isa:
             raise RuntimeError("halserve's native CPU kernels were built without AVX512-BF16 (-march=native on a CPU "
                                "without it); the torch_int4pack kernel serves 4-bit GEMMs there")

@@ -1,0 +1,100 @@
+// fp8 activation quantization of the CPU platform (plain C++, vectorized by the compiler):
+//
+//   fp8_quant(x [M, K] f32 | bf16, e5m2, scale [1]?, group) -> (q [M, K] fp8, scale)
+//       scale given (static):  q = clamp(x / scale, -fmax, fmax) -> fp8, the scale returned as is
+//       group == 0:            one dynamic scale for the tensor               -> scale [1]
+//       group > 0:             one per row and group of `group` inputs        -> scale [M, ceil(K / group)]
+//   dynamic: scale = max(amax / fmax, 1e-12); a true division and c10's fp8 rounding (round to
+//   nearest even, as torch's .to(fp8)), so equal to the torch references bit for bit.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+template <typename T>
+float amax_of(const T* x, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(static_cast<float>(x[i])));
+  return m;
+}
+
+template <typename T, typename F8>
+void quantize(const T* x, int64_t n, float scale, float fmax, F8* q) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]) / scale;
+    q[i] = F8(std::isnan(v) ? v : std::min(std::max(v, -fmax), fmax));
+  }
+}
+
+template <typename T, typename F8>
+void quant_rows(const T* x, int64_t M, int64_t K, const float* static_scale, int64_t group, float* scales, F8* q) {
+  const float fmax = static_cast<float>(std::numeric_limits<F8>::max());
+  if (static_scale == nullptr && group == 0) {  // one scale for the tensor
+    const float amax = at::parallel_reduce(
+        0, M, 16, 0.0f, [&](int64_t b, int64_t e, float m) { return std::max(m, amax_of(x + b * K, (e - b) * K)); },
+        [](float a, float b) { return std::max(a, b); });
+    scales[0] = std::max(amax / fmax, 1e-12f);
+    static_scale = scales;
+  }
+  const int64_t G = group > 0 ? group : K, num_groups = K == 0 ? 0 : (K + G - 1) / G;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t g = 0; g < num_groups; ++g) {
+        const int64_t k0 = g * G, n = std::min(G, K - k0);
+        const T* xs = x + m * K + k0;
+        float s;
+        if (static_scale) {
+          s = static_scale[0];
+        } else {
+          s = std::max(amax_of(xs, n) / fmax, 1e-12f);
+          scales[m * num_groups + g] = s;
+        }
+        quantize(xs, n, s, fmax, q + m * K + k0);
+      }
+    }
+  });
+}
+
+std::tuple<torch::Tensor, torch::Tensor> fp8_quant(const torch::Tensor& x, bool e5m2,
+                                                   const c10::optional<torch::Tensor>& scale, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "fp8_quant takes float32 or bfloat16 [M, K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(group >= 0, "fp8_quant: group must be >= 0 (0: one scale per tensor), got ", group);
+  auto xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = torch::empty({M, K}, x.options().dtype(e5m2 ? torch::kFloat8_e5m2 : torch::kFloat8_e4m3fn));
+  torch::Tensor s;
+  const float* static_scale = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->numel() == 1, "a static scale must hold one value (per tensor), got ", scale->sizes());
+    s = scale->to(torch::kFloat).contiguous();
+    static_scale = s.data_ptr<float>();
+  } else if (group == 0) {
+    s = torch::full({1}, 1e-12f, x.options().dtype(torch::kFloat));
+  } else {
+    s = torch::full({M, K == 0 ? 0 : (K + group - 1) / group}, 1e-12f, x.options().dtype(torch::kFloat));
+  }
+  float* sp = scale.has_value() ? nullptr : s.data_ptr<float>();
+  auto run = [&](auto* f8) {
+    using F8 = std::remove_pointer_t<decltype(f8)>;
+    if (x.scalar_type() == torch::kBFloat16)
+      quant_rows(xc.data_ptr<c10::BFloat16>(), M, K, static_scale, group, sp, f8);
+    else
+      quant_rows(xc.data_ptr<float>(), M, K, static_scale, group, sp, f8);
+  };
+  if (e5m2)
+    run(q.data_ptr<c10::Float8_e5m2>());
+  else
+    run(q.data_ptr<c10::Float8_e4m3fn>());
+  return {q, s};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(halserve_cpu, m) {
+  m.def("fp8_quant(Tensor x, bool e5m2, Tensor? scale, int group) -> (Tensor, Tensor)");
+  m.impl("fp8_quant", torch::kCPU, &fp8_quant);
+}

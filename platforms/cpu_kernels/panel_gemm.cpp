@@ -1,0 +1,102 @@
+// The panel GEMM's non-template parts (see panel_gemm.h): AMX permission, x in bf16.
+#include "panel_gemm.h"
+
+#include <type_traits>
+
+#ifdef HALSERVE_PANEL_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace halserve_panel {
+
+bool amx_ready() {
+#ifdef HALSERVE_PANEL_AMX
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+std::string panel_gemm_isa() {
+#ifdef HALSERVE_PANEL_BF16
+  return amx_ready() ? "amx" : "avx512_bf16";
+#else
+  return "";
+#endif
+}
+
+namespace {
+
+// x [M, K] -> xb [Mp, Kp] bf16: columns in the packed row order, zero pads.
+template <typename T>
+void gather_x(const T* x, int64_t M, int64_t K, const int64_t* src, int64_t Mp, int64_t Kp, bf16* xb) {
+  at::parallel_for(0, Mp, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      bf16* row = xb + m * Kp;
+      if (m >= M) {
+        std::memset(row, 0, Kp * sizeof(bf16));
+        continue;
+      }
+      const T* xr = x + m * K;
+      if (src != nullptr) {
+        for (int64_t p = 0; p < Kp; ++p) row[p] = src[p] < K ? bf16(static_cast<float>(xr[src[p]])) : bf16(0.0f);
+        continue;
+      }
+      int64_t p = 0;
+#ifdef HALSERVE_PANEL_BF16
+      if constexpr (std::is_same_v<T, float>) {
+        for (; p + 32 <= K; p += 32) {
+          const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + p + 16), _mm512_loadu_ps(xr + p));
+          _mm512_storeu_si512(row + p, (__m512i)v);
+        }
+      }
+#endif
+      for (; p < K; ++p) row[p] = bf16(static_cast<float>(xr[p]));
+      for (p = K; p < Kp; ++p) row[p] = bf16(0.0f);
+    }
+  });
+}
+
+}  // namespace
+
+XRows prepare_x(const torch::Tensor& x, const int64_t* src, int64_t Kp, bool use_amx, torch::Tensor& storage) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t M16 = M / 16 * 16, Mp = (M + 15) / 16 * 16;
+  XRows xr{nullptr, nullptr, 0, Kp};
+  if (x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && !src && K == Kp) {
+    // x itself; AMX reads whole 16-row tiles, so its last M % 16 rows go to a zero-padded tail
+    xr.main = x.data_ptr<bf16>();
+    xr.main_rows = use_amx ? M16 : M;
+    if (use_amx && M16 < M) {
+      storage = torch::zeros({16, Kp}, x.options());
+      storage.narrow(0, 0, M - M16).copy_(x.narrow(0, M16, M - M16));
+      xr.tail = storage.data_ptr<bf16>();
+    }
+    return xr;
+  }
+  storage = torch::empty({Mp, Kp}, x.options().dtype(torch::kBFloat16));
+  auto xc = x.contiguous();
+  bf16* xb = storage.data_ptr<bf16>();
+  switch (x.scalar_type()) {
+    case torch::kFloat: gather_x(xc.data_ptr<float>(), M, K, src, Mp, Kp, xb); break;
+    case torch::kBFloat16: gather_x(xc.data_ptr<bf16>(), M, K, src, Mp, Kp, xb); break;
+    // fp8 activations (W8A8): exact in bf16
+    case torch::kFloat8_e4m3fn: gather_x(xc.data_ptr<c10::Float8_e4m3fn>(), M, K, src, Mp, Kp, xb); break;
+    case torch::kFloat8_e5m2: gather_x(xc.data_ptr<c10::Float8_e5m2>(), M, K, src, Mp, Kp, xb); break;
+    default: TORCH_CHECK(false, "the panel GEMM takes x float32, bfloat16 or fp8, got ", x.scalar_type());
+  }
+  xr.main = storage.data_ptr<bf16>();
+  xr.main_rows = Mp;
+  return xr;
+}
+
+}  // namespace halserve_panel
+
+TORCH_LIBRARY_FRAGMENT(halserve_cpu, m) {
+  m.def("panel_gemm_isa() -> str", &halserve_panel::panel_gemm_isa);
+}
