@@ -21,7 +21,8 @@
 // in float32 and round to bf16 where the torch reference ops do (kernels/reference.py): the
 // residual sum, x * rsqrt(...) before the weight, silu(gate) before the multiply, the
 // rotated values once.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -36,11 +37,11 @@ using bf16 = c10::BFloat16;
 using halserve_cpu::from_float;
 using halserve_cpu::to_float;
 
-static std::vector<torch::Tensor> add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+static std::vector<at::Tensor> add_rms_norm_bf16(at::Tensor x, at::Tensor residual, at::Tensor weight,
                                                     double eps) {
   auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
   const int64_t T = x.size(0), H = x.size(1);
-  auto out = torch::empty_like(xc), sum = torch::empty_like(xc);
+  auto out = at::empty_like(xc), sum = at::empty_like(xc);
   const bf16 *xp = xc.data_ptr<bf16>(), *rp = rc.data_ptr<bf16>(), *wp = wc.data_ptr<bf16>();
   bf16 *op = out.data_ptr<bf16>(), *sp = sum.data_ptr<bf16>();
   const float feps = static_cast<float>(eps);
@@ -65,16 +66,16 @@ static std::vector<torch::Tensor> add_rms_norm_bf16(torch::Tensor x, torch::Tens
   return {out, sum};
 }
 
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes(), "x and residual must be [T, H] of one shape");
-  if (x.scalar_type() == torch::kBFloat16 && residual.scalar_type() == torch::kBFloat16 &&
-      weight.scalar_type() == torch::kBFloat16)
+  if (x.scalar_type() == at::kBFloat16 && residual.scalar_type() == at::kBFloat16 &&
+      weight.scalar_type() == at::kBFloat16)
     return add_rms_norm_bf16(x, residual, weight, eps);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && residual.scalar_type() == torch::kFloat &&
-                  weight.scalar_type() == torch::kFloat, "add_rms_norm takes float32 or bfloat16 (all three alike)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat &&
+                  weight.scalar_type() == at::kFloat, "add_rms_norm takes float32 or bfloat16 (all three alike)");
   auto xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
   const int64_t T = x.size(0), H = x.size(1);
-  auto out = torch::empty_like(xc), sum = torch::empty_like(xc);
+  auto out = at::empty_like(xc), sum = at::empty_like(xc);
   const float *xp = xc.data_ptr<float>(), *rp = rc.data_ptr<float>(), *wp = wc.data_ptr<float>();
   float *op = out.data_ptr<float>(), *sp = sum.data_ptr<float>();
   const float feps = static_cast<float>(eps);
@@ -152,20 +153,20 @@ static void rotate_rows_bf16(const int64_t* pos, const bf16* src, int64_t src_st
   });
 }
 
-std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_sin,
+std::vector<at::Tensor> rotary(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_sin,
                                   int64_t head_size, bool is_neox) {
-  const bool is_bf16 = q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(((q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat) || is_bf16) &&
-                  cos_sin.scalar_type() == torch::kFloat,
+  const bool is_bf16 = q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(((q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat) || is_bf16) &&
+                  cos_sin.scalar_type() == at::kFloat,
               "rotary takes float32 or bfloat16 q, k and a float32 cos_sin cache");
   TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && q.stride(1) == 1 && k.stride(1) == 1,
               "q and k must be [T, heads * head_size] with unit column stride");
-  auto pos = positions.to(torch::kLong).contiguous();
+  auto pos = positions.to(at::kLong).contiguous();
   auto cs = cos_sin.contiguous();
   const int64_t T = q.size(0), R = cs.size(1), D = head_size;
   TORCH_CHECK(R <= D && R % 2 == 0, "rotary dim must be even and at most head_size");
-  auto q_out = torch::empty({T, q.size(1)}, q.options());
-  auto k_out = torch::empty({T, k.size(1)}, k.options());
+  auto q_out = at::empty({T, q.size(1)}, q.options());
+  auto k_out = at::empty({T, k.size(1)}, k.options());
   if (is_bf16) {
     rotate_rows_bf16(pos.data_ptr<int64_t>(), q.data_ptr<bf16>(), q.stride(0), q_out.data_ptr<bf16>(), T, q.size(1) / D,
                      D, cs.data_ptr<float>(), R, is_neox);
@@ -181,9 +182,9 @@ std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor q, torc
 }
 
 // silu(gate) rounded to bf16, then times up and rounded again: F.silu(gate).mul_(up) in bf16.
-static torch::Tensor silu_and_mul_bf16(torch::Tensor xc) {
+static at::Tensor silu_and_mul_bf16(at::Tensor xc) {
   const int64_t T = xc.size(0), I = xc.size(1) / 2, ld = xc.stride(0);
-  auto out = torch::empty({T, I}, xc.options());
+  auto out = at::empty({T, I}, xc.options());
   const bf16* xp = xc.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   using namespace halserve_cpu;
@@ -209,14 +210,14 @@ static torch::Tensor silu_and_mul_bf16(torch::Tensor xc) {
   return out;
 }
 
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 &&
-              (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "silu_and_mul takes float32 or bfloat16 [T, 2 * I]");
-  if (x.scalar_type() == torch::kBFloat16) return silu_and_mul_bf16(x.stride(1) == 1 ? x : x.contiguous());
+  if (x.scalar_type() == at::kBFloat16) return silu_and_mul_bf16(x.stride(1) == 1 ? x : x.contiguous());
   auto xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t T = xc.size(0), I = xc.size(1) / 2, ld = xc.stride(0);
-  auto out = torch::empty({T, I}, xc.options());
+  auto out = at::empty({T, I}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   using namespace halserve_cpu;
@@ -298,28 +299,28 @@ static void scaled_int8_quant_rows(const T* xp, int64_t M, int64_t K, const floa
   });
 }
 
-std::tuple<torch::Tensor, torch::Tensor> scaled_int8_quant(const torch::Tensor& x,
-                                                           const c10::optional<torch::Tensor>& scale) {
-  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+std::tuple<at::Tensor, at::Tensor> scaled_int8_quant(const at::Tensor& x,
+                                                           const c10::optional<at::Tensor>& scale) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "scaled_int8_quant takes float32 or bfloat16 [..., K]");
   auto xc = x.contiguous();
   const int64_t K = x.size(-1), M = K == 0 ? 0 : xc.numel() / K;
-  auto q = torch::empty(x.sizes(), x.options().dtype(torch::kChar));
-  torch::Tensor s;
+  auto q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  at::Tensor s;
   const float* static_scale = nullptr;
   if (scale.has_value()) {
     TORCH_CHECK(scale->numel() == 1, "a static scale must hold one value (per tensor), got ", scale->sizes());
-    s = scale->to(torch::kFloat).contiguous();
+    s = scale->to(at::kFloat).contiguous();
     static_scale = s.data_ptr<float>();
   } else {
     auto shape = x.sizes().vec();
     shape.back() = 1;
     // K == 0: no row to scan (the reference's amax raises); the scales stay at the floor
-    s = K == 0 ? torch::full(shape, 1e-12f, x.options().dtype(torch::kFloat))
-               : torch::empty(shape, x.options().dtype(torch::kFloat));
+    s = K == 0 ? at::full(shape, 1e-12f, x.options().dtype(at::kFloat))
+               : at::empty(shape, x.options().dtype(at::kFloat));
   }
   float* sp = scale.has_value() ? nullptr : s.data_ptr<float>();
-  if (x.scalar_type() == torch::kBFloat16)
+  if (x.scalar_type() == at::kBFloat16)
     scaled_int8_quant_rows(xc.data_ptr<bf16>(), M, K, static_scale, sp, q.data_ptr<int8_t>());
   else
     scaled_int8_quant_rows(xc.data_ptr<float>(), M, K, static_scale, sp, q.data_ptr<int8_t>());

@@ -105,8 +105,8 @@ struct ScaledWriter {
 #endif  // HALSERVE_PANEL_BF16
 
 // a scale of one value, or of `count` values, as `count` floats
-std::vector<float> expand_scale(const torch::Tensor& scale, int64_t count, int64_t padded, const char* what) {
-  auto s = scale.to(torch::kFloat).contiguous();
+std::vector<float> expand_scale(const at::Tensor& scale, int64_t count, int64_t padded, const char* what) {
+  auto s = scale.to(at::kFloat).contiguous();
   TORCH_CHECK(s.numel() == 1 || s.numel() == count, what, " must hold 1 or ", count, " values, got ", s.sizes());
   std::vector<float> v(padded, 0.0f);
   const float* p = s.data_ptr<float>();
@@ -114,13 +114,13 @@ std::vector<float> expand_scale(const torch::Tensor& scale, int64_t count, int64
   return v;
 }
 
-torch::Tensor fp8_gemm(const torch::Tensor& a, const torch::Tensor& qpack, const torch::Tensor& scale_a,
-                       const torch::Tensor& scale_b, const c10::optional<torch::Tensor>& bias, int64_t n,
+at::Tensor fp8_gemm(const at::Tensor& a, const at::Tensor& qpack, const at::Tensor& scale_a,
+                       const at::Tensor& scale_b, const c10::optional<at::Tensor>& bias, int64_t n,
                        int64_t block_n, int64_t block_k, bool out_bf16, bool use_amx) {
-  const bool e5m2 = a.scalar_type() == torch::kFloat8_e5m2;
-  TORCH_CHECK(a.dim() == 2 && (e5m2 || a.scalar_type() == torch::kFloat8_e4m3fn),
+  const bool e5m2 = a.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(a.dim() == 2 && (e5m2 || a.scalar_type() == at::kFloat8_e4m3fn),
               "fp8_gemm takes a float8_e4m3fn or float8_e5m2 [M, K], got ", a.scalar_type(), " ", a.sizes());
-  TORCH_CHECK(qpack.dim() == 4 && qpack.scalar_type() == torch::kByte && qpack.size(2) == 16 && qpack.size(3) == 32,
+  TORCH_CHECK(qpack.dim() == 4 && qpack.scalar_type() == at::kByte && qpack.size(2) == 16 && qpack.size(3) == 32,
               "qpack must be uint8 [Np/16, KB, 16, 32], got ", qpack.sizes());
   const int64_t Np = qpack.size(0) * kTileN, KB = qpack.size(1), Kp = KB * kBlockK;
   const int64_t M = a.size(0), K = a.size(1);
@@ -129,18 +129,18 @@ torch::Tensor fp8_gemm(const torch::Tensor& a, const torch::Tensor& qpack, const
   const bool blocked = block_n > 0;
   TORCH_CHECK(!blocked || (block_n % kTileN == 0 && block_k % kBlockK == 0), "fp8_gemm: block sizes (", block_n, ", ",
               block_k, ") must be multiples of (16, 32)");
-  auto out = torch::empty({M, n}, a.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat));
+  auto out = at::empty({M, n}, a.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out;
 #ifdef HALSERVE_PANEL_BF16
   TORCH_CHECK(!use_amx || amx_ready(), "fp8_gemm: AMX is not available (panel_gemm_isa() says which ISA is)");
   auto ac = a.contiguous(), qc = qpack.contiguous();
   const float unit = e5m2 ? 1.0f : 65536.0f;  // both operands read as value * 2^-8
-  torch::Tensor sa, sb;
+  at::Tensor sa, sb;
   std::vector<float> row_scale, col_scale, bias_v;
   GroupScales groups{};
   if (blocked) {
-    sa = scale_a.to(torch::kFloat).contiguous();
-    sb = scale_b.to(torch::kFloat).contiguous();
+    sa = scale_a.to(at::kFloat).contiguous();
+    sb = scale_b.to(at::kFloat).contiguous();
     const int64_t num_groups = (K + block_k - 1) / block_k;
     TORCH_CHECK(sa.dim() == 2 && sa.size(0) == M && sa.size(1) == num_groups, "scale_a must be [", M, ", ",
                 num_groups, "]");
@@ -155,7 +155,7 @@ torch::Tensor fp8_gemm(const torch::Tensor& a, const torch::Tensor& qpack, const
   }
   if (bias.has_value()) bias_v = expand_scale(*bias, n, Np, "bias");
   const int64_t Mp = (M + 15) / 16 * 16;
-  auto xb = torch::empty({Mp, Kp}, a.options().dtype(torch::kBFloat16));
+  auto xb = at::empty({Mp, Kp}, a.options().dtype(at::kBFloat16));
   fp8_rows_to_bf16(reinterpret_cast<const uint8_t*>(ac.data_ptr()), M, K, Mp, Kp, e5m2, xb.data_ptr<bf16>());
   const XRows xr{xb.data_ptr<bf16>(), nullptr, Mp, Kp};
   const uint8_t* q = qc.data_ptr<uint8_t>();
@@ -179,5 +179,5 @@ torch::Tensor fp8_gemm(const torch::Tensor& a, const torch::Tensor& qpack, const
 TORCH_LIBRARY_FRAGMENT(halserve_cpu, m) {
   m.def("fp8_gemm(Tensor a, Tensor qpack, Tensor scale_a, Tensor scale_b, Tensor? bias, int n, int block_n, "
         "int block_k, bool out_bf16, bool use_amx) -> Tensor");
-  m.impl("fp8_gemm", torch::kCPU, &fp8_gemm);
+  m.impl("fp8_gemm", c10::DeviceType::CPU, &fp8_gemm);
 }

@@ -6,7 +6,8 @@
 //       group > 0:             one per row and group of `group` inputs        -> scale [M, ceil(K / group)]
 //   dynamic: scale = max(amax / fmax, 1e-12); a true division and c10's fp8 rounding (round to
 //   nearest even, as torch's .to(fp8)), so equal to the torch references bit for bit.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -58,29 +59,29 @@ void quant_rows(const T* x, int64_t M, int64_t K, const float* static_scale, int
   });
 }
 
-std::tuple<torch::Tensor, torch::Tensor> fp8_quant(const torch::Tensor& x, bool e5m2,
-                                                   const c10::optional<torch::Tensor>& scale, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+std::tuple<at::Tensor, at::Tensor> fp8_quant(const at::Tensor& x, bool e5m2,
+                                                   const c10::optional<at::Tensor>& scale, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "fp8_quant takes float32 or bfloat16 [M, K], got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(group >= 0, "fp8_quant: group must be >= 0 (0: one scale per tensor), got ", group);
   auto xc = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  auto q = torch::empty({M, K}, x.options().dtype(e5m2 ? torch::kFloat8_e5m2 : torch::kFloat8_e4m3fn));
-  torch::Tensor s;
+  auto q = at::empty({M, K}, x.options().dtype(e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn));
+  at::Tensor s;
   const float* static_scale = nullptr;
   if (scale.has_value()) {
     TORCH_CHECK(scale->numel() == 1, "a static scale must hold one value (per tensor), got ", scale->sizes());
-    s = scale->to(torch::kFloat).contiguous();
+    s = scale->to(at::kFloat).contiguous();
     static_scale = s.data_ptr<float>();
   } else if (group == 0) {
-    s = torch::full({1}, 1e-12f, x.options().dtype(torch::kFloat));
+    s = at::full({1}, 1e-12f, x.options().dtype(at::kFloat));
   } else {
-    s = torch::full({M, K == 0 ? 0 : (K + group - 1) / group}, 1e-12f, x.options().dtype(torch::kFloat));
+    s = at::full({M, K == 0 ? 0 : (K + group - 1) / group}, 1e-12f, x.options().dtype(at::kFloat));
   }
   float* sp = scale.has_value() ? nullptr : s.data_ptr<float>();
   auto run = [&](auto* f8) {
     using F8 = std::remove_pointer_t<decltype(f8)>;
-    if (x.scalar_type() == torch::kBFloat16)
+    if (x.scalar_type() == at::kBFloat16)
       quant_rows(xc.data_ptr<c10::BFloat16>(), M, K, static_scale, group, sp, f8);
     else
       quant_rows(xc.data_ptr<float>(), M, K, static_scale, group, sp, f8);
@@ -96,5 +97,5 @@ std::tuple<torch::Tensor, torch::Tensor> fp8_quant(const torch::Tensor& x, bool 
 
 TORCH_LIBRARY_FRAGMENT(halserve_cpu, m) {
   m.def("fp8_quant(Tensor x, bool e5m2, Tensor? scale, int group) -> (Tensor, Tensor)");
-  m.impl("fp8_quant", torch::kCPU, &fp8_quant);
+  m.impl("fp8_quant", c10::DeviceType::CPU, &fp8_quant);
 }

@@ -63,40 +63,40 @@ void int4_gemm_impl(const XRows& xr, int64_t M, const Int4Weight& w, T* out, int
 
 #endif  // HALSERVE_PANEL_BF16
 
-torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& qpack, const torch::Tensor& scales,
-                        const torch::Tensor& zeros, const torch::Tensor& block_group,
-                        const c10::optional<torch::Tensor>& src, int64_t n, bool use_amx) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& qpack, const at::Tensor& scales,
+                        const at::Tensor& zeros, const at::Tensor& block_group,
+                        const c10::optional<at::Tensor>& src, int64_t n, bool use_amx) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "int4_gemm takes x float32 or bfloat16 [M, K], got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(qpack.dim() == 4 && qpack.scalar_type() == torch::kByte && qpack.size(2) == 16 && qpack.size(3) == 16,
+  TORCH_CHECK(qpack.dim() == 4 && qpack.scalar_type() == at::kByte && qpack.size(2) == 16 && qpack.size(3) == 16,
               "qpack must be uint8 [Np/16, KB, 16, 16], got ", qpack.sizes());
   const int64_t Np = qpack.size(0) * kTileN, KB = qpack.size(1), Kp = KB * kBlockK;
   TORCH_CHECK(Np % kPanelN == 0 && n <= Np && n > Np - kPanelN, "n=", n, " does not match qpack's ", Np, " columns");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && zeros.scalar_type() == torch::kFloat && scales.dim() == 2 &&
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kFloat && scales.dim() == 2 &&
                   scales.sizes() == zeros.sizes() && scales.size(1) == Np,
               "scales and zeros must be float32 [G, ", Np, "]");
-  TORCH_CHECK(block_group.scalar_type() == torch::kInt && block_group.numel() == KB, "block_group must be int32 [",
+  TORCH_CHECK(block_group.scalar_type() == at::kInt && block_group.numel() == KB, "block_group must be int32 [",
               KB, "]");
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t* src_ptr = nullptr;
-  torch::Tensor src_c;
+  at::Tensor src_c;
   if (src.has_value()) {
     src_c = src->contiguous();
-    TORCH_CHECK(src_c.scalar_type() == torch::kLong && src_c.numel() == Kp, "src must be int64 [", Kp, "]");
+    TORCH_CHECK(src_c.scalar_type() == at::kLong && src_c.numel() == Kp, "src must be int64 [", Kp, "]");
     src_ptr = src_c.data_ptr<int64_t>();
   } else {
     TORCH_CHECK(K <= Kp && K > Kp - kBlockK, "x has K=", K, "; the weight was packed for ", Kp, " rows");
   }
-  auto out = torch::empty({M, n}, x.options());
+  auto out = at::empty({M, n}, x.options());
   if (M == 0) return out;
 #ifdef HALSERVE_PANEL_BF16
   TORCH_CHECK(!use_amx || amx_ready(), "int4_gemm: AMX is not available (panel_gemm_isa() says which ISA is)");
-  torch::Tensor storage;
+  at::Tensor storage;
   const XRows xr = prepare_x(x, src_ptr, Kp, use_amx, storage);
   auto qc = qpack.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous(), bg = block_group.contiguous();
   const Int4Weight w{qc.data_ptr<uint8_t>(), sc.data_ptr<float>(), zc.data_ptr<float>(), bg.data_ptr<int32_t>(), KB,
                      Np};
-  if (x.scalar_type() == torch::kFloat)
+  if (x.scalar_type() == at::kFloat)
     int4_gemm_impl(xr, M, w, out.data_ptr<float>(), n, use_amx);
   else
     int4_gemm_impl(xr, M, w, out.data_ptr<bf16>(), n, use_amx);
@@ -111,5 +111,5 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& qpack, cons
 TORCH_LIBRARY_FRAGMENT(halserve_cpu, m) {
   m.def("int4_gemm(Tensor x, Tensor qpack, Tensor scales, Tensor zeros, Tensor block_group, Tensor? src, int n, "
         "bool use_amx) -> Tensor");
-  m.impl("int4_gemm", torch::kCPU, &int4_gemm);
+  m.impl("int4_gemm", c10::DeviceType::CPU, &int4_gemm);
 }

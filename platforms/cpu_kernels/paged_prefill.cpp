@@ -18,7 +18,7 @@
 // MQ * G accumulators in registers), with an online softmax, and p * V accumulated over
 // 16-wide column chunks of the value rows. Needs B % 16 == 0, D % 16 == 0, G <= 8; the
 // Python side uses SDPA otherwise.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -171,8 +171,8 @@ bool paged_prefill_supported(int64_t num_heads, int64_t num_kv_heads, int64_t he
 namespace {
 
 template <typename T>
-void run_prefill(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
-                 const torch::Tensor& block_table, const int64_t* tsp, const int64_t* qlp, const int64_t* slp,
+void run_prefill(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                 const at::Tensor& block_table, const int64_t* tsp, const int64_t* qlp, const int64_t* slp,
                  const int64_t* rwp, int64_t S, int64_t B, double scale, int64_t sliding_window, double soft_cap) {
   const int64_t Hq = q.size(1), D = q.size(2), NB = kv_cache.size(1), Hk = kv_cache.size(2);
   const int64_t max_blocks = block_table.size(1), G = Hq / Hk;
@@ -211,23 +211,23 @@ void run_prefill(const torch::Tensor& out, const torch::Tensor& q, const torch::
 
 }  // namespace
 
-void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
-                   torch::Tensor token_start, torch::Tensor query_len, torch::Tensor seq_len, torch::Tensor row,
+void paged_prefill(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor block_table,
+                   at::Tensor token_start, at::Tensor query_len, at::Tensor seq_len, at::Tensor row,
                    int64_t block_size, double scale, int64_t sliding_window, double soft_cap) {
-  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16) &&
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
                   q.is_contiguous(), "q must be contiguous float32 or bfloat16 [T, Hq, D]");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous(),
               "out must be contiguous, shaped like q and of its dtype");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.scalar_type() == q.scalar_type() &&
                   kv_cache.is_contiguous(), "kv_cache must be contiguous [2, num_blocks, Hk, B*D] of q's dtype");
-  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == torch::kInt && block_table.is_contiguous(),
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
               "block_table must be contiguous int32 [R, max_blocks]");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hk = kv_cache.size(2), B = block_size;
   TORCH_CHECK(kv_cache.size(3) == B * D, "kv_cache last dim must be block_size * head_size");
   TORCH_CHECK(paged_prefill_supported(Hq, Hk, D, B), "paged_prefill needs num_heads / num_kv_heads <= 8, head_size and "
               "block_size multiples of 16; got ", Hq, "/", Hk, " heads, head size ", D, ", block size ", B);
-  auto ts = token_start.to(torch::kLong).contiguous(), ql = query_len.to(torch::kLong).contiguous();
-  auto sl = seq_len.to(torch::kLong).contiguous(), rw = row.to(torch::kLong).contiguous();
+  auto ts = token_start.to(at::kLong).contiguous(), ql = query_len.to(at::kLong).contiguous();
+  auto sl = seq_len.to(at::kLong).contiguous(), rw = row.to(at::kLong).contiguous();
   const int64_t S = ts.size(0);
   TORCH_CHECK(ql.size(0) == S && sl.size(0) == S && rw.size(0) == S, "one token_start, query_len, seq_len, row per span");
   const int64_t *tsp = ts.data_ptr<int64_t>(), *qlp = ql.data_ptr<int64_t>(), *slp = sl.data_ptr<int64_t>(),
@@ -238,7 +238,7 @@ void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, t
     TORCH_CHECK(slp[s] >= qlp[s] && slp[s] <= max_blocks * B, "span ", s, ": seq_len out of range for the block table");
     TORCH_CHECK(rwp[s] >= 0 && rwp[s] < block_table.size(0), "span ", s, ": block-table row out of range");
   }
-  if (q.scalar_type() == torch::kFloat)
+  if (q.scalar_type() == at::kFloat)
     run_prefill<float>(out, q, kv_cache, block_table, tsp, qlp, slp, rwp, S, B, scale, sliding_window, soft_cap);
   else
     run_prefill<c10::BFloat16>(out, q, kv_cache, block_table, tsp, qlp, slp, rwp, S, B, scale, sliding_window,

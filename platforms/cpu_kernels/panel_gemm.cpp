@@ -64,30 +64,30 @@ void gather_x(const T* x, int64_t M, int64_t K, const int64_t* src, int64_t Mp, 
 
 }  // namespace
 
-XRows prepare_x(const torch::Tensor& x, const int64_t* src, int64_t Kp, bool use_amx, torch::Tensor& storage) {
+XRows prepare_x(const at::Tensor& x, const int64_t* src, int64_t Kp, bool use_amx, at::Tensor& storage) {
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t M16 = M / 16 * 16, Mp = (M + 15) / 16 * 16;
   XRows xr{nullptr, nullptr, 0, Kp};
-  if (x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && !src && K == Kp) {
+  if (x.scalar_type() == at::kBFloat16 && x.is_contiguous() && !src && K == Kp) {
     // x itself; AMX reads whole 16-row tiles, so its last M % 16 rows go to a zero-padded tail
     xr.main = x.data_ptr<bf16>();
     xr.main_rows = use_amx ? M16 : M;
     if (use_amx && M16 < M) {
-      storage = torch::zeros({16, Kp}, x.options());
+      storage = at::zeros({16, Kp}, x.options());
       storage.narrow(0, 0, M - M16).copy_(x.narrow(0, M16, M - M16));
       xr.tail = storage.data_ptr<bf16>();
     }
     return xr;
   }
-  storage = torch::empty({Mp, Kp}, x.options().dtype(torch::kBFloat16));
+  storage = at::empty({Mp, Kp}, x.options().dtype(at::kBFloat16));
   auto xc = x.contiguous();
   bf16* xb = storage.data_ptr<bf16>();
   switch (x.scalar_type()) {
-    case torch::kFloat: gather_x(xc.data_ptr<float>(), M, K, src, Mp, Kp, xb); break;
-    case torch::kBFloat16: gather_x(xc.data_ptr<bf16>(), M, K, src, Mp, Kp, xb); break;
+    case at::kFloat: gather_x(xc.data_ptr<float>(), M, K, src, Mp, Kp, xb); break;
+    case at::kBFloat16: gather_x(xc.data_ptr<bf16>(), M, K, src, Mp, Kp, xb); break;
     // fp8 activations (W8A8): exact in bf16
-    case torch::kFloat8_e4m3fn: gather_x(xc.data_ptr<c10::Float8_e4m3fn>(), M, K, src, Mp, Kp, xb); break;
-    case torch::kFloat8_e5m2: gather_x(xc.data_ptr<c10::Float8_e5m2>(), M, K, src, Mp, Kp, xb); break;
+    case at::kFloat8_e4m3fn: gather_x(xc.data_ptr<c10::Float8_e4m3fn>(), M, K, src, Mp, Kp, xb); break;
+    case at::kFloat8_e5m2: gather_x(xc.data_ptr<c10::Float8_e5m2>(), M, K, src, Mp, Kp, xb); break;
     default: TORCH_CHECK(false, "the panel GEMM takes x float32, bfloat16 or fp8, got ", x.scalar_type());
   }
   xr.main = storage.data_ptr<bf16>();

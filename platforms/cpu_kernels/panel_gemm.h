@@ -12,7 +12,8 @@
 // panel columns col0..col0+31, -> its output).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -70,7 +71,7 @@ struct GroupScales {
 // x [M, K] float32 | bfloat16 | fp8 (e4m3fn, e5m2) as XRows of Kp = 32 KB columns: x itself when it is bf16 in the
 // packed order, else a bf16 copy (columns src[p], K meaning a zero pad; K..Kp-1 zero without src).
 // ``storage`` keeps the copies alive.
-XRows prepare_x(const torch::Tensor& x, const int64_t* src, int64_t Kp, bool use_amx, torch::Tensor& storage);
+XRows prepare_x(const at::Tensor& x, const int64_t* src, int64_t Kp, bool use_amx, at::Tensor& storage);
 
 #ifdef HALSERVE_PANEL_BF16
 

@@ -9,7 +9,7 @@
 // a rank writes set s % 2 again only at chunk s + 2, after every rank published s + 1, which
 // each did only once done reading chunk s. Every rank sums the slots in rank order, so the
 // ranks end with bit-identical results (their samplers then agree).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <immintrin.h>
 #include <sched.h>
@@ -68,8 +68,8 @@ void sum_slots(uint8_t* base, int64_t world, int64_t slot_bytes, int64_t seq, T*
   }
 }
 
-void check_args(const torch::Tensor& buffer, const torch::Tensor& x, int64_t rank, int64_t world, int64_t slot_bytes) {
-  TORCH_CHECK(buffer.device().is_cpu() && buffer.scalar_type() == torch::kUInt8 && buffer.is_contiguous(),
+void check_args(const at::Tensor& buffer, const at::Tensor& x, int64_t rank, int64_t world, int64_t slot_bytes) {
+  TORCH_CHECK(buffer.device().is_cpu() && buffer.scalar_type() == at::kByte && buffer.is_contiguous(),
               "the shared buffer must be a contiguous CPU uint8 tensor");
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "shared-memory collectives take contiguous CPU tensors");
   TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "bad rank ", rank, " of ", world);
@@ -80,7 +80,7 @@ void check_args(const torch::Tensor& buffer, const torch::Tensor& x, int64_t ran
 // Chunk by chunk (``slot_bytes`` at most): copy this rank's part of x into its slot, publish, wait
 // for every rank, then ``use(seq, element offset, elements)`` reads the slots. Returns the next seq.
 template <typename Use>
-int64_t exchange_chunks(uint8_t* base, const torch::Tensor& x, int64_t rank, int64_t world, int64_t slot_bytes,
+int64_t exchange_chunks(uint8_t* base, const at::Tensor& x, int64_t rank, int64_t world, int64_t slot_bytes,
                         int64_t seq, Use&& use) {
   const int64_t elem = x.element_size();
   const int64_t per_chunk = slot_bytes / elem;
@@ -99,7 +99,7 @@ int64_t exchange_chunks(uint8_t* base, const torch::Tensor& x, int64_t rank, int
 }  // namespace
 
 // x += the other ranks' x, in place; returns the next chunk number.
-int64_t shm_all_reduce(torch::Tensor buffer, torch::Tensor x, int64_t rank, int64_t world, int64_t slot_bytes,
+int64_t shm_all_reduce(at::Tensor buffer, at::Tensor x, int64_t rank, int64_t world, int64_t slot_bytes,
                        int64_t seq) {
   check_args(buffer, x, rank, world, slot_bytes);
   uint8_t* base = buffer.data_ptr<uint8_t>();
@@ -111,7 +111,7 @@ int64_t shm_all_reduce(torch::Tensor buffer, torch::Tensor x, int64_t rank, int6
 }
 
 // out[r] = rank r's x (out: [world, x.numel()] of x's dtype); returns the next chunk number.
-int64_t shm_all_gather(torch::Tensor buffer, torch::Tensor x, torch::Tensor out, int64_t rank, int64_t world,
+int64_t shm_all_gather(at::Tensor buffer, at::Tensor x, at::Tensor out, int64_t rank, int64_t world,
                        int64_t slot_bytes, int64_t seq) {
   check_args(buffer, x, rank, world, slot_bytes);
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == x.scalar_type() && out.numel() == world * x.numel(),
