@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from halserve.kernels.base import Kernel
-from halserve.platforms.cpu_kernels.native_int4 import PANEL_N, cpu_flags
+from halserve.platforms.cpu_kernels.native_int4 import PANEL_N
+from halserve.platforms.cpu_kernels.panel import PanelKernel
 
 BLOCK_K = 32
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
@@ -44,31 +45,16 @@ def pack_fp8(b: torch.Tensor) -> NativeFp8Weight:
     return NativeFp8Weight(tiles.reshape(np_ // 16, kp // BLOCK_K, 16, 32).contiguous(), b.dtype, k, n)
 
 
-class _NativeFp8Gemm(Kernel):
-    name = "cpu_native"
-    platforms = ("cpu",)
+class _NativeFp8Gemm(PanelKernel):
     priority = 10
     dtypes = FP8_DTYPES
 
     @classmethod
     def _supports(cls, **problem) -> str | None:
-        from halserve.platforms.cpu_kernels import toolchain_missing
-
-        if "avx512_bf16" not in cpu_flags():
-            return "the native fp8 GEMM needs AVX512-BF16 (this CPU's /proc/cpuinfo flags lack avx512_bf16)"
         fp8 = problem.get("fp8_dtype")
         if fp8 is not None and fp8 not in FP8_DTYPES:
             return f"fp8 flavour {fp8} is not supported (supports {', '.join(FP8_DTYPES)})"
-        return toolchain_missing()
-
-    def __init__(self) -> None:
-        from halserve.platforms.cpu_kernels.fused import _module
-
-        _module()  # builds the extension, which registers torch.ops.halserve_cpu.fp8_gemm
-        self.isa = torch.ops.halserve_cpu.panel_gemm_isa()
-        if not self.isa:
-            raise RuntimeError("halserve's native CPU kernels were built without AVX512-BF16 (-march=native on a CPU "
-                               "without it); the torch reference serves fp8 GEMMs there")
+        return super()._supports(**problem)
 
     def prepare_weight(self, weight):
         return weight if isinstance(weight, NativeFp8Weight) else pack_fp8(weight)
@@ -150,12 +136,8 @@ class NativeScaledFp8Quant(_NativeFp8Quant):
     description = "static, per-tensor or per-token fp8 quant in C++ (one pass for the amax, one writing fp8)"
 
     def __call__(self, x, fp8_dtype, scale=None, per_token=False):
-        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        group = x2.shape[1] if per_token and scale is None else 0
-        if per_token and scale is None and group == 0:  # K = 0: nothing to scan, the scales stay at the floor
-            return x2.to(getattr(torch, fp8_dtype) if isinstance(fp8_dtype, str) else fp8_dtype), torch.full(
-                (x2.shape[0], 1), 1e-12)
-        q, s = self.quantize(x2, fp8_dtype, scale, group)
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        q, s = self.quantize(x2, fp8_dtype, scale, x2.shape[1] if per_token and scale is None else 0)
         return q.reshape(x.shape), s
 
 

@@ -22,12 +22,11 @@ padded to a multiple of 32 with zero weights, nibbles in the AMX B-tile order (s
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from halserve.kernels.base import Kernel
+from halserve.platforms.cpu_kernels.panel import PanelKernel
 from halserve.platforms.cpu_kernels.quant_gemm import AwqArgs, GptqArgs, rows_layout
 
 BLOCK_K = 32  # rows per packed block (an AMX bf16 tile's depth)
@@ -70,21 +69,7 @@ def repack_native(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_
     return NativeInt4Weight(qpack, s.contiguous(), z.contiguous(), block_group.to(torch.int32).contiguous(), src, k, n)
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-class _NativeInt4Gemm(Kernel):
-    name = "cpu_native"
-    platforms = ("cpu",)
+class _NativeInt4Gemm(PanelKernel):
     priority = 9  # above torch_int4pack (8); below IPEX's 4-bit kernels (10), which compute float32 exactly
     dtypes = ("float32", "float16", "bfloat16")
     prepared_type = NativeInt4Weight
@@ -93,23 +78,6 @@ class _NativeInt4Gemm(Kernel):
     @classmethod
     def capabilities(cls) -> dict:
         return {"compute_dtype": "bfloat16", "isa": "AMX-BF16, else AVX512-BF16"}
-
-    @classmethod
-    def _supports(cls, **problem) -> str | None:
-        from halserve.platforms.cpu_kernels import toolchain_missing
-
-        if "avx512_bf16" not in cpu_flags():
-            return "the native 4-bit GEMM needs AVX512-BF16 (this CPU's /proc/cpuinfo flags lack avx512_bf16)"
-        return toolchain_missing()
-
-    def __init__(self) -> None:
-        from halserve.platforms.cpu_kernels.fused import _module
-
-        _module()  # builds the extension, which registers torch.ops.halserve_cpu.int4_gemm
-        self.isa = torch.ops.halserve_cpu.panel_gemm_isa()
-        if not self.isa:
-            raise RuntimeError("halserve's native CPU kernels were built without AVX512-BF16 (-march=native on a CPU "
-                               "without it); the torch_int4pack kernel serves 4-bit GEMMs there")
 
     def run(self, x: torch.Tensor, w: NativeInt4Weight) -> torch.Tensor:
         if x.shape[-1] != w.k:

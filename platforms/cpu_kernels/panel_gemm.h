@@ -68,7 +68,7 @@ struct GroupScales {
   }
 };
 
-// x [M, K] float32 | bfloat16 | fp8 (e4m3fn, e5m2) as XRows of Kp = 32 KB columns: x itself when it is bf16 in the
+// x [M, K] float32 | bfloat16 as XRows of Kp = 32 KB columns: x itself when it is bf16 in the
 // packed order, else a bf16 copy (columns src[p], K meaning a zero pad; K..Kp-1 zero without src).
 // ``storage`` keeps the copies alive.
 XRows prepare_x(const at::Tensor& x, const int64_t* src, int64_t Kp, bool use_amx, at::Tensor& storage);
