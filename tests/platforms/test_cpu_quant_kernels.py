@@ -134,7 +134,8 @@ def test_resolution_and_declines():
     gptq, awq = (NativeInt4GptqGemm, NativeInt4AwqGemm) if native else (CpuInt4GptqGemm, CpuInt4AwqGemm)
     assert isinstance(resolve_kernel("gptq_gemm", "cpu", dtype="float32", n=4096, k=4096, group_size=128), gptq)
     assert isinstance(resolve_kernel("awq_gemm", "cpu", dtype="bfloat16", n=11008, k=4096, group_size=-1), awq)
-    assert isinstance(resolve_kernel("int8_scaled_gemm", "cpu", dtype="int8", n=64, k=80), CpuInt8ScaledGemm)
+    # torch_int_mm is the int8 fallback under the native and oneDNN kernels (test_cpu_int8_gemm.py)
+    assert CpuInt8ScaledGemm.supports(dtype="int8", n=64, k=80) is None
     assert "multiple of 16" in CpuInt4GptqGemm.supports(dtype="float32", n=40, k=256, group_size=128)
     assert "not a multiple of 32" in CpuInt4AwqGemm.supports(dtype="float32", n=64, k=256, group_size=16)
     assert "not a multiple of 32" in CpuInt4GptqGemm.supports(dtype="float32", n=64, k=200, group_size=-1)
