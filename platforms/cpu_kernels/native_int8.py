@@ -2,21 +2,23 @@
 
 ``torch_int_mm`` (quant_gemm.py) hands oneDNN the checkpoint's ``[N, K]`` weight transposed, so oneDNN
 reorders all of it on every call, and then scales in three more float32 passes. Here the weight is
-packed once at load into AMX B tiles, each thread streams its own run of 32-column panels (the next
-one prefetched into L2), ``tdpbssd`` sums int8 x int8 exactly in int32, and the epilogue writes
-``(acc * scale_a) * scale_b + bias`` straight to the output dtype, in the reference's order: bitwise
-``TorchInt8ScaledGemm`` for every scale granularity and output dtype.
+packed once at load into AMX B tiles; each thread takes a run of 32-column panels, in blocks of ~512 KB
+that stay in L2 while 32 rows at a time go across them (the first pass prefetching each next panel: at
+decode the weight streams from memory), ``tdpbssd`` sums int8 x int8 exactly in int32, and the epilogue
+writes ``(acc * scale_a) * scale_b + bias`` straight to the output dtype, in the reference's order:
+bitwise ``TorchInt8ScaledGemm`` for every scale granularity and output dtype.
 
 Where AMX-INT8 is missing (or the toolchain, or the OS refuses AMX) this kernel declines: ``onednn_int8``
 (onednn_int8_gemm.py: oneDNN on a prepacked weight, AMX too) serves where only the build failed, else
 ``torch_int_mm``.
 
-Measured on this project's 2-core Xeon (AMX, bfloat16 output, per-token scales; ms per call, medians of
-alternating rounds, ``benchmarks/kernels/cpu_int8_gemm.py``), W1's decode shapes at M = 64 with the
-weights streamed from memory as in a decode step: 768x1280 0.074 / 768x768 0.045 / 768x4096 0.21 /
-2048x768 0.10, against ``onednn_int8`` 0.14 / 0.10 / 0.34 / 0.19 and ``torch_int_mm`` ~2x slower still;
-M = 2048 (prefill), 768x4096: 3.3 ms, ``onednn_int8`` 6.2, dense bf16 6.4. W1-w8a8 end to end in
-bfloat16: 1161 -> 1665 output tok/s (``torch_int_mm`` -> this kernel).
+Measured on this project's 2-core Xeon (AMX; bfloat16 output, per-token scales; ms per call, medians of
+alternating rounds, ``benchmarks/kernels/cpu_int8_gemm.py``). W1's decode shapes at M = 64, the weights
+streamed from memory as in a decode step (K x N: 768 x 1280, 768 x 768, 768 x 4096, 2048 x 768):
+this kernel 0.079 / 0.046 / 0.264 / 0.106, ``onednn_int8`` 0.128 / 0.086 / 0.374 / 0.170, ``torch_int_mm``
+0.169 / 0.114 / 0.610 / 0.214, dense bf16 0.140 / 0.090 / 0.480 / 0.277. A 2,048-row prefill at
+768 x 4096: 3.3 ms, against 5.6 / 14.4 / 5.3. W1-w8a8 end to end in bfloat16 (``halserve bench
+throughput``): 1161 -> 1665 output tok/s (``torch_int_mm`` -> this kernel, medians of three).
 
 ``load_int8_ops()`` builds ``int8_gemm.cpp`` as its own small extension (``torch.ops.halserve_cpu_int8``),
 apart from the platform's main one.
