@@ -31,8 +31,7 @@
 #endif
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define HALSERVE_INT8_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #endif
 
 #pragma GCC optimize("fp-contract=off")
@@ -101,31 +100,7 @@ inline void scale_row(const Acc* acc, const Scales& s, int64_t m, int64_t col0, 
 // ---- AMX ----
 
 #ifdef HALSERVE_INT8_AMX
-bool amx_ready() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // Linux arch_prctl: AMX tile data
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tiles 0-3: C (2 row blocks x 2 column tiles), 4-5: A (rows of a), 6-7: B (the panel); all 16 x 64 B
-inline void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+bool amx_ready() { return halserve_amx::tile_data_granted(); }
 
 // Rows of a, 16 at a time: blocks below main_rows read a itself, the last partial block a zero-padded copy.
 struct ARows {
@@ -192,7 +167,7 @@ void amx_gemm(const ARows& ar, int64_t M, int64_t KB, const int8_t* qpack, int64
   const int64_t panel_groups = std::min(threads, P);
   const int64_t row_groups = std::max<int64_t>(1, std::min(threads / panel_groups, passes));
   at::parallel_for(0, panel_groups * row_groups, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    halserve_amx::configure_tiles();  // 0-3: C (2 row blocks x 2 column tiles), 4-5: A, 6-7: B
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t / row_groups, r = t % row_groups;
       const int64_t p_end = P * (g + 1) / panel_groups;

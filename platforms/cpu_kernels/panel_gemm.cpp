@@ -3,20 +3,12 @@
 
 #include <type_traits>
 
-#ifdef HALSERVE_PANEL_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace halserve_panel {
 
 bool amx_ready() {
 #ifdef HALSERVE_PANEL_AMX
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
+  return halserve_amx::tile_data_granted();
 #else
   return false;
 #endif

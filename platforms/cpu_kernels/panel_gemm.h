@@ -25,8 +25,9 @@
 #include <immintrin.h>
 #define HALSERVE_PANEL_BF16 1
 #endif
-#if defined(HALSERVE_PANEL_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(HALSERVE_PANEL_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define HALSERVE_PANEL_AMX 1
+#include "amx.h"
 #endif
 
 namespace halserve_panel {
@@ -157,24 +158,6 @@ void panel_avx512(const XRows& xr, int64_t m0, int64_t rows, const bf16* panel, 
 
 #ifdef HALSERVE_PANEL_AMX
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tiles 0-3: C (2 row blocks x 2 column tiles), 4-5: A (x rows), 6-7: B (the panel); all 16 x 64 B
-inline void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
 // tiles 0-3 -> acc [32][32] (rows 16-31 only when two)
 inline void store_tiles(float* acc, bool two) {
   const int64_t ld = kPanelN * sizeof(float);
@@ -250,7 +233,7 @@ void panel_gemm(const XRows& xr, int64_t M, int64_t KB, int64_t Np, const Dequan
   at::parallel_for(0, Np / kPanelN, 1, [&](int64_t begin, int64_t end) {
     std::vector<bf16> panel(KB * 2 * kTileElems);
 #ifdef HALSERVE_PANEL_AMX
-    if (use_amx) configure_tiles();
+    if (use_amx) halserve_amx::configure_tiles();  // 0-3: C (2 x 2), 4-5: A (x rows), 6-7: B (the panel)
 #endif
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t rows = std::min(chunk, M - m0);
