@@ -10,7 +10,11 @@ PROBLEM = dict(dtype="float32", n=64, k=256, group_size=128)
 
 
 def test_the_cpu_int4_kernel_wins_and_a_pin_picks_the_reference(monkeypatch):
-    assert resolve_kernel("gptq_gemm", "cpu", **PROBLEM).name == "torch_int4pack"
+    from halserve.platforms.cpu_kernels.native_int4 import NativeInt4GptqGemm
+
+    # the native kernel where this CPU has AVX512-BF16, else torch's int4 kernel
+    best = "cpu_native" if NativeInt4GptqGemm.supports(**PROBLEM) is None else "torch_int4pack"
+    assert resolve_kernel("gptq_gemm", "cpu", **PROBLEM).name == best
     monkeypatch.setenv("HALSERVE_KERNELS", " gptq_gemm = torch , awq_gemm=torch")
     assert resolve_kernel("gptq_gemm", "cpu", **PROBLEM).name == "torch"
     assert resolve_kernel("awq_gemm", "cpu", **PROBLEM).name == "torch"
