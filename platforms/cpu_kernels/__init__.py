@@ -1,5 +1,5 @@
 """Native CPU kernels of the cpu platform, compiled on first use with torch's C++
-extension builder (g++ and ninja; the build is cached under TORCH_EXTENSIONS_DIR)."""
+extension builder (g++ and ninja; ``build.py`` caches each build, safe across processes)."""
 from __future__ import annotations
 
 import logging
@@ -36,23 +36,12 @@ def load() -> object | None:
             _error = missing
             return None
         try:
-            from torch.utils.cpp_extension import load as load_ext
+            from halserve.platforms.cpu_kernels.build import HERE, build_and_load
 
-            here = os.path.dirname(os.path.abspath(__file__))
             names = ("paged_attention.cpp", "paged_prefill.cpp", "elementwise.cpp", "shm_comm.cpp", "panel_gemm.cpp",
-                     "int4_gemm.cpp", "int4_gemv.cpp", "fp8_gemm.cpp",
-                     "fp8_quant.cpp")
-            sources = [os.path.join(here, name) for name in names]
-            logger.info("building halserve's native CPU attention kernel (once per machine)")
-            _module = load_ext(
-                name="halserve_cpu_paged_attention",
-                sources=sources,
-                # -fopenmp: at::parallel_for is a header template over OpenMP pragmas,
-                # so without it the kernel would run on one thread.
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+                     "int4_gemm.cpp", "int4_gemv.cpp", "fp8_gemm.cpp", "fp8_quant.cpp")
+            logger.info("building halserve's native CPU kernels (once per machine)")
+            _module = build_and_load("halserve_cpu_paged_attention", [os.path.join(HERE, name) for name in names])
         except Exception as exc:  # noqa: BLE001 - a failed build falls back, loudly
             _error = f"building the native CPU kernel failed: {type(exc).__name__}: {exc}"
             logger.warning(_error)

@@ -46,7 +46,7 @@ _load_error: str | None = None
 
 
 def load_int8_ops() -> str | None:
-    """Build int8_gemm.cpp once per machine (cached under TORCH_EXTENSIONS_DIR), registering
+    """Build int8_gemm.cpp once per machine (cached by ``build.py``), registering
     ``torch.ops.halserve_cpu_int8``; None when its ops are there, else why not (logged once)."""
     global _loaded, _load_error
     with _lock:
@@ -57,11 +57,9 @@ def load_int8_ops() -> str | None:
         _load_error = toolchain_missing()
         if _load_error is None:
             try:
-                from torch.utils.cpp_extension import load as load_ext
+                from halserve.platforms.cpu_kernels.build import HERE, build_and_load
 
-                source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int8_gemm.cpp")
-                load_ext(name="halserve_cpu_int8_gemm", sources=[source], is_python_module=False,
-                         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                build_and_load("halserve_cpu_int8_gemm", [os.path.join(HERE, "int8_gemm.cpp")], is_python_module=False)
                 _loaded = True
             except Exception as exc:  # noqa: BLE001 - the kernels that need it decline, loudly
                 _load_error = f"building int8_gemm.cpp failed: {type(exc).__name__}: {exc}"
