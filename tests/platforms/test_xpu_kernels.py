@@ -11,6 +11,7 @@ import torch
 
 from halserve.kernels import packing, resolve_kernel
 from halserve.platforms import xpu_kernels
+from halserve.platforms.cpu_kernels.native_int4 import NativeInt4AwqGemm, NativeInt4GptqGemm
 from halserve.platforms.xpu_kernels import IpexAwqGemm, IpexGptqGemm, ipex_unavailable_reason
 from halserve.plugins import get_plugin_manager
 
@@ -33,8 +34,11 @@ def test_unavailable_with_the_reason_and_the_next_kernel_resolves():
     for op, cls in (("awq_gemm", IpexAwqGemm), ("gptq_gemm", IpexGptqGemm)):
         reason = cls.supports(**PROBLEM)
         assert reason is not None and "intel_extension_for_pytorch is not installed" in reason
-        # xpu: the torch reference; cpu: the cpu plugin's own 4-bit kernel (below IPEX's priority)
-        for platform, name in (("xpu", "torch"), ("cpu", "torch_int4pack")):
+        # xpu: the torch reference; cpu: the cpu plugin's own 4-bit kernels (below IPEX's priority): the
+        # native one where this CPU has AVX512-BF16, else torch's int4 kernel
+        native = NativeInt4AwqGemm if op == "awq_gemm" else NativeInt4GptqGemm
+        best_cpu = "cpu_native" if native.supports(**PROBLEM) is None else "torch_int4pack"
+        for platform, name in (("xpu", "torch"), ("cpu", best_cpu)):
             assert resolve_kernel(op, platform, **PROBLEM).name == name
     assert "intel_extension_for_pytorch" not in sys.modules
 
