@@ -45,13 +45,22 @@ static std::vector<at::Tensor> add_rms_norm_bf16(at::Tensor x, at::Tensor residu
   const bf16 *xp = xc.data_ptr<bf16>(), *rp = rc.data_ptr<bf16>(), *wp = wc.data_ptr<bf16>();
   bf16 *op = out.data_ptr<bf16>(), *sp = sum.data_ptr<bf16>();
   const float feps = static_cast<float>(eps);
+  using namespace halserve_cpu;
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> sf(H);  // the rounded sum, widened once
     for (int64_t t = begin; t < end; ++t) {
       const bf16 *a = xp + t * H, *b = rp + t * H;
       bf16* s = sp + t * H;
-      float ss = 0.f;
-      for (int64_t i = 0; i < H; ++i) {
+      v16 ssv = v16{};
+      int64_t i = 0;
+      for (; i + 16 <= H; i += 16) {
+        const v16 v = round_bf16(load16(a + i) + load16(b + i));
+        store16(s + i, v);
+        store16(sf.data() + i, v);
+        ssv += v * v;
+      }
+      float ss = hsum16(ssv);
+      for (; i < H; ++i) {
         const bf16 v = from_float<bf16>(to_float(a[i]) + to_float(b[i]));
         s[i] = v;
         sf[i] = to_float(v);
@@ -59,8 +68,9 @@ static std::vector<at::Tensor> add_rms_norm_bf16(at::Tensor x, at::Tensor residu
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
       bf16* o = op + t * H;
-      for (int64_t i = 0; i < H; ++i)
-        o[i] = from_float<bf16>(to_float(from_float<bf16>(sf[i] * inv)) * to_float(wp[i]));
+      i = 0;
+      for (; i + 16 <= H; i += 16) store16(o + i, round_bf16(load16(sf.data() + i) * inv) * load16(wp + i));
+      for (; i < H; ++i) o[i] = from_float<bf16>(to_float(from_float<bf16>(sf[i] * inv)) * to_float(wp[i]));
     }
   });
   return {out, sum};
@@ -132,6 +142,7 @@ static void rotate_rows(const int64_t* pos, const float* src, int64_t src_stride
 // rotate_rows for bf16 rows: the same arithmetic on widened values, rounded once.
 static void rotate_rows_bf16(const int64_t* pos, const bf16* src, int64_t src_stride, bf16* dst, int64_t T,
                              int64_t heads, int64_t D, const float* cs, int64_t R, bool neox) {
+  using namespace halserve_cpu;
   const int64_t half = R / 2;
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -141,7 +152,14 @@ static void rotate_rows_bf16(const int64_t* pos, const bf16* src, int64_t src_st
         const bf16* x = src + t * src_stride + h * D;
         bf16* y = dst + (t * heads + h) * D;
         const int64_t step = neox ? 1 : 2, other = neox ? half : 1;  // pair i: (i, i + half) or (2i, 2i + 1)
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+        if (neox)
+          for (; i + 16 <= half; i += 16) {
+            const v16 x1 = load16(x + i), x2 = load16(x + i + half), cv = load16(c + i), sv = load16(s + i);
+            store16(y + i, x1 * cv - x2 * sv);
+            store16(y + i + half, x2 * cv + x1 * sv);
+          }
+        for (; i < half; ++i) {
           const int64_t i1 = i * step, i2 = i * step + other;
           const float x1 = to_float(x[i1]), x2 = to_float(x[i2]);
           y[i1] = from_float<bf16>(x1 * c[i] - x2 * s[i]);
@@ -189,7 +207,6 @@ static at::Tensor silu_and_mul_bf16(at::Tensor xc) {
   bf16* op = out.data_ptr<bf16>();
   using namespace halserve_cpu;
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
-    float sg[16];
     for (int64_t t = begin; t < end; ++t) {
       const bf16* g = xp + t * ld;
       const bf16* u = g + I;
@@ -197,9 +214,7 @@ static at::Tensor silu_and_mul_bf16(at::Tensor xc) {
       int64_t i = 0;
       for (; i + 16 <= I; i += 16) {
         const v16 gv = load16(g + i);
-        store16(sg, gv / (1.0f + exp16(-gv)));
-        for (int j = 0; j < 16; ++j)
-          o[i + j] = from_float<bf16>(to_float(from_float<bf16>(sg[j])) * to_float(u[i + j]));
+        store16(o + i, round_bf16(gv / (1.0f + exp16(-gv))) * load16(u + i));
       }
       for (; i < I; ++i) {
         const float gf = to_float(g[i]);
