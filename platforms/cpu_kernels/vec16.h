@@ -55,23 +55,13 @@ inline v16 exp16(v16 x) {
   y = y * r + 5.0000001201e-1f;
   y = y * z + r + 1.0f;
   const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;  // 2^n
-  v16 scale;
-  __builtin_memcpy(&scale, &bits, sizeof(v16));
-  const v16 out = y * scale;
+  const v16 out = y * (v16)bits;
   return underflow ? v16{} : out;
 }
 
 #if defined(__AVX512F__)
-inline float hsum16(v16 v) {
-  __m512 x;
-  __builtin_memcpy(&x, &v, sizeof(v16));
-  return _mm512_reduce_add_ps(x);
-}
-inline float hmax16(v16 v) {
-  __m512 x;
-  __builtin_memcpy(&x, &v, sizeof(v16));
-  return _mm512_reduce_max_ps(x);
-}
+inline float hsum16(v16 v) { return _mm512_reduce_add_ps((__m512)v); }
+inline float hmax16(v16 v) { return _mm512_reduce_max_ps((__m512)v); }
 #else
 inline float hsum16(v16 v) {
   float s = 0.f;
@@ -94,17 +84,13 @@ typedef uint16_t vh16 __attribute__((vector_size(32), aligned(2)));
 inline v16 load16(const c10::BFloat16* p) {
   vh16 h;
   __builtin_memcpy(&h, p, sizeof(vh16));
-  const vi16 bits = __builtin_convertvector(h, vi16) << 16;
-  v16 v;
-  __builtin_memcpy(&v, &bits, sizeof(v16));
-  return v;
+  return (v16)(__builtin_convertvector(h, vi16) << 16);
 }
 // float -> bf16 on 16 lanes exactly as c10::BFloat16's constructor: round to nearest even
 // on the bits, NaN -> 0x7FC0 (AVX512-BF16's vcvtneps2bf16 differs: it flushes subnormals).
 typedef uint32_t vu16 __attribute__((vector_size(64), aligned(4)));
 inline vu16 bf16_bits16(v16 v) {
-  vu16 bits;
-  __builtin_memcpy(&bits, &v, sizeof(v16));
+  const vu16 bits = (vu16)v;
   const vu16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;  // no wrap: NaNs take the other branch
   return v != v ? vu16{} + 0x7FC0u : rounded;
 }
@@ -114,10 +100,7 @@ inline void store16(c10::BFloat16* p, v16 v) {
 }
 // v rounded to bf16 and widened back: the value a bf16 tensor would hold.
 inline v16 round_bf16(v16 v) {
-  const vu16 bits = bf16_bits16(v) << 16;
-  v16 out;
-  __builtin_memcpy(&out, &bits, sizeof(v16));
-  return out;
+  return (v16)(bf16_bits16(v) << 16);
 }
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
