@@ -161,3 +161,23 @@ def test_activation_quant_is_bitwise_the_reference(fp8, dtype):
         assert _same_bits(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ValueError, match="group_size"):
         grouped(x, fp8, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_activation_quant_rounds_every_e4m3fn_edge_like_torch(dtype):
+    """The vectorized float -> e4m3fn conversion against torch's on the hard cases: every code, the
+    midpoint between neighbours (ties go to even), just either side of it, the subnormal range, +-0,
+    the clamp at 448 and NaN (rows of 16 and a ragged tail)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = codes[~codes.isnan()].unique()  # sorted, -448 .. 448
+    mid = (finite[1:] + finite[:-1]) / 2
+    values = torch.cat([finite, mid, mid.nextafter(torch.tensor(float("inf"))),
+                        mid.nextafter(torch.tensor(float("-inf"))), torch.tensor([2.0**-10, -(2.0**-12), 2.0**-20,
+                                                                                   -0.0, 500.0, -1e9, float("nan")])])
+    values = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(0))]
+    x = values[: values.numel() // 37 * 37].reshape(37, -1).to(dtype)
+    native, reference = NativeScaledFp8Quant(), TorchScaledFp8Quant()
+    scale = torch.tensor([1.0])
+    got, want = native(x, torch.float8_e4m3fn, scale, per_token=False), reference(x, torch.float8_e4m3fn, scale,
+                                                                                  per_token=False)
+    assert _same_bits(got[0], want[0])
