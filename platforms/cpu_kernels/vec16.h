@@ -91,7 +91,8 @@ inline v16 load16(const c10::BFloat16* p) {
 typedef uint32_t vu16 __attribute__((vector_size(64), aligned(4)));
 inline vu16 bf16_bits16(v16 v) {
   const vu16 bits = (vu16)v;
-  const vu16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;  // no wrap: NaNs take the other branch
+  // unsigned: only a NaN can wrap, and NaNs take the other branch
+  const vu16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   return v != v ? vu16{} + 0x7FC0u : rounded;
 }
 inline void store16(c10::BFloat16* p, v16 v) {
