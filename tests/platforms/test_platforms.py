@@ -313,3 +313,26 @@ def test_cpu_fused_kernels_take_bfloat16_like_the_reference() -> None:
         for g, w in zip(got, want):
             assert g.dtype == bf16
             torch.testing.assert_close(g, w, atol=2**-14, rtol=2**-7)
+
+
+def test_cpu_bfloat16_rounding_of_the_fused_kernels_is_torchs_on_edge_values() -> None:
+    """The fused kernels round float32 -> bf16 16 lanes at a time on the bits; the residual sum they
+    return must equal torch's bf16 addition bit for bit on ties (to even), values that carry into the
+    exponent, subnormals, infinities and NaN, in the vector body and in the ragged tail."""
+    from halserve.kernels import resolve_kernel
+    from halserve.platforms.cpu_kernels import toolchain_missing
+
+    if toolchain_missing():
+        pytest.skip(toolchain_missing())
+    bf16 = torch.bfloat16
+    firsts = [1.0, 1.0, 1.0 + 2 * 2.0**-7, 2.0 - 2.0**-7, 1e-39, -1e-39, 3e38, float("inf"), float("nan"), -0.0, 0.0]
+    seconds = [2.0**-8, 3 * 2.0**-9, 2.0**-8, 2.0**-8, 1e-39, 2e-40, 3e38, -1.0, 1.0, -0.0, -0.0]
+    x = torch.tensor(firsts * 6 + firsts[:5]).to(bf16)  # 71 values: four 16-lane vectors and a tail of 7
+    res = torch.tensor(seconds * 6 + seconds[:5]).to(bf16)
+    norm = resolve_kernel("rms_norm", "cpu", dtype="bfloat16", hidden_size=x.numel())
+    weight = torch.ones(x.numel(), dtype=bf16)
+    _, summed = norm(x[None], weight, 1e-6, res[None])
+    want = x + res  # torch: float32 sum rounded once to bf16
+    nan = want.isnan()  # a NaN's bits are not specified (torch's vector add gives 0xFFFF here, c10 0x7FC0)
+    assert nan.any() and torch.equal(summed[0].isnan(), nan)
+    assert torch.equal(summed[0][~nan].view(torch.int16), want[~nan].view(torch.int16))
