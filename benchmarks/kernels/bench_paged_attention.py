@@ -101,8 +101,9 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true",
                    help="skip the copy-bandwidth and torch SDPA references of the decode figure")
     p.add_argument("--sweep", action="store_true",
-                   help="also time decode at every forced pipeline depth (3, 5) x split-K factor (1, 2, 4, 8) "
-                        "and prefill at depths 3 and 5 (HALSERVE_TRITON_ATTN_STAGES / _SPLITS)")
+                   help="also time decode at every forced pipeline depth (3, 4, 5) x split-K factor (1, 2, 4, 8), "
+                        "then other (keys per tile, warps) at depths 3, 5 x splits 2, 4, and prefill at depths 3 "
+                        "and 5 (HALSERVE_TRITON_ATTN_STAGES / _SPLITS)")
     args = p.parse_args()
     device = setup_device()
     if args.tiny:
@@ -124,19 +125,34 @@ def main() -> None:
 
     shape = f"heads={args.num_heads}/{args.num_kv_heads} d={args.head_size} {args.dtype}"
 
-    def run(step, what: str, figure, sweep: list[dict[str, str]]) -> None:
-        """Time one backend forward of ``step``: with the defaults, then (``--sweep``) with each
-        set of forced HALSERVE_TRITON_ATTN_* values; one line per run."""
+    def run(step, what: str, figure, forced: dict[str, str], tiles: tuple[int, int] | None = None) -> None:
+        """Time one backend forward of ``step`` and print one line. ``forced`` sets
+        HALSERVE_TRITON_ATTN_* values for this run; ``tiles`` = (TILE_N, num_warps) replaces the
+        launcher's tile choice (a sweep of the benchmark's own, not a backend knob). A
+        configuration that fails to build or launch prints why and the sweep goes on."""
         q, k, v, kv_cache, md = step
-        for forced in [{}] + (sweep if args.sweep else []):
-            os.environ.update({f"HALSERVE_TRITON_ATTN_{name}": value for name, value in forced.items()})
-            ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
+        os.environ.update({f"HALSERVE_TRITON_ATTN_{name}": value for name, value in forced.items()})
+        if tiles is not None:
+            kernels.tile_sizes = lambda *a: (*default_tile_sizes(*a)[:2], *tiles)
+        try:
+            block_m, _, tile_n, warps = kernels.tile_sizes(args.num_heads // args.num_kv_heads, md.max_query_len,
+                                                          args.head_size, dtype)
             stages = forced.get("STAGES") or kernels.pipeline_stages(md.max_query_len) or "triton default"
             splits = f" splits={backend.num_kv_splits(md, q.device)}" if md.max_query_len == 1 else ""
-            print(f"{what} {shape}{splits} stages={stages}{'' if forced else ' (defaults)'}: {ms:.3f} ms, {figure(ms)}")
+            label = (f"{what} {shape}{splits} stages={stages} tile_n={tile_n} warps={warps}"
+                     f"{'' if forced or tiles else ' (defaults)'}")
+            try:
+                ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
+            except Exception as exc:  # OutOfResources and friends: report, keep sweeping
+                print(f"{label}: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                return
+            print(f"{label}: {ms:.3f} ms, {figure(ms)}")
+        finally:
+            kernels.tile_sizes = default_tile_sizes
             for name in forced:
                 del os.environ[f"HALSERVE_TRITON_ATTN_{name}"]
 
+    default_tile_sizes = kernels.tile_sizes
     # decode: each request reads its whole context once per kv head
     step = make_step([(args.context - 1, 1)] * args.batch, **common)
     step_element_size = step[3].element_size()
@@ -146,22 +162,35 @@ def main() -> None:
         gbps = nbytes / (ms * 1e-3) / 1e9
         return f"{gbps:.1f} GB/s = {100 * gbps / args.peak_gbps:.1f}% of {args.peak_gbps:.0f} GB/s"
 
-    run(step, f"decode  batch={args.batch} context={args.context} kv={args.kv_cache_dtype}", bandwidth,
-        [{"STAGES": stages, "SPLITS": splits} for stages in ("3", "5") for splits in ("1", "2", "4", "8")])
+    decode = f"decode  batch={args.batch} context={args.context} kv={args.kv_cache_dtype}"
+    run(step, decode, bandwidth, {})
     if not args.no_reference:
-        del step  # the paged cache: room for the references' copies
         print(f"reference: device copy {copy_bandwidth(device, 64 << 20 if args.tiny else 1 << 30):.1f} GB/s "
               "(tensor.copy_, bytes read + written)")
         ms = sdpa_decode_ms(args, dtype, device)
         sdpa_bytes = kv_bytes // step_element_size * dtype.itemsize  # SDPA reads K/V in the model dtype
         print(f"reference: torch SDPA decode, contiguous K/V, {shape}: {ms:.3f} ms, {bandwidth(ms, sdpa_bytes)}")
+    if args.sweep:
+        # pipeline depth x split-K factor at the launcher's tiles, then other (keys per tile, warps)
+        for stages in ("3", "4", "5"):
+            for splits in ("1", "2", "4", "8"):
+                run(step, decode, bandwidth, {"STAGES": stages, "SPLITS": splits})
+        for tiles in ((32, 4), (64, 8), (128, 4), (128, 8)):
+            for stages in ("3", "5"):
+                for splits in ("2", "4"):
+                    run(step, decode, bandwidth, {"STAGES": stages, "SPLITS": splits}, tiles)
     if args.decode_only:
         return
+    del step  # the decode cache: room for the prefill's
     # prefill: fresh prompts, causal
     step = make_step([(0, args.prefill_len)] * args.prefill_batch, **common)
     flops = args.prefill_batch * 2 * args.prefill_len**2 * args.head_size * args.num_heads
-    run(step, f"prefill batch={args.prefill_batch} len={args.prefill_len}",
-        lambda ms: f"{flops / (ms * 1e-3) / 1e12:.2f} TFLOP/s", [{"STAGES": "3"}, {"STAGES": "5"}])
+    prefill = f"prefill batch={args.prefill_batch} len={args.prefill_len}"
+    tflops = lambda ms: f"{flops / (ms * 1e-3) / 1e12:.2f} TFLOP/s"  # noqa: E731
+    run(step, prefill, tflops, {})
+    for stages in ("3", "5") if args.sweep else ():
+        run(step, prefill, tflops, {"STAGES": stages})
+
 
 if __name__ == "__main__":
     main()
