@@ -101,10 +101,10 @@ class TritonPagedAttentionBackend(AttentionBackend):
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         programs = metadata.num_reqs * self.num_kv_heads
         splits = 1
-        # aim at >= 4 programs per SM, each still streaming >= 256 keys
+        # aim at >= 2 programs per SM, each still streaming >= 256 keys
         while (
             splits < self.max_splits
-            and programs * splits < 4 * self._num_sms
+            and programs * splits < 2 * self._num_sms
             and metadata.max_seq_len // (splits * 2) >= 256
         ):
             splits *= 2

@@ -75,9 +75,10 @@ def write_kv_cache_kernel(
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
     if IS_FP8:
-        # quantize: x / scale, saturated to the fp8 range (a plain cast would give nan/inf)
-        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+        # quantize: x / scale, correctly rounded as torch divides (a plain `/` is div.full.f32 on
+        # NVIDIA, up to 2 ulp off), saturated to the fp8 range (a plain cast would give nan/inf)
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -356,9 +357,9 @@ differently). The compile check reports every build's ``async_copy_depth``;
 """
 
 
-def pipeline_stages(max_query_len: int) -> int | None:
+def pipeline_stages(max_query_len: int, num_splits: int = 1) -> int | None:
     """``num_stages`` for an attention launch on the active Triton target; None: Triton's default."""
-    if max_query_len != 1 or _interpreting():
+    if max_query_len != 1 or num_splits == 1 or _interpreting():
         return None
     driver = triton.runtime.driver.active
     return _decode_stages(id(driver), driver.get_current_device())
@@ -412,7 +413,7 @@ def paged_attention(
     else:
         part_out = part_ml = out  # unused (NUM_SPLITS == 1 never touches them)
     grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
-    stages = num_stages if num_stages is not None else pipeline_stages(max_query_len)
+    stages = num_stages if num_stages is not None else pipeline_stages(max_query_len, num_splits)
     launch_options = {} if stages is None else {"num_stages": stages}
     unified_attention_kernel[grid](
         out, q, key_cache, value_cache, block_table, seq_lens, query_start_loc, part_out, part_ml,

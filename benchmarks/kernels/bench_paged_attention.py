@@ -104,6 +104,9 @@ def main() -> None:
                    help="also time decode at every forced pipeline depth (3, 4, 5) x split-K factor (1, 2, 4, 8), "
                         "then other (keys per tile, warps) at depths 3, 5 x splits 2, 4, and prefill at depths 3 "
                         "and 5 (HALSERVE_TRITON_ATTN_STAGES / _SPLITS)")
+    p.add_argument("--grid", action="store_true",
+                   help="decode only: a table of batch (8..128) x context (1K, 4K, 16K), each at the defaults and "
+                        "at every depth (3, 4, 5) x split-K factor (1, 2, 4, 8), in %% of --peak-gbps")
     args = p.parse_args()
     device = setup_device()
     if args.tiny:
@@ -137,8 +140,9 @@ def main() -> None:
         try:
             block_m, _, tile_n, warps = kernels.tile_sizes(args.num_heads // args.num_kv_heads, md.max_query_len,
                                                           args.head_size, dtype)
-            stages = forced.get("STAGES") or kernels.pipeline_stages(md.max_query_len) or "triton default"
-            splits = f" splits={backend.num_kv_splits(md, q.device)}" if md.max_query_len == 1 else ""
+            num_splits = backend.num_kv_splits(md, q.device)
+            stages = forced.get("STAGES") or kernels.pipeline_stages(md.max_query_len, num_splits) or "triton default"
+            splits = f" splits={num_splits}" if md.max_query_len == 1 else ""
             label = (f"{what} {shape}{splits} stages={stages} tile_n={tile_n} warps={warps}"
                      f"{'' if forced or tiles else ' (defaults)'}")
             try:
@@ -153,6 +157,9 @@ def main() -> None:
                 del os.environ[f"HALSERVE_TRITON_ATTN_{name}"]
 
     default_tile_sizes = kernels.tile_sizes
+    if args.grid:
+        decode_grid(args, backend, kernels, common, device)
+        return
     # decode: each request reads its whole context once per kv head
     step = make_step([(args.context - 1, 1)] * args.batch, **common)
     step_element_size = step[3].element_size()
@@ -190,6 +197,38 @@ def main() -> None:
     run(step, prefill, tflops, {})
     for stages in ("3", "5") if args.sweep else ():
         run(step, prefill, tflops, {"STAGES": stages})
+
+
+def decode_grid(args, backend, kernels, common, device) -> None:
+    """One row per (batch, context): decode bandwidth in % of ``--peak-gbps`` at the backend's
+    defaults, then at each forced depth x split-K factor; the defaults' choice is named."""
+    configs = [(stages, splits) for stages in ("3", "4", "5") for splits in ("1", "2", "4", "8")]
+    batches, contexts = ((2, 4), (64, 256)) if args.tiny else ((8, 16, 32, 64, 128), (1024, 4096, 16384))
+    print(f"decode grid, heads={args.num_heads}/{args.num_kv_heads} d={args.head_size} {args.dtype} "
+          f"block={args.block_size}: % of {args.peak_gbps:.0f} GB/s")
+    print(f"{'batch':>5} {'context':>7} {'defaults':>18} " + " ".join(f"{'st' + a + '/s' + b:>7}" for a, b in configs))
+    for context in contexts:
+        for batch in batches:
+            q, k, v, kv_cache, md = make_step([(context - 1, 1)] * batch, **common)
+            kv_bytes = 2 * batch * context * args.num_kv_heads * args.head_size * kv_cache.element_size()
+
+            def percent(forced: dict[str, str]) -> str:
+                os.environ.update({f"HALSERVE_TRITON_ATTN_{name}": value for name, value in forced.items()})
+                try:
+                    ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
+                    return f"{100 * kv_bytes / (ms * 1e-3) / 1e9 / args.peak_gbps:.1f}"
+                except Exception as exc:  # a configuration that cannot build: say so, go on
+                    return type(exc).__name__[:7]
+                finally:
+                    for name in forced:
+                        del os.environ[f"HALSERVE_TRITON_ATTN_{name}"]
+
+            num_splits = backend.num_kv_splits(md, q.device)
+            chosen = f"st{kernels.pipeline_stages(1, num_splits) or '-'}/s{num_splits}"
+            row = f"{percent({}):>6} ({chosen})"
+            print(f"{batch:>5} {context:>7} {row:>18} "
+                  + " ".join(f"{percent({'STAGES': a, 'SPLITS': b}):>7}" for a, b in configs), flush=True)
+            del q, k, v, kv_cache, md
 
 
 if __name__ == "__main__":

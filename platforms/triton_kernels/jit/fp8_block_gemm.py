@@ -79,6 +79,9 @@ def fp8_block_gemm(a, b, scale_a, scale_b, block_size, out_dtype, bias=None, *, 
     tiles["BLOCK_K"] = min(tiles["BLOCK_K"], block_k)
     if block_k % tiles["BLOCK_K"]:
         raise ValueError(f"Bk={block_k} is not a multiple of the K tile {tiles['BLOCK_K']}; use a power of two >= 16")
+    # fp8 tensor-core dots take K >= 32 (Hopper's wgmma k32; Triton refuses a smaller fp8 tl.dot):
+    # a smaller K tile dots the codes decoded to fp16 instead, which holds every fp8 value exactly
+    upcast = upcast or tiles["BLOCK_K"] < 32
     grid = (triton.cdiv(m, tiles["BLOCK_M"]) * triton.cdiv(n, tiles["BLOCK_N"]),)
     fp8_is_e5 = a.dtype in (torch.float8_e5m2, torch.float8_e5m2fnuz)
     fp8_bias = (16 if fp8_is_e5 else 8) if a.dtype in _FNUZ else (15 if fp8_is_e5 else 7)
@@ -115,8 +118,9 @@ def group_quant_kernel(
     mask = (offs_m[:, None] < M) & ((offs_g < GROUP) & (offs_k < K))[None, :]
     rows = offs_m[:, None].to(tl.int64)
     x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, 1e-12)  # [BM]
-    y = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)  # a true division, as the reference does
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), 1e-12)  # [BM]
+    # correctly rounded, as torch divides (a plain `/` is div.full.f32 on NVIDIA: up to 2 ulp off)
+    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + rows * stride_qm + offs_k[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + offs_m.to(tl.int64) * stride_sm + group, scale, mask=offs_m < M)
 

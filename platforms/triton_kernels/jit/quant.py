@@ -46,14 +46,17 @@ def quantize_rows_kernel(
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / QMAX, 1e-12)
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), 1e-12)
         tl.store(scale_ptr + row, scale)
     else:
         scale = tl.load(scale_ptr)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        y = x / scale  # a true division, as the reference does (x * (1/scale) rounds differently)
+        # a correctly rounded division, as torch's: x * (1/scale) rounds differently, and so does
+        # Triton's plain `/` on NVIDIA GPUs (div.full.f32, up to 2 ulp off: the compiled kernel
+        # missed torch's fp8/int8 codes on a few values, H200 2026-11-27)
+        y = tl.math.div_rn(x, scale)
         if IS_INT8:
             y = tl.clamp(_round_half_even(y), -128.0, 127.0)
         else:
