@@ -53,8 +53,12 @@ class TritonPagedAttentionBackend(AttentionBackend):
         "fp8 KV cache with per-tensor scales"
     )
 
-    max_splits: ClassVar[int] = 16
-    """Upper bound of the split-K factor of a decode step."""
+    max_splits: ClassVar[int] = 8
+    """Upper bound of the split-K factor of a decode step (the largest one measured)."""
+    unsplit_programs_per_sm: ClassVar[int] = 3
+    """A decode step with at least this many (request, kv head) programs per SM does not split."""
+    split_programs_per_sm: ClassVar[int] = 6
+    """A split decode step doubles its factor until it has this many programs per SM."""
     min_split_context: ClassVar[int] = 512
     """Decode steps whose longest context is shorter stay on the single-pass kernel."""
 
@@ -89,6 +93,11 @@ class TritonPagedAttentionBackend(AttentionBackend):
         Only decode-only steps with long contexts split: there the grid is (requests x kv
         heads) programs, too few to keep every SM streaming. ``HALSERVE_TRITON_ATTN_SPLITS``
         forces a value (tests, benchmarks).
+
+        Measured on an H200 (132 SMs; heads 32/8, head size 128, bf16, block 16; BENCHMARKS.md,
+        ``bench_paged_attention.py --grid``): from 512 programs (batch 64) up, the single pass
+        was fastest (84-88% of 4.8 TB/s; splitting in two cost 10-15 points); below, the best
+        split reached about 1024 programs (batch 32 in 4, batch 16 in 8).
         """
         forced = _forced("HALSERVE_TRITON_ATTN_SPLITS")
         if forced is not None:
@@ -100,11 +109,13 @@ class TritonPagedAttentionBackend(AttentionBackend):
 
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         programs = metadata.num_reqs * self.num_kv_heads
+        if programs >= self.unsplit_programs_per_sm * self._num_sms:
+            return 1
         splits = 1
-        # aim at >= 2 programs per SM, each still streaming >= 256 keys
+        # double up to ~6 programs per SM, each still streaming >= 256 keys
         while (
             splits < self.max_splits
-            and programs * splits < 2 * self._num_sms
+            and programs * splits < self.split_programs_per_sm * self._num_sms
             and metadata.max_seq_len // (splits * 2) >= 256
         ):
             splits *= 2

@@ -340,25 +340,28 @@ def tile_sizes(
 
 
 DECODE_PIPELINE_STAGES = 5
-"""``num_stages`` of decode launches on NVIDIA sm_90 and later (compile-checked for sm_90).
+"""``num_stages`` of split-K decode launches on NVIDIA sm_90 and later (compile-checked for sm_90).
 
 Triton's pipeliner starts each load that feeds a dot ``(num_stages - 1) // (levels + 1)``
 iterations ahead, where ``levels`` counts the loads in front of it: the K/V tiles sit behind
 the block-table load, so Triton's default of 3 stages keeps them one iteration ahead in a
 single buffer, and the loop waits for all its copies (``cp.async.wait_group 0``) before each
-tile: a program never computes while its next tile streams in. 5 stages double-buffer K and V
-(``wait_group`` > 0: the next tile is in flight during the dots), at 72 KB of shared memory
-per program for head size 128: still 3 programs per H100 SM (the single-buffered loop fits
-3-4 by its registers), so each SM keeps about twice the bytes in flight. On A100 it would
-halve the programs per SM (4 -> 2) and on sm_86/89 (99 KB) leave one, so those keep Triton's
-default until a measurement says otherwise; so does AMD (its stream pipeliner counts stages
-differently). The compile check reports every build's ``async_copy_depth``;
-``benchmarks/kernels/bench_paged_attention.py --sweep`` measures depth 3 against 5.
+tile. 5 stages double-buffer K and V (``wait_group`` > 0: the next tile is in flight during
+the dots), at 72 KB of shared memory per program for head size 128 (3 programs per SM).
+
+Measured on an H200 (``bench_paged_attention.py --grid``, BENCHMARKS.md): split launches,
+whose programs stream a short stretch each, gain from the second buffer (batch 32 x 16K
+context in 4 splits: 81.6% of peak at 5 stages, 74.8% at 3), while single-pass launches lose
+(batch 64 x 4K: 65.8% at 5 against 83.7% at 3 and 84.1% at 4),
+so single-pass decode keeps Triton's default. A100 and sm_86/89 keep it everywhere: there
+the second buffer would halve the programs per SM (4 -> 2) or leave one (99 KB), and no
+measurement says otherwise; so does AMD (its stream pipeliner counts stages differently).
 """
 
 
 def pipeline_stages(max_query_len: int, num_splits: int = 1) -> int | None:
-    """``num_stages`` for an attention launch on the active Triton target; None: Triton's default."""
+    """``num_stages`` for an attention launch on the active Triton target; None: Triton's default
+    (everything but split-K decode on sm_90+; see ``DECODE_PIPELINE_STAGES``)."""
     if max_query_len != 1 or num_splits == 1 or _interpreting():
         return None
     driver = triton.runtime.driver.active

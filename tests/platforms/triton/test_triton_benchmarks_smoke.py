@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
     ("bench_paged_attention.py", [], "GB/s"),
     ("bench_paged_attention.py", ["--decode-only"], "reference: torch SDPA decode"),  # same-device references
     ("bench_paged_attention.py", ["--sweep"], "splits=8 stages=5"),  # the tuning sweep run_gpu_checks.sh uses
+    ("bench_paged_attention.py", ["--grid"], "st5/s8"),  # batch x context table behind the split policy
     ("bench_gemm.py", [], "TFLOP/s"),
 ])
 def test_benchmark_tiny_runs(script, flags, expect):
