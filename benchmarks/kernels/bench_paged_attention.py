@@ -19,12 +19,24 @@ Each timed call is a full backend forward (the cache write of the step's K/V inc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 
 from timing import setup_device, time_ms
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@contextlib.contextmanager
+def forced_env(forced: dict[str, str]):
+    """HALSERVE_TRITON_ATTN_<name> = value for each item, for the duration of the block."""
+    os.environ.update({f"HALSERVE_TRITON_ATTN_{name}": value for name, value in forced.items()})
+    try:
+        yield
+    finally:
+        for name in forced:
+            del os.environ[f"HALSERVE_TRITON_ATTN_{name}"]
 
 
 def make_step(specs, *, num_heads, num_kv_heads, head_size, block_size, dtype, device, kv_cache_dtype):
@@ -134,27 +146,26 @@ def main() -> None:
         launcher's tile choice (a sweep of the benchmark's own, not a backend knob). A
         configuration that fails to build or launch prints why and the sweep goes on."""
         q, k, v, kv_cache, md = step
-        os.environ.update({f"HALSERVE_TRITON_ATTN_{name}": value for name, value in forced.items()})
         if tiles is not None:
             kernels.tile_sizes = lambda *a: (*default_tile_sizes(*a)[:2], *tiles)
         try:
-            block_m, _, tile_n, warps = kernels.tile_sizes(args.num_heads // args.num_kv_heads, md.max_query_len,
-                                                          args.head_size, dtype)
-            num_splits = backend.num_kv_splits(md, q.device)
-            stages = forced.get("STAGES") or kernels.pipeline_stages(md.max_query_len, num_splits) or "triton default"
-            splits = f" splits={num_splits}" if md.max_query_len == 1 else ""
-            label = (f"{what} {shape}{splits} stages={stages} tile_n={tile_n} warps={warps}"
-                     f"{'' if forced or tiles else ' (defaults)'}")
-            try:
-                ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
-            except Exception as exc:  # OutOfResources and friends: report, keep sweeping
-                print(f"{label}: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-                return
-            print(f"{label}: {ms:.3f} ms, {figure(ms)}")
+            with forced_env(forced):
+                _, _, tile_n, warps = kernels.tile_sizes(args.num_heads // args.num_kv_heads, md.max_query_len,
+                                                         args.head_size, dtype)
+                num_splits = backend.num_kv_splits(md, q.device)
+                stages = (forced.get("STAGES") or kernels.pipeline_stages(md.max_query_len, num_splits)
+                          or "triton default")
+                splits = f" splits={num_splits}" if md.max_query_len == 1 else ""
+                label = (f"{what} {shape}{splits} stages={stages} tile_n={tile_n} warps={warps}"
+                         f"{'' if forced or tiles else ' (defaults)'}")
+                try:
+                    ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
+                except Exception as exc:  # OutOfResources and friends: report, keep sweeping
+                    print(f"{label}: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                    return
+                print(f"{label}: {ms:.3f} ms, {figure(ms)}")
         finally:
             kernels.tile_sizes = default_tile_sizes
-            for name in forced:
-                del os.environ[f"HALSERVE_TRITON_ATTN_{name}"]
 
     default_tile_sizes = kernels.tile_sizes
     if args.grid:
@@ -213,15 +224,12 @@ def decode_grid(args, backend, kernels, common, device) -> None:
             kv_bytes = 2 * batch * context * args.num_kv_heads * args.head_size * kv_cache.element_size()
 
             def percent(forced: dict[str, str]) -> str:
-                os.environ.update({f"HALSERVE_TRITON_ATTN_{name}": value for name, value in forced.items()})
                 try:
-                    ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
+                    with forced_env(forced):
+                        ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
                     return f"{100 * kv_bytes / (ms * 1e-3) / 1e9 / args.peak_gbps:.1f}"
                 except Exception as exc:  # a configuration that cannot build: say so, go on
                     return type(exc).__name__[:7]
-                finally:
-                    for name in forced:
-                        del os.environ[f"HALSERVE_TRITON_ATTN_{name}"]
 
             num_splits = backend.num_kv_splits(md, q.device)
             chosen = f"st{kernels.pipeline_stages(1, num_splits) or '-'}/s{num_splits}"
