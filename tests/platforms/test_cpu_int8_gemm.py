@@ -133,7 +133,7 @@ def test_pack_layout():
 
 def test_onednn_declines_below_amx(monkeypatch):
     # an ISA cap below AMX would send int8 x int8 down oneDNN's slow reference path
-    if "AMX-INT8" not in (onednn_int8_gemm.unsupported_reason() or "AMX-INT8"):
+    if onednn_int8_gemm.unsupported_reason() is not None:  # e.g. no AMX: nothing for a cap to take away
         pytest.skip(f"onednn_int8 declines here anyway: {onednn_int8_gemm.unsupported_reason()}")
     onednn_int8_gemm.unsupported_reason.cache_clear()
     try:
