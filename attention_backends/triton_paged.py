@@ -94,10 +94,10 @@ class TritonPagedAttentionBackend(AttentionBackend):
         heads) programs, too few to keep every SM streaming. ``HALSERVE_TRITON_ATTN_SPLITS``
         forces a value (tests, benchmarks).
 
-        Measured on an H200 (132 SMs; heads 32/8, head size 128, bf16, block 16; BENCHMARKS.md,
-        ``bench_paged_attention.py --grid``): from 512 programs (batch 64) up, the single pass
-        was fastest (84-88% of 4.8 TB/s; splitting in two cost 10-15 points); below, the best
-        split reached about 1024 programs (batch 32 in 4, batch 16 in 8).
+        Measured on an H100 and an H200 (132 SMs each; heads 32/8, head size 128, bf16, block 16;
+        BENCHMARKS.md, ``bench_paged_attention.py --grid``): from 512 programs (batch 64) up, the
+        single pass was fastest (84-89% of peak; splitting in two cost 4-15 points); below, the
+        best split reached about 1024 programs (batch 32 in 4, batch 16 in 8).
         """
         forced = _forced("HALSERVE_TRITON_ATTN_SPLITS")
         if forced is not None:
