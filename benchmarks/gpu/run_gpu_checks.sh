@@ -45,14 +45,14 @@ if [ "$what" = moe ]; then
     exit 0
 fi
 
-# 1. the acceptance figure first (decode bandwidth at batch 64 x context 4096 x head 128, bf16),
+# 2. the acceptance figure first (decode bandwidth at batch 64 x context 4096 x head 128, bf16),
 #    with the tuning sweep (pipeline depth x split-K, keys per tile x warps) and prefill
 if [ "$what" = all ] || [ "$what" = bench ]; then
     timeout "$([ "$what" = bench ] && echo 300 || echo 170)" \
         python3 $kernels/bench_paged_attention.py --sweep --peak-gbps "$peak" 2>&1 | tee "$OUT/bench_paged_attention.log"
 fi
 
-# 2. the Triton test directory compiled on the GPU, `gpu` tests included; the compile-check
+# 3. the Triton test directory compiled on the GPU, `gpu` tests included; the compile-check
 #    tests (Triton's compiler for five named targets, no device involved) run in CI instead,
 #    as does tests/attention_backends (CPU backends only)
 tests_rc=0
@@ -67,7 +67,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     tests_rc=${PIPESTATUS[0]}
 fi
 
-# 3. the GEMMs
+# 4. the GEMMs (and, in "bench" mode, fused MoE)
 if [ "$what" = all ] || [ "$what" = bench ]; then
     timeout "$([ "$what" = bench ] && echo 200 || echo 60)" python3 $kernels/bench_gemm.py 2>&1 | tee "$OUT/bench_gemm.log"
 fi
