@@ -9,7 +9,25 @@ from setuptools import setup
 
 # root folder -> import name (DESIGN.md section 1)
 ROOTS = {
+    # the hardware-agnostic core: config, requests, scheduler, KV-cache manager, engine
     "core": "halserve",
+    # what runs a step: models and their layers, the op table, sampling, the worker
+    "models": "halserve.models",
+    "layers": "halserve.layers",
+    "kernels": "halserve.kernels",
+    "sampling": "halserve.sampling",
+    "worker": "halserve.worker",
+    "distributed": "halserve.distributed",
+    # cross-cutting features
+    "lora": "halserve.lora",
+    "multimodal": "halserve.multimodal",
+    "spec_decode": "halserve.spec_decode",
+    "structured_output": "halserve.structured_output",
+    # what users touch: LLM, the OpenAI server, the CLI, the bench client, the demo model
+    "entrypoints": "halserve.entrypoints",
+    "bench": "halserve.bench",
+    "demo": "halserve.demo",
+    # plugin kinds, each with its base.py
     "platforms": "halserve.platforms",
     "attention_backends": "halserve.attention_backends",
     "quant_methods": "halserve.quant_methods",
@@ -37,5 +55,5 @@ def find_packages() -> list[str]:
 setup(
     packages=find_packages(),
     package_dir={name: folder for folder, name in ROOTS.items()},
-    package_data={"halserve": ["demo/model/*", "demo/*.jinja"], "halserve.platforms.cpu_kernels": ["*.cpp", "*.h"]},
+    package_data={"halserve.demo": ["model/*", "*.jinja"], "halserve.platforms.cpu_kernels": ["*.cpp", "*.h"]},
 )

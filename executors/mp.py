@@ -34,7 +34,7 @@ import traceback
 from collections import deque
 from typing import Any, Callable
 
-from halserve.executor import Executor, RemoteTraceback, WorkerDiedError
+from halserve.executors.base import Executor, RemoteTraceback, WorkerDiedError
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
-from halserve.executor import Executor, RemoteTraceback, WorkerDiedError
+from halserve.executors.base import Executor, RemoteTraceback, WorkerDiedError
 
 logger = logging.getLogger(__name__)
 

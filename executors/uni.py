@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from halserve.executor import Executor
+from halserve.executors.base import Executor
 
 
 class UniExecutor(Executor):

@@ -74,7 +74,7 @@ def halserve_kv_connectors() -> list[type]:
 
 @hookspec
 def halserve_executors() -> list[type]:
-    """Return ``halserve.executor.Executor`` subclasses, keyed by ``name`` (what
+    """Return ``halserve.executors.base.Executor`` subclasses, keyed by ``name`` (what
     ``--distributed-executor-backend`` takes)."""
 
 

@@ -176,7 +176,7 @@ def test_unplaceable_ranks_are_a_clear_error(llama, ray_llm, monkeypatch):
 def test_actor_death_raises_and_shutdown_leaves_no_workers(llama, ray_llm):
     """Runs last: it kills one of the shared engine's actors."""
     import ray
-    from halserve.executor import WorkerDiedError
+    from halserve.executors.base import WorkerDiedError
 
     _, prompts = llama
     executor = _executor_of(ray_llm)
