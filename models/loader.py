@@ -105,9 +105,10 @@ def resolve_dtype(requested: str, hf_config: Any, platform: Any) -> torch.dtype:
         return _DTYPE_NAMES[requested]
     checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     name = str(checkpoint).replace("torch.", "") if checkpoint is not None else None
-    if name in _DTYPE_NAMES and name in platform.supported_dtypes:
-        return _DTYPE_NAMES[name]
-    return _DTYPE_NAMES[platform.default_dtype]
+    name = {"float": "float32", "half": "float16"}.get(name or "", name)
+    chosen, reason = platform.auto_dtype(name if name in _DTYPE_NAMES else None)
+    logger.info("dtype auto -> %s on %s (%s)", chosen, platform.name, reason)
+    return _DTYPE_NAMES[chosen]
 
 
 def supported_architectures() -> dict[str, str]:

@@ -45,6 +45,20 @@ class Platform:
     model's configuration is used."""
     description: ClassVar[str] = ""
 
+    @classmethod
+    def auto_dtype(cls, checkpoint_dtype: str | None) -> tuple[str, str]:
+        """(optional) What ``dtype="auto"`` becomes for a checkpoint stored in ``checkpoint_dtype``
+        (a torch dtype name, or None when the config names none), with the reason to log.
+
+        Called once by the model loader. Default: the checkpoint's dtype when this platform
+        supports it, else ``default_dtype``. A platform overrides it when a supported dtype is
+        not the fastest one here (the CPU without native bf16 dot products)."""
+        if checkpoint_dtype in cls.supported_dtypes:
+            return checkpoint_dtype, "the checkpoint's dtype"
+        if checkpoint_dtype is None:
+            return cls.default_dtype, f"the checkpoint names no dtype; {cls.name}'s default"
+        return cls.default_dtype, f"{cls.name} does not support the checkpoint's {checkpoint_dtype}; its default"
+
     # -- probing (class level: nothing is instantiated to list platforms) -------------
     @classmethod
     def _probe(cls) -> ProbeResult:

@@ -49,7 +49,12 @@ def test_max_model_len(qwen2_path):
         get_model_info(EngineConfig(model=qwen2_path, max_model_len=1000), CpuPlatform())
 
 
-def test_dtype_auto_follows_checkpoint_then_platform(tmp_path):
+def test_dtype_auto_follows_checkpoint_then_platform(tmp_path, monkeypatch):
+    # a CPU with native bf16 dot products keeps a bf16 checkpoint in bf16 (without them, auto
+    # picks float32: tests/platforms/test_cpu_auto_dtype.py)
+    from halserve.platforms.cpu_kernels import panel
+
+    monkeypatch.setattr(panel, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     path = make_checkpoint(tmp_path, "llama", num_layers=1)
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
