@@ -1,12 +1,14 @@
 """Discovery: load every ``halserve.plugins`` entry point once per process.
 
     entry points --(HALSERVE_PLUGINS / HALSERVE_DISABLE_PLUGINS)--> import module
-        --> halserve_manifest() --(api range check)--> call each contribution hook
+        --> halserve_manifest() --(api range check)--> check every hook (hookimpls.py)
+        --> pluggy register --> call each contribution hook of this plugin
         --> registries (one per kind; names unique per kind)
 
-A plugin that fails to import, raises in a hook, or is incompatible is recorded with
-its error and a warning is logged; its contributions are dropped as a whole, so a
-broken plugin never half-registers. Everything else keeps working.
+A plugin that fails to import, has a hook halserve does not know or with arguments its
+spec does not have, raises in a hook, or is incompatible is recorded with its error and
+a warning is logged; its contributions are dropped as a whole (and it is unregistered
+from pluggy), so a broken plugin never half-registers. Everything else keeps working.
 """
 from __future__ import annotations
 
@@ -19,9 +21,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Iterable, Literal
 
-import pluggy
-
-from halserve.plugins import hookspecs
+from halserve.plugins.hookimpls import FoundHook, HookManager, check_hookimpls, find_hookimpls
 from halserve.plugins.manifest import PluginManifest
 from halserve.plugins.registry import PluginConflictError, Registry
 
@@ -87,10 +87,9 @@ class PluginManager:
     records: list[PluginRecord] = field(default_factory=list)
     registries: dict[str, Registry] = field(default_factory=dict)
     conflicts: list[str] = field(default_factory=list)
-    pm: pluggy.PluginManager = field(default_factory=lambda: pluggy.PluginManager(hookspecs.PROJECT))
+    pm: HookManager = field(default_factory=HookManager)  # loaded plugins only
 
     def __post_init__(self) -> None:
-        self.pm.add_hookspecs(hookspecs)
         for kind in CONTRIBUTION_HOOKS.values():
             self.registries.setdefault(kind, Registry(kind.rstrip("s")))
 
@@ -133,20 +132,15 @@ class PluginManager:
 
     # -- loading -----------------------------------------------------------------
     def load_plugin(self, name: str, plugin: Any, record: PluginRecord) -> None:
-        """Register one imported plugin object: manifest check, then its contributions."""
+        """Register one imported plugin: manifest and API check, then every hook checked,
+        then its contributions collected. Any failure drops the plugin whole."""
         try:
-            manifest = _call_single(plugin, "halserve_manifest")
-            if manifest is None:
-                raise TypeError(
-                    f"plugin {name!r} does not implement halserve_manifest(); every plugin "
-                    "must return a halserve.plugins.PluginManifest"
-                )
-            if not isinstance(manifest, PluginManifest):
-                manifest = PluginManifest.model_validate(manifest)
-            record.manifest = manifest
+            found = find_hookimpls(self.pm, name, plugin)
+            manifest = self._read_manifest(name, plugin, found)
         except Exception as exc:
             _fail(record, exc)
             return
+        record.manifest = manifest
         if not manifest.supports_api(API_VERSION):
             record.status = "refused"
             record.error = (
@@ -156,20 +150,24 @@ class PluginManager:
             )
             logger.warning("halserve plugin refused: %s", record.error)
             return
-        for hook, (since, replacement) in DEPRECATED_HOOKS.items():
-            if getattr(plugin, hook, None) is not None:
+        for item in found:
+            if item.hook in DEPRECATED_HOOKS:
+                since, replacement = DEPRECATED_HOOKS[item.hook]
                 warnings.warn(
-                    f"plugin {name!r} implements {hook}, deprecated since plugin API {since}; {replacement}",
+                    f"plugin {name!r} implements {item.hook}, deprecated since plugin API {since}; {replacement}",
                     DeprecationWarning,
                     stacklevel=2,
                 )
         contributions: list[tuple[str, str, Any]] = []
         try:
+            check_hookimpls(self.pm, name, plugin, found)
+            self.pm.register(plugin, name=name)  # pluggy validates the signatures again
             for hook, kind in CONTRIBUTION_HOOKS.items():
-                result = _call_single(plugin, hook)
-                for item_name, obj in _items(kind, result, name):
-                    contributions.append((kind, item_name, obj))
+                for result in self.call_plugin_hook(name, hook):
+                    contributions.extend((kind, item_name, obj) for item_name, obj in _items(kind, result, name))
         except Exception as exc:
+            if self.pm.has_plugin(name) and self.pm.get_plugin(name) is plugin:
+                self.pm.unregister(name=name)
             _fail(record, exc)
             return
         for kind, item_name, obj in contributions:
@@ -178,18 +176,45 @@ class PluginManager:
             except PluginConflictError as exc:
                 self.conflicts.append(str(exc))
                 logger.warning("halserve plugin conflict: %s", exc)
-        self.pm.register(plugin, name=name)
         record.status = "loaded"
 
+    def _read_manifest(self, name: str, plugin: Any, found: list[FoundHook]) -> PluginManifest:
+        # Read before the other hooks are checked, so that a plugin built for another API
+        # (which may have hooks this halserve does not know) is refused, not failed.
+        mine = [item for item in found if item.hook == "halserve_manifest"]
+        if not mine:
+            raise TypeError(
+                f"plugin {name!r} does not implement halserve_manifest(); every plugin "
+                "must return a halserve.plugins.PluginManifest"
+            )
+        check_hookimpls(self.pm, name, plugin, mine)
+        manifest = mine[0].impl.function()
+        if manifest is None:
+            raise TypeError(f"halserve_manifest() of plugin {name!r} returned None, not a PluginManifest")
+        if not isinstance(manifest, PluginManifest):
+            manifest = PluginManifest.model_validate(manifest)
+        return manifest
+
+    def call_plugin_hook(self, plugin: str, hook: str, **kwargs: Any) -> list[Any]:
+        """Call one registered plugin's implementation of ``hook`` with keyword arguments
+        (each implementation gets the ones it declares); its non-``None`` results, ``[]``
+        if it does not implement the hook."""
+        results = []
+        for impl in getattr(self.pm.hook, hook).get_hookimpls():
+            if impl.plugin_name == plugin:
+                result = impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+                if result is not None:
+                    results.append(result)
+        return results
+
+    def implements(self, plugin: str, hook: str) -> bool:
+        """Whether the registered plugin ``plugin`` implements ``hook``."""
+        caller = getattr(self.pm.hook, hook, None)
+        return caller is not None and any(impl.plugin_name == plugin for impl in caller.get_hookimpls())
+
     def call_update_config(self, config: Any, platform: str) -> None:
+        """Every loaded plugin's ``halserve_update_config``, in pluggy's order."""
         self.pm.hook.halserve_update_config(config=config, platform=platform)
-
-
-def _call_single(plugin: Any, hook: str) -> Any:
-    fn = getattr(plugin, hook, None)
-    if fn is None:
-        return None
-    return fn()
 
 
 def _items(kind: str, result: Any, plugin: str) -> Iterable[tuple[str, Any]]:

@@ -125,9 +125,7 @@ def _check_config_idempotent(report: ConformanceReport, name: str, cls: type) ->
 def check_update_config_hook(report: ConformanceReport, manager: Any, platform: str | None) -> None:
     from halserve.config import EngineConfig
 
-    plugin_obj = manager.pm.get_plugin(report.plugin)
-    hook = getattr(plugin_obj, "halserve_update_config", None)
-    if hook is None:
+    if not manager.implements(report.plugin, "halserve_update_config"):
         report.add("plugin", report.plugin, "halserve_update_config idempotent", "declined",
                    "the plugin does not implement halserve_update_config")
         return
@@ -136,9 +134,9 @@ def check_update_config_hook(report: ConformanceReport, manager: Any, platform: 
         case = f"halserve_update_config idempotent (platform={name})"
         config = EngineConfig(model="halserve-conformance/dummy", platform=name)
         try:
-            hook(config=config, platform=name)
+            manager.call_plugin_hook(report.plugin, "halserve_update_config", config=config, platform=name)
             first = config.model_dump()
-            hook(config=config, platform=name)
+            manager.call_plugin_hook(report.plugin, "halserve_update_config", config=config, platform=name)
             second = config.model_dump()
         except Exception as exc:  # noqa: BLE001
             report.add("plugin", report.plugin, case, "failed", f"raised {type(exc).__name__}: {exc}")

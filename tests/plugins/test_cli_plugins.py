@@ -248,6 +248,7 @@ def test_deprecated_hook_warns_and_is_listed(monkeypatch):
     import types
 
     from halserve.plugins import PluginManifest, hookimpl, manager as manager_mod
+    from halserve.plugins.hookspecs import hookspec
     from halserve.plugins.manager import PluginManager, PluginRecord
 
     monkeypatch.setitem(manager_mod.DEPRECATED_HOOKS, "halserve_old_thing", (1, "implement halserve_platforms instead"))
@@ -255,7 +256,14 @@ def test_deprecated_hook_warns_and_is_listed(monkeypatch):
         halserve_manifest=hookimpl(lambda: PluginManifest(name="old", version="1", api=">=1,<2")),
         halserve_old_thing=lambda: None,
     )
+
+    class OldSpecs:  # a deprecated hook keeps its hookspec while it is supported
+        @hookspec
+        def halserve_old_thing(self) -> None:
+            """Deprecated."""
+
     mgr = PluginManager()
+    mgr.pm.add_hookspecs(OldSpecs)
     record = PluginRecord(name="old", target="old", distribution=None)
     import warnings
 
