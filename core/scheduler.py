@@ -1,7 +1,10 @@
 """The engine core's scheduler: continuous batching with chunked prefill (vLLM V1 style).
 
 Once per step the engine calls ``schedule()`` (what to compute), executes it on the
-workers, and calls ``update_from_output()`` (what was sampled, who finished).
+workers, and calls ``update_from_output()`` (what was sampled, who finished). It is built
+from a ``SchedulerConfig``; each feature's rules (LoRA slots, grammars, pipeline stages,
+speculative drafts, KV-connector loads, the image budget) live in ``halserve.sched`` and in
+the feature's package, and the steps call them.
 """
 from __future__ import annotations
 
@@ -15,11 +18,21 @@ from typing import TYPE_CHECKING
 
 from halserve.engine_core_output import EngineCoreOutput
 from halserve.kv_cache.manager import KVCacheManager, cdiv
-from halserve.lora.admission import Admission, LoRAAdmission
+from halserve.lora.admission import LoRAAdmission
 from halserve.multimodal.budget import fit_encoder_budget
 from halserve.request import Request, RequestId, RequestStatus
+from halserve.sched import (
+    Admission,
+    AdmissionPolicy,
+    ConnectorLoads,
+    DraftRule,
+    GrammarGate,
+    PipelineStages,
+    SchedulerConfig,
+    UnservedFeatures,
+    make_spec_proposer,
+)
 from halserve.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from halserve.spec_decode.verify import count_accepted
 from halserve.structured_output import no_token_stop_reason
 
 logger = logging.getLogger(__name__)
@@ -27,9 +40,10 @@ logger = logging.getLogger(__name__)
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
     from halserve.kv_connectors.base import KVConnector
-    from halserve.spec_decode.draft_model import WorkerDrafts
-    from halserve.spec_decode.ngram import NgramProposer
+    from halserve.sched.drafts import Proposer
     from halserve.structured_output import StructuredOutputManager
+
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "make_spec_proposer"]
 
 
 @dataclass(slots=True)
@@ -51,35 +65,24 @@ class SchedulerStats:
 class Scheduler:
     def __init__(
         self,
+        config: SchedulerConfig,
         *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        block_size: int,
-        num_blocks: int,
-        enable_prefix_caching: bool = True,
-        structured_outputs: "StructuredOutputManager | None" = None,
-        max_loras: int | None = None,
-        spec_proposer: "NgramProposer | WorkerDrafts | None" = None,
-        pipeline_parallel: bool = False,
-        max_concurrent_batches: int = 1,
-        kv_connector: "KVConnector | None" = None,
+        structured_outputs: StructuredOutputManager | None = None,
+        spec_proposer: Proposer | None = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
-        for name, value in (
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_model_len", max_model_len),
-            ("block_size", block_size),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len
-        )
+        """``structured_outputs`` compiles grammars (None: constrained requests refused);
+        ``spec_proposer`` proposes draft tokens (None: no speculation); ``kv_connector`` is the
+        scheduler side of ``kv_transfer_config`` (None: off)."""
+        if kv_connector is not None and config.max_concurrent_batches > 1:
+            raise ValueError("a KV connector cannot run with batches in flight (pipeline parallelism)")
+        self.config = config
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.block_size = config.block_size
+        self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size, max_model_len=config.max_model_len,
+                                               enable_prefix_caching=config.enable_prefix_caching)
         self.requests: dict[RequestId, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
         self.running: list[Request] = []  # kept in priority (arrival) order, earliest first
@@ -87,50 +90,41 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self.num_preemptions = 0  # cumulative
-        self.structured_outputs = structured_outputs  # compiles grammars; None: constrained requests refused
-        # at most max_loras adapters among running requests; None: LoRA off (adapter requests refused)
-        self.lora_admission = None if max_loras is None else LoRAAdmission(max_loras, max_overtakes=max_num_seqs)
-        # speculative decoding: proposes draft tokens for decoding requests (or, WorkerDrafts, says
-        # that the workers' draft model does); None: off
-        self.spec_proposer = spec_proposer
-        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
-        # pipeline parallelism: cached requests carry their new output tokens (CachedRequestData)
-        self.pipeline_parallel = pipeline_parallel
-        # Batches the engine may have in flight at once (one per pipeline stage). With more than one,
-        # a scheduled request is "in flight" until its batch's output comes back: later batches skip
-        # it and never preempt it, and each batch takes at most its share of the running requests,
-        # so that the stages work on different batches at the same time.
-        if max_concurrent_batches < 1:
-            raise ValueError(f"max_concurrent_batches must be >= 1, got {max_concurrent_batches}")
-        self.max_concurrent_batches = max_concurrent_batches
-        self._in_flight: dict[str, Request] = {}  # req_id -> the request its unreturned batch computes
-        # the scheduler side of a KV connector (kv_transfer_config): K/V found outside the cache is
-        # loaded instead of computed; None: off
-        if kv_connector is not None and max_concurrent_batches > 1:
-            raise ValueError("a KV connector cannot run with batches in flight (pipeline parallelism)")
+        self.structured_outputs = structured_outputs
         self.kv_connector = kv_connector
-        self.kv_connector_hit_tokens = 0
+        # the feature rules (halserve.sched); a feature that is off has none
+        self.stages = PipelineStages(config.pipeline_parallel, config.max_concurrent_batches)
+        self.grammars = None if structured_outputs is None else GrammarGate(structured_outputs)
+        self.drafter = DraftRule(spec_proposer, config.max_model_len)
+        self.kv_loads = None if kv_connector is None else ConnectorLoads(kv_connector, self.kv_cache_manager)
+        lora = None if config.max_loras is None else LoRAAdmission(config.max_loras, max_overtakes=config.max_num_seqs)
+        self.policies: list[AdmissionPolicy] = [
+            p for p in (UnservedFeatures(has_structured_outputs=structured_outputs is not None, has_lora=lora is not None),
+                        self.stages, self.grammars, lora) if p is not None]
+        self._gates = [p for p in self.policies if p.gates_admission]  # (asked in schedule() step 2, in order)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int,
-                           structured_outputs: "StructuredOutputManager | None" = None,
-                           max_concurrent_batches: int = 1, kv_connector: "KVConnector | None" = None) -> Scheduler:
+                           structured_outputs: StructuredOutputManager | None = None,
+                           max_concurrent_batches: int = 1, kv_connector: KVConnector | None = None) -> Scheduler:
         """``num_blocks`` comes from KV-cache sizing and ``max_model_len`` from the model
         (``config.max_model_len`` may still be None); ``max_concurrent_batches`` from the executor."""
-        return cls(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            block_size=config.block_size,
-            num_blocks=num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            structured_outputs=structured_outputs,
-            max_loras=config.max_loras if config.enable_lora else None,
-            spec_proposer=make_spec_proposer(config),
-            pipeline_parallel=config.pipeline_parallel_size > 1,
-            max_concurrent_batches=max_concurrent_batches,
-            kv_connector=kv_connector,
-        )
+        sched_config = SchedulerConfig.from_engine_config(config, num_blocks=num_blocks, max_model_len=max_model_len,
+                                                          max_concurrent_batches=max_concurrent_batches)
+        return cls(sched_config, structured_outputs=structured_outputs, spec_proposer=make_spec_proposer(config),
+                   kv_connector=kv_connector)
+
+    @property
+    def spec_proposer(self) -> Proposer | None:
+        return self.drafter.proposer
+
+    @spec_proposer.setter
+    def spec_proposer(self, proposer: Proposer | None) -> None:
+        self.drafter.proposer = proposer
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.stages.max_concurrent_batches
 
     # -- requests in ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -159,13 +153,8 @@ class Scheduler:
                 f"({num_usable} usable blocks of {self.block_size}); lower max_tokens or shorten the prompt, "
                 "or raise num_kv_blocks / kv_cache_memory"
             )
-        if getattr(request.sampling_params, "structured_outputs", None) is not None:
-            if self.structured_outputs is None:
-                raise ValueError(f"request {req_id!r} asks for structured outputs, which this engine does not serve")
-            self.structured_outputs.submit(request)
-        if request.lora_request is not None and self.lora_admission is None:
-            raise ValueError(f"request {req_id!r} asks for LoRA adapter {request.lora_request.lora_name!r} but LoRA "
-                             "is not enabled; start the engine with enable_lora=True (--enable-lora)")
+        for policy in self.policies:  # (refusals first: UnservedFeatures leads the list)
+            policy.on_added(request)
         request.status = RequestStatus.WAITING
         self.requests[req_id] = request
         self._priority[req_id] = next(self._arrivals)
@@ -200,17 +189,22 @@ class Scheduler:
         Algorithm (one token budget, ``max_num_batched_tokens``, per step):
         1. Running requests, in priority order, each get what they still need (1 token for
            a decode, the rest of the prompt for an unfinished chunked prefill), cut to the
-           remaining budget. With speculative decoding a decode also carries the drafts the
-           proposer finds (as budget, max_tokens and max_model_len allow; dropped first when
-           blocks are short). When blocks run out, preempt by recompute the lowest-priority
-           (latest-arrived) running request -- possibly the one being scheduled -- until
-           the allocation succeeds.
+           remaining budget and to the step's image budget (``fit_encoder_budget``). A decode
+           also carries the drafts ``self.drafter`` finds (speculative decoding; dropped
+           first when blocks are short). When blocks run out, preempt by recompute the
+           lowest-priority (latest-arrived) running request -- possibly the one being
+           scheduled -- until the allocation succeeds. With batches in flight
+           (``self.stages``), requests in an unreturned batch are skipped and never
+           preempted, and a batch takes at most its share of the running requests.
         2. Unless step 1 preempted someone (memory is tight: let running requests drain),
-           admit waiting requests FCFS while budget, ``max_num_seqs`` and free blocks allow;
-           each starts after its longest prefix-cache hit and gets a (possibly partial)
-           prefill chunk. The first one that cannot get blocks stops admission (no
-           overtaking), so large requests are not starved. With LoRA, one whose adapter would
-           exceed ``max_loras`` is passed over, a bounded number of times (``lora/admission.py``).
+           admit waiting requests FCFS while budget, ``max_num_seqs`` and free blocks allow.
+           Each admission rule (``self._gates``: grammar compiled, LoRA slots, not in flight)
+           may pass a request over (SKIP: it keeps its place) or end admission (STOP). An
+           admitted request starts after its longest prefix-cache hit plus what the KV
+           connector loads (``self.kv_loads``), and gets a (possibly partial) prefill chunk.
+           The first one that cannot get blocks stops admission (no overtaking), so large
+           requests are not starved.
+        3. Rules that add to the output: grammar masks, the KV connector's loads and saves.
         A request never waits forever: ``add_request`` guarantees each fits an empty cache,
         and the earliest running request can always preempt all the others.
         """
@@ -222,10 +216,11 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         num_preempted = 0
         encoder_left = self.max_num_batched_tokens  # image tokens the step may encode (multimodal/budget.py)
+        drafter, stages, kv_loads = self.drafter, self.stages, self.kv_loads
 
-        # 1. running requests (with batches in flight: those not in one, up to this batch's share)
-        in_flight = self._in_flight
-        share = -(-len(self.running) // self.max_concurrent_batches)
+        # 1. running requests
+        in_flight = stages.in_flight
+        share = stages.share(len(self.running))
         index = 0
         while index < len(self.running) and token_budget > 0 and len(cached_reqs) < share:
             request = self.running[index]
@@ -241,7 +236,7 @@ class Scheduler:
                 continue
             drafts = self._propose_drafts(request, token_budget)
             end = request.num_computed_tokens + num_new_tokens + len(drafts)
-            lookahead = len(drafts) + self._draft_model_lookahead(request, end)
+            lookahead = len(drafts) + drafter.lookahead(request, end)
             while (new_block_ids := kv.allocate_slots(request, num_new_tokens,
                                                       num_lookahead_tokens=lookahead)) is None:
                 if lookahead:  # short of blocks: give up the drafts before preempting anyone
@@ -255,9 +250,8 @@ class Scheduler:
             if new_block_ids is None:  # it preempted itself; it was the last running request
                 break
             cached = CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
-            if self.pipeline_parallel:
-                cached.new_token_ids = request.output_token_ids[request.num_output_tokens_sent:]
-                request.num_output_tokens_sent = request.num_output_tokens
+            if stages.carries_tokens:
+                stages.send_new_tokens(cached, request)
             cached_reqs.append(cached)
             if drafts:
                 spec_tokens[request.request_id] = drafts
@@ -267,34 +261,33 @@ class Scheduler:
             encoder_left -= encoder_used
             index += 1
 
-        # 2. waiting requests (one whose grammar is still compiling keeps its place, skipped)
+        # 2. waiting requests
         num_skipped = 0
-        lora_admission = self.lora_admission
-        if lora_admission is not None:
-            lora_admission.begin_step(self.running)
+        gates = self._gates
+        for gate in gates:
+            gate.begin_step(self.running)
         while (not num_preempted and len(self.waiting) > num_skipped and token_budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[num_skipped]
-            if request.request_id in in_flight:  # (an aborted request's id, reused before its batch came back)
-                num_skipped += 1
-                continue
-            if self.structured_outputs is not None and not self.structured_outputs.is_ready(request):
-                num_skipped += 1
-                continue
-            if lora_admission is not None and (verdict := lora_admission.check(request)) is not Admission.ADMIT:
-                if verdict is Admission.STOP:
+            verdict = Admission.ADMIT
+            for gate in gates:
+                if (verdict := gate.check(request)) is not Admission.ADMIT:
                     break
-                num_skipped += 1  # its adapter would be one too many this step
+            if verdict is Admission.SKIP:
+                num_skipped += 1
                 continue
+            if verdict is Admission.STOP:
+                break
             computed_blocks, num_local = kv.get_computed_blocks(request)
-            num_external = self._external_hit(request, num_local)  # (loaded into its blocks before the forward)
+            # (loaded into its blocks before the forward)
+            num_external = 0 if kv_loads is None else kv_loads.external_hit(request, num_local)
             num_computed = num_local + num_external
             num_new_tokens = min(request.num_tokens - num_computed, token_budget)
             num_new_tokens, encoder_used = fit_encoder_budget(request, num_computed, num_new_tokens, encoder_left,
                                                               self.max_num_batched_tokens, fresh=True)
             if not num_new_tokens:  # (FCFS: no overtaking) its image waits for a step with room to encode it
                 break
-            lookahead = self._draft_model_lookahead(request, num_computed + num_new_tokens)
+            lookahead = drafter.lookahead(request, num_computed + num_new_tokens)
             num_slots = num_new_tokens + num_external
             new_block_ids = kv.allocate_slots(request, num_slots, computed_blocks, num_lookahead_tokens=lookahead)
             if new_block_ids is None and lookahead:  # the draft model proposes fewer instead
@@ -303,16 +296,14 @@ class Scheduler:
                 assert self.running, f"{request.request_id} does not fit an empty KV cache (add_request should refuse it)"
                 break
             del self.waiting[num_skipped]
-            if lora_admission is not None:
-                lora_admission.admitted(request)
+            for gate in gates:
+                gate.on_admitted(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
-            if num_external:
-                self.kv_connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id), num_local,
-                                                           num_external)
-                self.kv_connector_hit_tokens += num_external
+            if num_external and kv_loads is not None:
+                kv_loads.on_admitted(request, num_local, num_external)
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
             request.num_output_tokens_sent = request.num_output_tokens
             new_reqs.append(
@@ -332,9 +323,9 @@ class Scheduler:
             token_budget -= num_new_tokens
             encoder_left -= encoder_used
 
+        # 3. the output
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
-        if self.max_concurrent_batches > 1:
-            in_flight.update((req_id, self.requests[req_id]) for req_id in num_scheduled_tokens)
+        stages.launched(num_scheduled_tokens, self.requests)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -343,43 +334,35 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
             num_preempted=num_preempted,
             scheduled_spec_decode_tokens=spec_tokens,
-            **self._grammar_bitmask(num_scheduled_tokens, spec_tokens),
         )
-        if self.kv_connector is not None:
-            output.kv_connector_metadata = self.kv_connector.build_connector_meta(output, self.requests)
+        if self.grammars is not None:
+            self.grammars.fill_bitmask(output, self.requests)
+        if kv_loads is not None:
+            kv_loads.fill_metadata(output, self.requests)
         return output
 
-    def _external_hit(self, request: Request, num_local: int) -> int:
-        """Tokens after the local prefix-cache hit that the KV connector can load: whole blocks, and
-        only where a local hit would be allowed (never the last token; not for prompt logprobs)."""
-        if self.kv_connector is None or request.kv_load_failed:
-            return 0
-        kv = self.kv_cache_manager
-        num_external = self.kv_connector.get_num_new_matched_tokens(request, num_local)
-        return max(0, min(num_external, kv.max_cache_hit_tokens(request) - num_local))
+    def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:
+        """The drafts a decoding request carries this step (``DraftRule.propose``)."""
+        return self.drafter.propose(request, token_budget, len(self.running))
 
     def _recover_failed_loads(self, block_ids: set[int]) -> None:
         """The workers could not load these blocks (the connector's copy was gone or broken): forget
         them as prefix-cache entries and recompute every running request that holds one, without
         the connector (their outputs of the step are dropped)."""
-        kv = self.kv_cache_manager
-        for block_id in block_ids:
-            kv.block_pool.uncache(kv.block_pool.blocks[block_id])
-        victims = [r for r in self.running if not block_ids.isdisjoint(kv.get_block_ids(r.request_id))]
+        assert self.kv_loads is not None, "the workers reported failed KV loads without a KV connector"
+        victims = self.kv_loads.failed_load_victims(block_ids, self.running)
         for request in reversed(victims):  # (appendleft: they keep their order at the front of waiting)
             self.running.remove(request)
             request.kv_load_failed = True
             request.num_cached_tokens = None  # (what it finds when admitted again)
             self._preempt(request)
-        self.kv_connector.on_failed_blocks(block_ids)
-        logger.warning("KV connector: %d blocks failed to load; recomputing %d requests: %s", len(block_ids),
-                       len(victims), ", ".join(r.request_id for r in victims))
+        self.kv_loads.failed_loads_recovered(block_ids, victims)
 
     def _pop_victim(self) -> Request:
         """Take the lowest-priority running request that is not in flight out of ``running`` (the
         running list is sorted by priority; the request being scheduled is never in flight)."""
         for j in range(len(self.running) - 1, -1, -1):
-            if self.running[j].request_id not in self._in_flight:
+            if self.running[j].request_id not in self.stages.in_flight:
                 return self.running.pop(j)
         raise AssertionError("every running request is in flight, including the one being scheduled")
 
@@ -392,68 +375,13 @@ class Scheduler:
     @property
     def num_in_flight(self) -> int:
         """Requests in batches the engine has not had back yet."""
-        return len(self._in_flight)
-
-    def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:
-        """Draft tokens for a decoding request (speculative decoding), at most what the budget
-        leaves after its own token and what max_tokens and max_model_len leave after the
-        bonus token. None for prefills; under a grammar, only the drafts the grammar allows
-        (each draft position then gets its own mask, ``_grammar_bitmask``)."""
-        proposer = self.spec_proposer
-        if proposer is None or request.num_tokens - request.num_computed_tokens != 1:
-            return []
-        worker_drafts, request.spec_token_ids = request.spec_token_ids, []  # (proposed for this step only)
-        if proposer.disable_by_batch_size is not None and len(self.running) >= proposer.disable_by_batch_size:
-            return []
-        grammar = request.grammar
-        if getattr(request.sampling_params, "pooling", None) is not None or (
-                grammar is not None and (grammar.gated or grammar.waits)):
-            return []  # (a grammar waiting for its start: the masks would start mid-step)
-        max_drafts = min(token_budget - 1, request.max_tokens - request.num_output_tokens - 1,
-                         self.max_model_len - request.num_tokens)
-        if max_drafts <= 0:
-            return []
-        if proposer.from_worker:
-            drafts = worker_drafts[:max_drafts]
-        else:
-            drafts = proposer.propose(request.all_token_ids, max_drafts, key=request.request_id)
-        return drafts if grammar is None else grammar.valid_prefix(drafts)
-
-    def _draft_model_lookahead(self, request: Request, end: int) -> int:
-        """Slots after this step's tokens (drafts included; they end at ``end``) where the
-        workers' draft model writes while proposing the next drafts: k for a request that
-        samples this step."""
-        proposer = self.spec_proposer
-        if proposer is None or not proposer.from_worker:
-            return 0
-        if end < request.num_tokens or getattr(request.sampling_params, "pooling", None) is not None:
-            return 0  # mid-prefill: nothing sampled, nothing proposed
-        return max(0, min(proposer.num_speculative_tokens, self.max_model_len - end))
+        return len(self.stages.in_flight)
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Block until a waiting request's grammar compiles, at most ``timeout`` seconds (for an
         engine whose every unfinished request waits for one: ``schedule`` gave nothing)."""
-        if self.structured_outputs is not None:
-            self.structured_outputs.wait(self.waiting, timeout)
-
-    def _grammar_bitmask(self, num_scheduled_tokens: dict[str, int], spec_tokens: dict[str, list[int]]) -> dict:
-        """The SchedulerOutput fields for the requests that sample this step under a grammar:
-        one mask row per sampled position (with k drafts, k + 1 rows in a row, the req_id
-        repeated)."""
-        if self.structured_outputs is None:
-            return {}
-        req_ids, grammars, drafts = [], [], []
-        for req_id, num_tokens in num_scheduled_tokens.items():
-            request = self.requests[RequestId(req_id)]
-            grammar = request.grammar
-            if grammar is not None and grammar.masks and request.num_computed_tokens + num_tokens >= request.num_tokens:
-                drafts.append(spec_tokens.get(req_id, []))
-                req_ids.extend([req_id] * (len(drafts[-1]) + 1))
-                grammars.append(grammar)
-        if not grammars:
-            return {}
-        return {"grammar_req_ids": req_ids,
-                "grammar_bitmask": self.structured_outputs.grammar_bitmask(grammars, drafts)}
+        if self.grammars is not None:
+            self.grammars.wait(self.waiting, timeout)
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop its K/V, restart it from scratch later (its outputs
@@ -483,12 +411,13 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         outputs: list[EngineCoreOutput] = []
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        overlapping = self.max_concurrent_batches > 1
+        in_flight = self.stages.in_flight if self.stages.overlapping else None
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(RequestId(req_id))
-            scheduled = self._in_flight.pop(req_id, None) if overlapping else request
-            if request is None or request.status != RequestStatus.RUNNING or request is not scheduled:
-                continue  # aborted while the step ran (and maybe its id reused since)
+            if in_flight is not None and in_flight.pop(req_id, None) is not request:
+                continue  # aborted while the step ran, and its id reused since
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
             drafts = spec_tokens.get(req_id, ())
             # drafts are not the request's tokens until accepted (added below)
             request.num_computed_tokens += num_tokens - len(drafts)
@@ -521,11 +450,8 @@ class Scheduler:
                     request.status = RequestStatus.FINISHED_STOPPED
                     request.stop_reason = no_token_stop_reason(req_id, request.sampling_params, request.grammar, None)
                 if drafts:
-                    num_accepted = count_accepted(drafts, sampled)
-                    request.num_computed_tokens += num_accepted  # their K/V was written while checking them
-                    self.spec_num_drafts += 1
-                    self.spec_num_draft_tokens += len(drafts)
-                    self.spec_num_accepted_tokens += num_accepted
+                    # their K/V was written while checking them
+                    request.num_computed_tokens += self.drafter.accept(drafts, sampled)
             sample_logprobs = logprobs[i] if i is not None and i < len(logprobs) and new_token_ids else None
             prompt_logprobs = model_runner_output.prompt_logprobs
             outputs.append(
@@ -547,18 +473,15 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Forget a finished request (already out of running/waiting) and free its blocks."""
-        if self.structured_outputs is not None:
-            self.structured_outputs.cancel(request)  # (aborted while its grammar compiled)
         self.kv_cache_manager.free(request)
         if self.kv_connector is not None:
             self.kv_connector.request_finished(request)
         del self.requests[request.request_id]
         del self._priority[request.request_id]
-        if self.spec_proposer is not None:
-            self.spec_proposer.forget(request.request_id)
         self._finished_req_ids.add(request.request_id)
-        if self.lora_admission is not None:
-            self.lora_admission.forget(request.request_id)
+        self.drafter.on_finished(request)
+        for policy in self.policies:
+            policy.on_finished(request)
 
     # -- queries and stats ------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -598,27 +521,13 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
-            kv_connector_hit_tokens=self.kv_connector_hit_tokens,
-            spec_num_drafts=self.spec_num_drafts,
-            spec_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            kv_connector_hit_tokens=0 if self.kv_loads is None else self.kv_loads.num_hit_tokens,
+            spec_num_drafts=self.drafter.num_drafts,
+            spec_num_draft_tokens=self.drafter.num_draft_tokens,
+            spec_num_accepted_tokens=self.drafter.num_accepted_tokens,
         )
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; only possible (True) when no request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
 
-
-def make_spec_proposer(config: "EngineConfig") -> "NgramProposer | WorkerDrafts | None":
-    """The draft proposer ``config.speculative_config`` asks for; None when it is off."""
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    if spec.method == "draft_model":
-        from halserve.spec_decode.draft_model import WorkerDrafts
-
-        return WorkerDrafts(spec.num_speculative_tokens, disable_by_batch_size=spec.disable_by_batch_size)
-    from halserve.spec_decode.ngram import NgramProposer
-
-    return NgramProposer(spec.min_ngram, spec.prompt_lookup_max, spec.num_speculative_tokens,
-                         disable_by_batch_size=spec.disable_by_batch_size)

@@ -7,20 +7,19 @@ requests drain, an adapter slot frees, and it runs (no starvation).
 """
 from __future__ import annotations
 
-import enum
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from halserve.sched.base import Admission, AdmissionPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.request import Request
 
 
-class Admission(enum.Enum):
-    ADMIT = enum.auto()  # its adapter runs already, or a slot is free
-    SKIP = enum.auto()  # no slot for its adapter this step: look at the next waiting request
-    STOP = enum.auto()  # no slot, and it has waited long enough: admit nobody behind it
+class LoRAAdmission(AdmissionPolicy):
+    """``check``: ADMIT when its adapter runs already or a slot is free; SKIP when no slot is free;
+    STOP when no slot is free and it has been overtaken ``max_overtakes`` times."""
 
-
-class LoRAAdmission:
     def __init__(self, max_loras: int, max_overtakes: int) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
@@ -30,11 +29,11 @@ class LoRAAdmission:
         self._first_blocked: str | None = None  # the earliest request passed over this step
         self._num_overtaken: dict[str, int] = {}  # request id -> admissions that went ahead of it
 
-    def begin_step(self, running: Iterable["Request"]) -> None:
+    def begin_step(self, running: Iterable[Request]) -> None:
         self._active = {r.lora_request.lora_int_id for r in running if r.lora_request is not None}
         self._first_blocked = None
 
-    def check(self, request: "Request") -> Admission:
+    def check(self, request: Request) -> Admission:
         lora = request.lora_request
         if lora is None or lora.lora_int_id in self._active or len(self._active) < self.max_loras:
             return Admission.ADMIT
@@ -44,15 +43,15 @@ class LoRAAdmission:
             self._first_blocked = request.request_id
         return Admission.SKIP
 
-    def admitted(self, request: "Request") -> None:
+    def on_admitted(self, request: Request) -> None:
         if request.lora_request is not None:
             self._active.add(request.lora_request.lora_int_id)
         self._num_overtaken.pop(request.request_id, None)
         if self._first_blocked is not None:
             self._num_overtaken[self._first_blocked] = self._num_overtaken.get(self._first_blocked, 0) + 1
 
-    def forget(self, request_id: str) -> None:
-        self._num_overtaken.pop(request_id, None)
+    def on_finished(self, request: Request) -> None:
+        self._num_overtaken.pop(request.request_id, None)
 
 
 __all__ = ["Admission", "LoRAAdmission"]

@@ -13,7 +13,7 @@ import pytest
 
 from halserve.request import Request, RequestStatus
 from halserve.sampling_params import SamplingParams
-from halserve.scheduler import Scheduler
+from halserve.scheduler import Scheduler, SchedulerConfig
 from halserve.scheduler_output import ModelRunnerOutput, SampleLogprobs
 from scheduler_helpers import make_request
 from scheduler_helpers import run_to_completion as drive
@@ -82,14 +82,14 @@ class FakeWorker:
 
 
 def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, prefix=True):
-    return Scheduler(
+    return Scheduler(SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         block_size=BS,
         num_blocks=num_blocks,
         enable_prefix_caching=prefix,
-    )
+    ))
 
 
 def step(sched, worker):

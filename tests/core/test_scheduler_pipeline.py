@@ -5,7 +5,7 @@ from those diffs must know every token it is asked to compute, through chunked p
 preemption and resumption, and prefix-cache hits."""
 import random
 
-from halserve.scheduler import Scheduler
+from halserve.scheduler import Scheduler, SchedulerConfig
 from scheduler_helpers import make_request
 
 BS = 4
@@ -29,8 +29,8 @@ class NonSamplingStage:
 def test_a_non_sampling_stage_knows_every_token_it_computes():
     from halserve.scheduler_output import ModelRunnerOutput
 
-    sched = Scheduler(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=128, block_size=BS, num_blocks=20,
-                      pipeline_parallel=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=128, block_size=BS,
+                                      num_blocks=20, pipeline_parallel=True))
     rng = random.Random(0)
     shared = [rng.randrange(3, 500) for _ in range(8)]  # two blocks every prompt starts with: prefix hits
     for i in range(10):
@@ -60,7 +60,8 @@ def test_a_non_sampling_stage_knows_every_token_it_computes():
 def test_without_pipeline_parallelism_no_tokens_are_sent():
     from halserve.scheduler_output import ModelRunnerOutput
 
-    sched = Scheduler(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=BS, num_blocks=16)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=BS,
+                                      num_blocks=16))
     sched.add_request(make_request("a", [5, 6, 7], max_tokens=3))
     for _ in range(3):
         so = sched.schedule()
@@ -86,8 +87,8 @@ def test_two_batches_in_flight_take_disjoint_halves_and_finish_everything():
     running ones, and never preempts one in flight (its blocks are being computed on)."""
     from collections import deque
 
-    sched = Scheduler(max_num_seqs=8, max_num_batched_tokens=48, max_model_len=128, block_size=BS, num_blocks=24,
-                      pipeline_parallel=True, max_concurrent_batches=2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48, max_model_len=128, block_size=BS,
+                                      num_blocks=24, pipeline_parallel=True, max_concurrent_batches=2))
     rng = random.Random(1)
     for i in range(12):
         sched.add_request(make_request(f"r{i}", [rng.randrange(3, 500) for _ in range(rng.randrange(2, 20))],
@@ -131,8 +132,8 @@ def test_two_batches_in_flight_take_disjoint_halves_and_finish_everything():
 def test_an_aborted_request_in_flight_is_ignored_when_its_batch_returns():
     from halserve.request import RequestStatus
 
-    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=BS, num_blocks=32,
-                      pipeline_parallel=True, max_concurrent_batches=2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=BS,
+                                      num_blocks=32, pipeline_parallel=True, max_concurrent_batches=2))
     sched.add_request(make_request("a", [5, 6, 7], max_tokens=5))
     first = sched.schedule()
     sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)

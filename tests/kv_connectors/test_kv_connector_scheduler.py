@@ -9,7 +9,7 @@ import pytest
 from halserve.kv_connectors.base import ConnectorContext, KVTransferConfig, Role
 from halserve.kv_connectors.block_store import BlockStoreConnector
 from halserve.request import RequestStatus
-from halserve.scheduler import Scheduler
+from halserve.scheduler import Scheduler, SchedulerConfig
 from halserve.scheduler_output import ModelRunnerOutput
 from scheduler_helpers import make_request
 
@@ -90,8 +90,8 @@ class StoreWorker:
 
 
 def make_scheduler(connector, num_blocks=64, prefix=True, budget=64):
-    return Scheduler(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=128, block_size=BS,
-                     num_blocks=num_blocks, enable_prefix_caching=prefix, kv_connector=connector)
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=128, block_size=BS,
+                                     num_blocks=num_blocks, enable_prefix_caching=prefix), kv_connector=connector)
 
 
 def run(sched, worker, requests, max_steps=200):

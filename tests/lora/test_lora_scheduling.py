@@ -7,15 +7,15 @@ import pytest
 from halserve.lora.request import LoRARequest
 from halserve.request import Request
 from halserve.sampling_params import SamplingParams
-from halserve.scheduler import Scheduler
+from halserve.scheduler import Scheduler, SchedulerConfig
 from halserve.scheduler_output import ModelRunnerOutput
 
 A, B = LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")
 
 
 def make_scheduler(max_loras=1, max_num_seqs=8, prefix=True):
-    return Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=128, block_size=4,
-                     num_blocks=64, enable_prefix_caching=prefix, max_loras=max_loras)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=128,
+                                     block_size=4, num_blocks=64, enable_prefix_caching=prefix, max_loras=max_loras))
 
 
 def make_request(req_id, lora, max_tokens=3, prompt=(5, 6, 7)):
@@ -76,7 +76,8 @@ def test_a_passed_over_request_is_not_starved():
 
 
 def test_lora_request_refused_without_lora():
-    sched = Scheduler(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4, num_blocks=64)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4,
+                                      num_blocks=64))
     with pytest.raises(ValueError, match="enable_lora=True"):
         sched.add_request(make_request("a1", A))
 

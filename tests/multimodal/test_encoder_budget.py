@@ -5,7 +5,7 @@ import torch
 
 from halserve.multimodal.budget import fit_encoder_budget
 from halserve.multimodal.processing import MultiModalFeature
-from halserve.scheduler import Scheduler
+from halserve.scheduler import Scheduler, SchedulerConfig
 from scheduler_helpers import make_request
 
 IMG = 9
@@ -36,7 +36,8 @@ def test_fit_encoder_budget_cuts_before_an_image_that_does_not_fit():
 def test_scheduler_spreads_images_over_steps():
     """Budget 24: "a" takes its prompt and 12-token image; "b"'s 16-token image no longer fits, so its
     chunk stops before it; next step it does."""
-    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=24, max_model_len=64, block_size=4, num_blocks=64)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, max_model_len=64, block_size=4,
+                                      num_blocks=64))
     first, second = image_request("a", [2]), image_request("b", [2], length=16)
     sched.add_request(first)
     sched.add_request(second)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from halserve.request import RequestStatus
-from halserve.scheduler import Scheduler
+from halserve.scheduler import Scheduler, SchedulerConfig
 from halserve.scheduler_output import ModelRunnerOutput, SampleLogprobs
 from halserve.spec_decode import NgramProposer, count_accepted
 from scheduler_helpers import make_request as base_request
@@ -161,12 +161,14 @@ class SpecWorker:
 def make_scheduler(k=3, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, prefix=True,
                    min_n=1, max_n=3, block_size=BS):
     return Scheduler(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        enable_prefix_caching=prefix,
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=prefix,
+        ),
         spec_proposer=None if not k else NgramProposer(min_n, max_n, k),
     )
 

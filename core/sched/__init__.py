@@ -1,0 +1,26 @@
+"""The scheduler's configuration and its per-feature rules (``halserve.scheduler`` calls them).
+
+``SchedulerConfig``: limits and switches. ``AdmissionPolicy``: the common shape of an admission
+rule (``base.py``); the rules: ``GrammarGate`` (structured outputs), ``PipelineStages`` (batches
+in flight), ``UnservedFeatures`` (refusals), and LoRA's ``halserve.lora.admission.LoRAAdmission``.
+Helpers the steps call: ``DraftRule`` (speculative decoding), ``ConnectorLoads`` (KV connector),
+and ``halserve.multimodal.budget.fit_encoder_budget`` (image budget).
+"""
+from halserve.sched.base import Admission, AdmissionPolicy, UnservedFeatures
+from halserve.sched.config import SchedulerConfig
+from halserve.sched.drafts import DraftRule, make_spec_proposer
+from halserve.sched.grammar import GrammarGate
+from halserve.sched.kv_loads import ConnectorLoads
+from halserve.sched.stages import PipelineStages
+
+__all__ = [
+    "Admission",
+    "AdmissionPolicy",
+    "ConnectorLoads",
+    "DraftRule",
+    "GrammarGate",
+    "PipelineStages",
+    "SchedulerConfig",
+    "UnservedFeatures",
+    "make_spec_proposer",
+]

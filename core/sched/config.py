@@ -1,0 +1,53 @@
+"""What the scheduler is built from: limits and switches as one frozen record (``SchedulerConfig``).
+
+The engine derives it from its ``EngineConfig`` once KV-cache sizing and the model are known
+(``from_engine_config``); tests build it directly. The scheduler's collaborators (grammar
+compiler, draft proposer, KV connector) are live objects, so they are not part of it: they are
+the scheduler's keyword arguments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int  # running requests at most
+    max_num_batched_tokens: int  # tokens per step at most (also the step's image-encoding budget)
+    max_model_len: int  # prompt + output tokens of one request at most
+    block_size: int  # tokens per KV-cache block
+    num_blocks: int  # KV-cache blocks, the null block included (from KV-cache sizing)
+    enable_prefix_caching: bool = True
+    max_loras: int | None = None  # distinct LoRA adapters among running requests; None: LoRA off
+    pipeline_parallel: bool = False  # cached requests carry their new output tokens (stages but the last)
+    max_concurrent_batches: int = 1  # batches in flight at once (one per pipeline stage)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                     "max_concurrent_batches"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1 (or None: LoRA off), got {self.max_loras}")
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int,
+                           max_concurrent_batches: int = 1) -> SchedulerConfig:
+        """``num_blocks`` comes from KV-cache sizing and ``max_model_len`` from the model
+        (``config.max_model_len`` may still be None); ``max_concurrent_batches`` from the executor."""
+        return cls(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_loras=config.max_loras if config.enable_lora else None,
+            pipeline_parallel=config.pipeline_parallel_size > 1,
+            max_concurrent_batches=max_concurrent_batches,
+        )
