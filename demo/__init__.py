@@ -1,8 +1,8 @@
 """The bundled demo model: ``halserve-demo-adder``.
 
 A tiny Llama-architecture checkpoint (``transformers.LlamaForCausalLM``, about 0.8M
-parameters, float32, a few MB) shipped inside the wheel under ``halserve/demo/model`` so
-that ``halserve serve`` with no MODEL works offline and its answers can be checked.
+parameters, float32, a few MB) shipped inside the wheel (``demo/model/``, the package's
+``model`` folder) so that ``halserve serve`` with no MODEL works offline and its answers can be checked.
 
 It does multi-digit addition: the prompt ``"123+456="`` (the tokenizer prepends ``<s>``)
 is completed with ``"579"`` followed by ``</s>``. Operands have 1 to 3 digits

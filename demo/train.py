@@ -6,7 +6,7 @@ Usage::
 
 Writes a Hugging Face-format checkpoint into DIR (config.json, model.safetensors,
 generation_config.json, tokenizer.json, tokenizer_config.json, ...). The committed
-checkpoint in ``halserve/demo/model`` was produced by this script with its defaults and
+checkpoint in ``demo/model/`` was produced by this script with its defaults and
 ``torch.set_num_threads(1)``; it is deterministic for a given seed, thread count and torch
 build.
 

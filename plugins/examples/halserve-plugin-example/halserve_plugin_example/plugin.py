@@ -1,4 +1,4 @@
-"""The hooks halserve calls (see halserve/plugins/hookspecs.py). The entry point
+"""The hooks halserve calls (see halserve's plugins/hookspecs.py). The entry point
 ``example = "halserve_plugin_example.plugin"`` names this module."""
 from __future__ import annotations
 
