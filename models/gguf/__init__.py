@@ -1,0 +1,30 @@
+"""GGUF checkpoints (llama.cpp's format): find, validate, and load them with weights dequantized.
+
+    find_gguf_file(model)             the GGUF a model argument names (file, split set, folder), else None
+    open_gguf(path)                   read + validate: architecture, tensor types, truncation
+    load_gguf_config(path, ...)       transformers config from the metadata (or --hf-config-path)
+    load_gguf_tokenizer(path)         tokenizer + chat template from the metadata
+    iterate_gguf_weights(path, ...)   (HF name, tensor) pairs, dequantized to the model dtype
+"""
+from halserve.models.gguf.files import find_gguf_file, gguf_shards
+from halserve.models.gguf.reader import (
+    SUPPORTED_ARCHITECTURES,
+    GGUFCheckpoint,
+    load_gguf_config,
+    load_gguf_tokenizer,
+    open_gguf,
+    supported_tensor_types,
+)
+from halserve.models.gguf.weights import iterate_gguf_weights
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "GGUFCheckpoint",
+    "find_gguf_file",
+    "gguf_shards",
+    "iterate_gguf_weights",
+    "load_gguf_config",
+    "load_gguf_tokenizer",
+    "open_gguf",
+    "supported_tensor_types",
+]

@@ -1,0 +1,73 @@
+"""A GGUF checkpoint's tensors under the Hugging Face names halserve's models load, dequantized.
+
+GGUF names tensors its own way (``blk.0.attn_q.weight``) and llama.cpp's converter changes some
+on the way in (llama-arch q/k rows permuted for its rotary layout, Gemma's norms stored as
+``1 + w``). transformers' GGUF loader knows both: its name map (``get_gguf_hf_weights_map``, over a
+model built on the meta device) and its per-architecture tensor processors undo them, so halserve
+reuses them rather than keeping a second copy.
+
+Each tensor is dequantized (``gguf.quants.dequantize``) to float32 and cast to the model dtype as
+it streams; keeping the blocks quantized with native kernels is not supported yet.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from halserve.models.gguf.reader import open_gguf
+
+logger = logging.getLogger(__name__)
+
+# transformers' model_type for the GGUF architectures whose name differs
+_MODEL_TYPE_OF_ARCH = {"gemma3": "gemma3_text"}
+
+
+def gguf_to_hf_names(architecture: str, hf_config: Any) -> tuple[dict[str, str], Any]:
+    """``({gguf tensor name: HF parameter name}, transformers' tensor processor)`` for a checkpoint."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    with torch.device("meta"):  # names only: no memory, no initialization
+        hf_model = AutoModelForCausalLM.from_config(hf_config)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
+    names = get_gguf_hf_weights_map(hf_model, processor, model_type=architecture,
+                                    num_layers=hf_config.num_hidden_layers)
+    return names, processor
+
+
+def iterate_gguf_weights(path: str, hf_config: Any, dtype: torch.dtype,
+                         progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream ``(HF name, tensor in dtype)`` pairs of the GGUF checkpoint ``path``, tensor by tensor.
+    A tensor without an HF counterpart (e.g. llama.cpp's precomputed ``rope_freqs``) is skipped."""
+    import numpy as np
+    from gguf import dequantize
+
+    checkpoint = open_gguf(path)
+    names, processor = gguf_to_hf_names(checkpoint.architecture, hf_config)
+    logger.info("loading GGUF %s: weights dequantized to %s at load (keeping them quantized with native "
+                "GGUF kernels is not supported yet)", checkpoint.describe(), str(dtype).replace("torch.", ""))
+    tensors = [t for reader in checkpoint.readers for t in reader.tensors]
+    bar = None
+    if progress or (progress is None and len(tensors) and sum(int(t.n_bytes) for t in tensors) > 1 << 30):
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(tensors), desc="Dequantizing GGUF tensors", unit="tensor")
+    try:
+        for tensor in tensors:
+            values = dequantize(tensor.data, tensor.tensor_type)  # float32, [rows, cols] in torch order
+            result = processor.process(weights=values, name=tensor.name, tensor_key_mapping=names,
+                                       parsed_parameters={"config": hf_config.to_dict()})
+            if bar is not None:
+                bar.update(1)
+            hf_name = names.get(result.name)
+            if hf_name is None:
+                logger.debug("GGUF tensor %s has no Hugging Face counterpart; skipped", tensor.name)
+                continue
+            # the memory-mapped F32 tensors are read-only: copy those (dequantized ones are fresh arrays)
+            values = np.require(result.weights, requirements=["C", "W"])
+            yield hf_name, torch.from_numpy(values).to(dtype)
+    finally:
+        if bar is not None:
+            bar.close()
