@@ -223,6 +223,10 @@ def _items(kind: str, result: Any, plugin: str) -> Iterable[tuple[str, Any]]:
     if kind == "models":
         if not isinstance(result, dict):
             raise TypeError(f"halserve_model_architectures must return a dict, got {type(result).__name__}")
+        from halserve.models.interfaces import check_architecture
+
+        for arch, target in result.items():
+            check_architecture(arch, target)  # a class missing a member: the plugin fails, naming both
         return list(result.items())
     if not isinstance(result, (list, tuple)):
         raise TypeError(f"the {kind} hook of plugin {plugin!r} must return a list, got {type(result).__name__}")
