@@ -79,6 +79,16 @@ def parse_lora_module(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class _CoreCalls:
+    """``core.add_lora(...)`` for ``register_static_loras``, wherever the core runs."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def add_lora(self, lora: Any) -> bool:
+        return self.client.call_sync("add_lora", lora)
+
+
 def load_lora_modules(args: argparse.Namespace, engine: Any, served: list[str]) -> Any:
     """The served adapters, each loaded and validated now (ValueError: the engine is shut down)."""
     from halserve.entrypoints.openai.serving_lora import LoRAModules, register_static_loras, runtime_updating_from_env
@@ -86,9 +96,9 @@ def load_lora_modules(args: argparse.Namespace, engine: Any, served: list[str]) 
     modules = LoRAModules(allow_runtime_updates=args.enable_lora and (
         args.allow_runtime_lora_updating or runtime_updating_from_env()))
     try:
-        register_static_loras(engine.engine_core, modules, list(args.lora_modules or []), served)
+        register_static_loras(_CoreCalls(engine.client), modules, list(args.lora_modules or []), served)
     except BaseException:
-        engine.engine_core.shutdown()
+        engine.client.close_sync()
         raise
     return modules
 
@@ -171,11 +181,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "loaded by a KV connector",
     )
     g.add_argument(
+        "--disable-frontend-multiprocessing", action="store_true",
+        help="run the engine core (scheduler, KV cache, executor) as a thread of the API-server process "
+        "instead of a process of its own",
+    )
+    g.add_argument(
+        "--api-server-count", type=int, default=1, metavar="N",
+        help="API-server processes sharing the port, all talking to the one engine-core process",
+    )
+    g.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"], help="log level"
     )
 
     g = p.add_argument_group("model")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: MODEL)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory, hub id or GGUF file (default: MODEL's; a GGUF's from its metadata)")
+    g.add_argument("--hf-config-path", default=None,
+                   help="directory or hub id of a config.json to use instead of MODEL's (a GGUF's: its metadata)")
     g.add_argument("--revision", default=None, help="model revision (hub branch, tag or commit)")
     g.add_argument("--dtype", default="auto", help=f"model dtype: {', '.join(DTYPES)} (or half, bf16, ...)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -199,6 +221,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="executor plugin: uni, mp, ray (default: uni for one rank, mp for more)",
     )
     g.add_argument("--attention-backend", default=None, help="force an attention backend by name (default: the platform's choice)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: no graphs captured even where the platform offers them")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
+                   help="largest decode batch captured as a graph (default: min(max-num-seqs, 512))")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: random weights of the model's shapes, no checkpoint read (benchmarks)")
 
     g = p.add_argument_group("scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in a batch")
@@ -272,6 +300,7 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
         return EngineConfig(
             model=model,
             tokenizer=args.tokenizer,
+            hf_config_path=args.hf_config_path,
             revision=args.revision,
             platform=args.platform,
             dtype=args.dtype,
@@ -290,6 +319,9 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
             attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+            max_cudagraph_capture_size=args.max_cudagraph_capture_size,
+            load_format=args.load_format,
             trust_remote_code=args.trust_remote_code,
             pooler_config=args.pooler_config,
             enable_lora=args.enable_lora,
@@ -393,6 +425,11 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], str, str | None]:
     model, served = resolve_model(args)
     if not 0 < args.port < 65536:
         raise StartupError(f"--port {args.port}: must be in 1..65535", EXIT_USAGE)
+    if args.api_server_count < 1:
+        raise StartupError(f"--api-server-count {args.api_server_count}: must be at least 1", EXIT_USAGE)
+    if args.api_server_count > 1 and args.disable_frontend_multiprocessing:
+        raise StartupError("--api-server-count > 1 needs the engine core in its own process: drop "
+                           "--disable-frontend-multiprocessing", EXIT_USAGE)
     config = build_config(args, model)
     chat_template = load_chat_template(args.chat_template)
     if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
@@ -422,22 +459,47 @@ def run(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"halserve serve: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    if args.api_server_count > 1:
+        from halserve.entrypoints.openai.api_server_pool import run_api_servers
+
+        return run_api_servers(args, config, served, model, chat_template)
 
     from halserve.engine.async_llm import AsyncLLM
+
+    try:
+        engine = AsyncLLM.from_config(config, multiprocess=not args.disable_frontend_multiprocessing,
+                                      log_level=engine_log_level(args))
+        lora_modules = load_lora_modules(args, engine, served)
+    except Exception as exc:  # noqa: BLE001 - report and exit, never a traceback wall
+        return report_load_failure(exc, model)
+    return serve_http(args, engine, served, model, chat_template, lora_modules)
+
+
+def engine_log_level(args: argparse.Namespace) -> int:
+    return getattr(logging, args.log_level.upper(), logging.INFO)
+
+
+def report_load_failure(exc: Exception, model: str) -> int:
+    """Print why the engine could not start; the exit code (2: the flags are at fault)."""
+    from halserve.engine.core_client import EngineCoreStartError
+
+    if isinstance(exc, ValueError) or (isinstance(exc, EngineCoreStartError) and exc.is_bad_config):
+        print(f"halserve serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    logger.debug("model loading failed", exc_info=True)
+    what = str(exc) if isinstance(exc, EngineCoreStartError) else f"{type(exc).__name__}: {exc}"
+    print(f"halserve serve: error: could not load {model}: {what}", file=sys.stderr)
+    return EXIT_FAILURE
+
+
+def serve_http(args: argparse.Namespace, engine: Any, served: list[str], model: str, chat_template: str | None,
+               lora_modules: Any, sock: Any = None) -> int:
+    """Run the HTTP server over ``engine`` until a signal or the engine's death; the exit code.
+    ``sock``: an already bound listening socket (one of several API servers)."""
     from halserve.entrypoints.openai.api_server import run_server
     from halserve.entrypoints.openai.metrics import ServerMetrics
     from halserve.entrypoints.openai.serving_engine import OpenAIServing
 
-    try:
-        engine = AsyncLLM.from_config(config)
-        lora_modules = load_lora_modules(args, engine, served)
-    except ValueError as exc:
-        print(f"halserve serve: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except Exception as exc:  # noqa: BLE001 - report and exit, never a traceback wall
-        logger.debug("model loading failed", exc_info=True)
-        print(f"halserve serve: error: could not load {model}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
     # Everything loaded so far lives until exit: keep it out of the garbage collector's
     # scans (shorter GC pauses while serving, and a quick exit), as vLLM does.
     import gc
@@ -463,4 +525,5 @@ def run(args: argparse.Namespace) -> int:
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("HALSERVE_API_KEY"):
         api_keys = [os.environ["HALSERVE_API_KEY"]]
-    return run_server(serving, metrics, args.host, args.port, api_keys, args.log_level, args.max_request_body_size)
+    return run_server(serving, metrics, args.host, args.port, api_keys, args.log_level, args.max_request_body_size,
+                      sock=sock)

@@ -55,9 +55,9 @@ async def run_beam_searches(
     if lora_request is None:
         return await run_beam_search_async(searches, run_one, decode)
     # the adapter stays loaded between the steps' requests (an unload meanwhile waits for the end)
-    await llm.run_in_engine(lambda core: core.hold_lora(lora_request, True))
+    await llm.call_core("hold_lora", lora_request, True)
     try:
         return await run_beam_search_async(searches, run_one, decode)
     finally:
         with contextlib.suppress(EngineDeadError):  # (a dead engine holds nothing)
-            await llm.run_in_engine(lambda core: core.hold_lora(lora_request, False))
+            await llm.call_core("hold_lora", lora_request, False)

@@ -1,21 +1,21 @@
-"""AsyncLLM: the engine behind the server. EngineCore steps in its own thread; text stays
-on the asyncio side.
+"""AsyncLLM: the engine behind the server. EngineCore steps behind an ``EngineCoreClient``
+(core_client.py): in a thread of this process (``EngineThread``) or in a process of its own
+(``MPEngineCoreClient``, ``halserve serve``'s default); text stays on the asyncio side.
 
-    asyncio loop (server)                          engine thread
-    ---------------------                          -------------
+    asyncio loop (server)                          engine core (thread or process)
+    ---------------------                          -------------------------------
     add_request: InputProcessor (tokenizer pool)
-                 ---- ("add", core requests) ---->  EngineCore.add_request (ack back)
-    abort:       ---- ("abort", child ids) ------>  EngineCore.abort_requests
+                 ---- add (core requests) ------->  EngineCore.add_request (ack back)
+    abort:       ---- abort (child ids) --------->  EngineCore.abort_requests
                                                     while work: step()
-    _on_outputs: OutputProcessor (detokenize,  <--  call_soon_threadsafe(outputs, stats)
+    _on_outputs: OutputProcessor (detokenize,  <--  each step's outputs (+ stats)
                  stop strings), per-request
                  queues, metrics
                  stop-string aborts ------------->  EngineCore.abort_requests
 
-The engine thread (``EngineThread``, engine_thread.py) blocks on its input queue when idle
-(no busy-spinning). EngineCore is only ever touched from that thread; ``get_stats`` reads the
-snapshot it publishes after every step. If the thread dies, every stream gets
-``EngineDeadError`` and ``is_healthy`` turns False.
+The core is only ever touched by its own thread or process; ``get_stats`` reads the snapshot
+it publishes after every step. If it dies, every stream gets ``EngineDeadError``,
+``is_healthy`` turns False and the ``death_callbacks`` run (the server exits non-zero).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+from halserve.engine.core_client import EngineCoreClient
 from halserve.engine.engine_thread import EngineThread
 from halserve.engine.request_stream import (
     EngineDeadError,
@@ -51,15 +52,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream", "StatsObserver"]
 
 # Prompts longer than this (characters or token ids) are processed in the tokenizer
-# thread so a long tokenization never stalls the event loop.
-_INLINE_PROMPT_LIMIT = 2048
+# thread so a long tokenization (or a per-id check) never stalls the event loop.
+_INLINE_PROMPT_LIMIT = 256
 
 
 class AsyncLLM:
     """Async front of an ``EngineCore`` (see the module docstring).
 
-    Build it with ``AsyncLLM.from_config`` (loads the model) or pass the pieces; the
-    engine thread starts on first use inside a running event loop (or ``start()``).
+    Build it with ``AsyncLLM.from_config`` (loads the model) or pass the pieces: an
+    ``engine_core`` (stepped in an ``EngineThread``) or a ``client``; the client starts on
+    first use inside a running event loop (or ``start()``).
     """
 
     def __init__(
@@ -69,41 +71,64 @@ class AsyncLLM:
         output_processor: Any,
         tokenizer: Any = None,
         stat_observers: list[StatsObserver] | None = None,
+        client: EngineCoreClient | None = None,
     ) -> None:
-        self.engine_core = engine_core
+        if client is None:
+            if engine_core is None:
+                raise ValueError("AsyncLLM needs an engine_core (stepped in a thread) or a client")
+            client = EngineThread(engine_core)
+        self.client: EngineCoreClient = client
+        # the core itself when it runs in this process; None when it runs in another
+        self.engine_core = getattr(client, "engine_core", None)
+        self.client.bind(self._on_outputs, self._on_dead)
         self.input_processor = input_processor
         self.output_processor = output_processor
         self.tokenizer = tokenizer
-        self.model_info = getattr(engine_core, "model_info", None)
+        self.model_info = self.client.model_info
         self.stat_observers: list[StatsObserver] = list(stat_observers or [])
         self.dead_error: BaseException | None = None
+        # run on the event loop once, after every stream got the error (the server exits)
+        self.death_callbacks: list[Callable[[BaseException], None]] = []
         self._requests: dict[str, RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
-        self._engine_thread = EngineThread(engine_core, self._on_outputs, self._on_dead)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown = False
         self._ids = itertools.count()
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="halserve-tokenizer")
 
     @classmethod
-    def from_config(cls, config: Any, stat_observers: list[StatsObserver] | None = None) -> "AsyncLLM":
-        """Load the model (EngineCore), the tokenizer and the processors."""
+    def from_config(cls, config: Any, stat_observers: list[StatsObserver] | None = None,
+                    multiprocess: bool = False, log_level: int = logging.WARNING) -> "AsyncLLM":
+        """Load the model (EngineCore, in this process or with ``multiprocess`` in an engine-core
+        process of its own), the tokenizer and the processors."""
         from halserve.engine.core import EngineCore
+        from halserve.engine.core_client import start_engine_core_process
+
+        if multiprocess:
+            return cls.from_client(config, start_engine_core_process(config, log_level), stat_observers)
+        return cls.from_client(config, EngineThread(EngineCore(config)), stat_observers)
+
+    @classmethod
+    def from_client(cls, config: Any, client: EngineCoreClient,
+                    stat_observers: list[StatsObserver] | None = None) -> "AsyncLLM":
+        """The front of a started core: load the tokenizer and the processors (``client`` is
+        released if that fails)."""
         from halserve.engine.llm_engine import load_tokenizer
         from halserve.engine.output_processor import OutputProcessor
         from halserve.engine.processor import InputProcessor
 
-        core = EngineCore(config)
         try:
-            tokenizer = load_tokenizer(config, core.model_info)
+            tokenizer = load_tokenizer(config, client.model_info)
             return cls(
-                core,
-                InputProcessor(core.model_info, tokenizer),
+                None,
+                InputProcessor(client.model_info, tokenizer),
                 OutputProcessor(tokenizer),
                 tokenizer,
                 stat_observers,
+                client=client,
             )
         except BaseException:
-            core.shutdown()
+            client.close_sync()
             raise
 
     # ------------------------------------------------------------------ lifecycle
@@ -112,8 +137,10 @@ class AsyncLLM:
         return self.dead_error is None and not self._shutdown
 
     def start(self) -> None:
-        """Start the engine thread, bound to the running event loop (idempotent)."""
-        self._engine_thread.start()
+        """Start the engine client, bound to the running event loop (idempotent)."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        self.client.start()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Abort every in-flight request (their streams end with finish_reason "abort"),
@@ -123,19 +150,19 @@ class AsyncLLM:
         self._shutdown = True
         for request_id in list(self._requests):
             self._finish_aborted(request_id)
-        await self._engine_thread.stop(timeout)
+        await self.client.stop(timeout)
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     def request_shutdown(self) -> None:
         """Schedule ``shutdown()`` on the engine's event loop; safe from any thread or a
         signal handler."""
-        loop = self._engine_thread.loop
+        loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.shutdown()))
 
     def get_stats(self) -> EngineStats:
-        """The latest snapshot published by the engine thread (cheap, any thread)."""
-        return self._engine_thread.stats
+        """The latest snapshot published by the engine core (cheap, any thread)."""
+        return self.client.stats
 
     # ------------------------------------------------------------------ requests
     async def add_request(
@@ -206,7 +233,7 @@ class AsyncLLM:
         # The core may still refuse it (e.g. it can never fit in the KV cache): wait for
         # the engine thread's verdict so that is a ValueError here, not a broken stream.
         try:
-            error = await self._engine_thread.add_requests(core_requests)
+            error = await self.client.add_requests(core_requests)
         except BaseException:
             self._drop(request_id, abort_core=True)
             raise
@@ -268,20 +295,30 @@ class AsyncLLM:
 
     async def run_in_engine(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(engine_core)`` in the engine thread (the only one that may touch the core), between
-        steps; its result, or its exception raised here."""
+        steps; its result, or its exception raised here. In-process cores only: with an
+        engine-core process, use ``call_core``."""
         self._check_alive()
         self.start()
-        return await self._engine_thread.call(fn)
+        if not isinstance(self.client, EngineThread):
+            raise RuntimeError("run_in_engine needs an in-process engine core; use call_core(method, *args)")
+        return await self.client.call_fn(fn)
+
+    async def call_core(self, method: str, *args: Any) -> Any:
+        """``EngineCore.<method>(*args)`` between steps, wherever the core runs; its result, or
+        its exception raised here."""
+        self._check_alive()
+        self.start()
+        return await self.client.call(method, *args)
 
     async def add_lora(self, lora_request: "LoRARequest") -> bool:
         """Load and validate a LoRA adapter on the workers (ValueError if it cannot be served)."""
-        return await self.run_in_engine(lambda core: core.add_lora(lora_request))
+        return await self.call_core("add_lora", lora_request)
 
     async def remove_lora(self, lora_id: int) -> bool:
-        return await self.run_in_engine(lambda core: core.remove_lora(lora_id))
+        return await self.call_core("remove_lora", lora_id)
 
     async def list_loras(self) -> set[int]:
-        return await self.run_in_engine(lambda core: core.list_loras())
+        return await self.call_core("list_loras")
 
     def abort(self, request_id: str) -> None:
         """Abort a request by its id (unknown or finished ids are ignored)."""
@@ -301,7 +338,7 @@ class AsyncLLM:
         except Exception:  # noqa: BLE001 - the processor may already have dropped it
             logger.debug("output processor had no state for %s", request_id)
         if abort_core:
-            self._engine_thread.abort(state.child_ids)
+            self.client.abort(state.child_ids)
         return state
 
     def _finish_aborted(self, request_id: str) -> None:
@@ -335,7 +372,7 @@ class AsyncLLM:
             self._on_dead(exc)
             return
         if to_abort:
-            self._engine_thread.abort(to_abort)
+            self.client.abort(to_abort)
         now = time.time()
         for out in request_outputs:
             state = self._requests.get(out.request_id)
@@ -381,7 +418,13 @@ class AsyncLLM:
             self._requests.pop(request_id, None)
             state.stream._put(error)
         self._child_to_parent.clear()
-        self._engine_thread.fail_pending(error)
+        self.client.fail_pending(error)
+        callbacks, self.death_callbacks = self.death_callbacks, []
+        for callback in callbacks:
+            try:
+                callback(exc)
+            except Exception:  # noqa: BLE001 - the others still run
+                logger.exception("engine death callback failed")
 
 
 def _prompt_size(prompt: Any) -> int:

@@ -5,7 +5,7 @@
     add_requests ---- ("add", core requests) --->  EngineCore.add_request
                  <--- ack: None or the ValueError
     abort        ---- ("abort", child ids) ----->  EngineCore.abort_requests
-    call         ---- ("call", fn) ------------->  fn(engine_core)
+    call         ---- ("call", fn) ------------->  fn(engine_core) (call_fn), core.<method>(*args) (call)
                  <--- ack: its result or exception
     stop         ---- ("stop") ----------------->  leave the loop, EngineCore.shutdown
                                                    while work: step(), publish stats
@@ -25,6 +25,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any, Callable
 
+from halserve.engine.core_client import EngineCoreClient
 from halserve.engine.types import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -32,8 +33,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["EngineThread"]
 
 
-class EngineThread:
-    """Runs an ``EngineCore`` in its own thread, fed by a command queue (see the module docstring).
+class EngineThread(EngineCoreClient):
+    """Runs an ``EngineCore`` in its own thread, fed by a command queue (see the module docstring):
+    the in-process ``EngineCoreClient``.
 
     ``AsyncLLM`` owns one: it calls ``start`` inside its event loop, queues work with
     ``add_requests`` / ``abort`` / ``call`` / ``stop``, and gets each step's outputs and the
@@ -43,10 +45,11 @@ class EngineThread:
     def __init__(
         self,
         engine_core: Any,
-        on_outputs: Callable[[list[Any]], None],
-        on_dead: Callable[[BaseException], None],
+        on_outputs: Callable[[list[Any]], None] | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine_core = engine_core
+        self.model_info = getattr(engine_core, "model_info", None)
         self.on_outputs = on_outputs
         self.on_dead = on_dead
         self.stats = EngineStats()
@@ -60,6 +63,9 @@ class EngineThread:
             pass
 
     # ------------------------------------------------------------------ asyncio side
+    def bind(self, on_outputs: Callable[[list[Any]], None], on_dead: Callable[[BaseException], None]) -> None:
+        self.on_outputs, self.on_dead = on_outputs, on_dead
+
     def start(self) -> None:
         """Start the thread, bound to the running event loop (idempotent)."""
         if self._thread is not None:
@@ -89,12 +95,25 @@ class EngineThread:
         """Queue an abort of these core request ids (ids the core no longer has are ignored)."""
         self._input.put(("abort", list(child_ids)))
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call_fn(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(engine_core)`` in the thread, between steps; its result, or its exception raised here."""
         result = await self._send("call", fn)
         if isinstance(result, BaseException):
             raise result
         return result
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return await self.call_fn(lambda core: getattr(core, method)(*args))
+
+    def call_sync(self, method: str, *args: Any) -> Any:
+        """Only before ``start`` (the thread is the core's only user once it runs)."""
+        if self._thread is not None:
+            raise RuntimeError("call_sync after the engine thread started; use call")
+        return getattr(self.engine_core, method)(*args)
+
+    def close_sync(self) -> None:
+        if self._thread is None:
+            self._shutdown_core()
 
     def fail_pending(self, error: BaseException) -> None:
         """Answer every ``add_requests`` / ``call`` still waiting with ``error`` (the thread died)."""

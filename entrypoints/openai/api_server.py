@@ -8,6 +8,7 @@ Request bodies are parsed here (not by FastAPI) so malformed JSON and wrong type
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hmac
@@ -46,6 +47,8 @@ from halserve.entrypoints.openai.serving_score import OpenAIServingScore
 from halserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 if TYPE_CHECKING:  # pragma: no cover
+    import socket
+
     from halserve.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger("halserve.server")
@@ -253,13 +256,20 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     return app
 
 
+# After the engine died: how long /health answers 503 (and failed streams flush) before the server exits 1.
+ENGINE_DEATH_EXIT_DELAY_S = 1.0
+
+
 def _make_server(config: Any, engine: "AsyncLLM", url: str, served: str) -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn, plus: a signal first ends every in-flight request (finish_reason
         "abort") so connections drain at once, and the process exits 0 afterwards
-        (uvicorn re-raises the signal by default, which would kill it)."""
+        (uvicorn re-raises the signal by default, which would kill it). If the engine
+        dies, every stream fails, /health turns 503 and the server exits (``engine_died``)."""
+
+        engine_died = False
 
         @contextlib.contextmanager
         def capture_signals(self) -> Any:
@@ -282,9 +292,15 @@ def _make_server(config: Any, engine: "AsyncLLM", url: str, served: str) -> Any:
                 engine.request_shutdown()
 
         async def startup(self, sockets: Any = None) -> None:
+            engine.death_callbacks.append(self._on_engine_death)
             await super().startup(sockets=sockets)
             if not self.should_exit:
                 logger.info("halserve is serving %s at %s", served, url)
+
+        def _on_engine_death(self, exc: BaseException) -> None:
+            self.engine_died = True
+            logger.error("the engine died (%s): exiting in %.0fs", exc, ENGINE_DEATH_EXIT_DELAY_S)
+            asyncio.get_running_loop().call_later(ENGINE_DEATH_EXIT_DELAY_S, setattr, self, "should_exit", True)
 
     return Server(config)
 
@@ -297,8 +313,10 @@ def run_server(
     api_keys: Sequence[str] | None = None,
     log_level: str = "info",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    sock: "socket.socket | None" = None,
 ) -> int:
-    """Serve until SIGINT/SIGTERM; returns the process exit code."""
+    """Serve until SIGINT/SIGTERM (exit code 0) or the engine's death (1); returns the exit
+    code. ``sock``: an already bound listening socket to serve on (``--api-server-count``)."""
     import uvicorn
 
     app = build_app(serving, metrics, api_keys, max_body_bytes)
@@ -313,5 +331,5 @@ def run_server(
     )
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     server = _make_server(config, serving.engine, f"http://{shown_host}:{port}", ", ".join(serving.served_model_names))
-    server.run()
-    return 0 if server.started else 1
+    server.run(sockets=[sock] if sock is not None else None)
+    return 0 if server.started and not server.engine_died else 1

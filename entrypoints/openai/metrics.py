@@ -8,9 +8,14 @@ process do not collide):
 - per-request figures (prompt/generation tokens, TTFT, inter-token latency, end-to-end
   latency, finished requests by reason) are pushed by the engine as they happen
   (``ServerMetrics`` is an ``AsyncLLM`` stats observer).
+
+With several API-server processes (``--api-server-count``, ``PROMETHEUS_MULTIPROC_DIR`` set) the
+per-request figures are prometheus_client's multiprocess values, summed over the servers at
+scrape time; the engine state is the engine's own (every server holds its latest snapshot).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -66,7 +71,9 @@ class ServerMetrics:
     def __init__(self, model_name: str, get_stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
-        r = self.registry
+        multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        # multiprocess mode: the values live in files every server's scrape sums, not in a registry
+        r = None if multiprocess_dir else self.registry
         self.prompt_tokens = Counter("halserve:prompt_tokens", "Prompt tokens processed.", labels, registry=r).labels(model_name)
         self.generation_tokens = Counter(
             "halserve:generation_tokens", "Tokens generated.", labels, registry=r
@@ -86,7 +93,11 @@ class ServerMetrics:
         self.e2e = Histogram(
             "halserve:e2e_request_latency_seconds", "Request latency, arrival to finish.", labels, buckets=_E2E_BUCKETS, registry=r
         ).labels(model_name)
-        r.register(_EngineStatsCollector(get_stats, model_name))
+        if multiprocess_dir:
+            from prometheus_client import multiprocess
+
+            multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)
+        self.registry.register(_EngineStatsCollector(get_stats, model_name))
 
     # -- StatsObserver -------------------------------------------------------------
     def on_request_added(self, num_prompt_tokens: int) -> None:
