@@ -68,6 +68,10 @@ class AttentionBackend:
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
+    supports_graph_capture: ClassVar[bool] = False
+    """Whether a decode step's ``forward`` may be recorded in a device graph and replayed: it reads
+    every per-step value from the metadata's device tensors (not ``*_cpu`` nor ``max_seq_len``, which a
+    replay does not update; ``halserve.worker.step_graphs``)."""
     description: ClassVar[str] = ""
 
     # -- what it supports -------------------------------------------------------------

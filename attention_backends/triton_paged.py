@@ -47,6 +47,9 @@ class TritonPagedAttentionBackend(AttentionBackend):
     kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    # (max_seq_len only picks the split-K factor: a graph captured at max_model_len keeps its
+    # split count, and empty splits add nothing; triton_paged_kernels.reduce_splits_kernel)
+    supports_graph_capture = True
     description = (
         "Triton unified paged attention: one kernel for chunked prefill (causal over a cached prefix) "
         "and decode, GQA/MQA packed into tl.dot tiles, split-K decode for long contexts, "

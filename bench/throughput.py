@@ -45,6 +45,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; "
         "the draft acceptance is printed too",
     )
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                        help="dummy: random weights of the checkpoint's shapes (needs only config.json and a "
+                        "tokenizer in --model)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no captured graphs (every step eager)")
+    parser.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                        help="largest decode batch captured as a graph (default: min(max-num-seqs, 512))")
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
+                        help="share of free memory the KV cache may take")
     parser.add_argument("--output-json", default=None, help="also write the figures to this file")
 
 
@@ -111,6 +119,10 @@ def _make_llm(llm_class: Any, args: argparse.Namespace) -> Any:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        load_format=args.load_format,
+        enforce_eager=args.enforce_eager,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
     )
 
 

@@ -12,6 +12,7 @@ from halserve.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_CPU_LORAS = 8
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -77,6 +78,15 @@ class EngineConfig(BaseModel):
     """A KV connector (``{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
     "kv_connector_extra_config": {"shared_storage_path": "/mnt/kv"}}``): K/V blocks loaded from and
     saved outside the KV cache; a dict or JSON string is accepted (vLLM's). None: off."""
+    enforce_eager: bool = False
+    """Run every step eagerly (vLLM's ``--enforce-eager``): no captured graphs even where the
+    platform offers them (``Platform.graph_capture``)."""
+    max_cudagraph_capture_size: int | None = Field(default=None, ge=1)
+    """Largest decode batch captured as a graph (vLLM's ``--max-cudagraph-capture-size``); bigger
+    decode steps run eagerly. None: ``min(max_num_seqs, 512)`` (halserve.worker.capture_sizes)."""
+    load_format: str = "auto"
+    """``auto``/``safetensors``: read the checkpoint; ``dummy``: random weights of the right shapes
+    and dtypes made on the device from ``seed`` (benchmarks without a download; vLLM's)."""
     kv_offloading_size: float | None = Field(default=None, gt=0)
     """GiB of host memory for a second prefix-cache tier (vLLM's ``--kv-offloading-size``): shorthand
     for the ``OffloadingConnector`` with that ``cpu_bytes_to_use``. None: off."""
@@ -89,6 +99,13 @@ class EngineConfig(BaseModel):
         if name not in DTYPES:
             raise ValueError(f"dtype {value!r} is not supported; use one of {', '.join(DTYPES)}")
         return name
+
+    @field_validator("load_format")
+    @classmethod
+    def _load_format(cls, value: str) -> str:
+        if value not in LOAD_FORMATS:
+            raise ValueError(f"load_format {value!r} is not supported; use one of {', '.join(LOAD_FORMATS)}")
+        return value
 
     @field_validator("kv_cache_dtype")
     @classmethod

@@ -3,6 +3,7 @@
     resolve_model_path(model)     local dir as is, else a hub snapshot (config, weights, tokenizer)
     get_model_info(config, plat)  cheap: config files only -> ModelInfo (sizes, dtype, eos, ...)
     load_model(config, info, ...) build the architecture on the device, stream safetensors in
+                                  (or, load_format "dummy", fill random weights there)
 """
 from __future__ import annotations
 
@@ -330,6 +331,41 @@ def _import_architecture(dotted: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
+DUMMY_WEIGHT_RANGE = 1e-3  # vLLM's: small enough that activations stay finite through any depth
+
+
+def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> set[str]:
+    """``load_format="dummy"``: fill every parameter in place, on its device, with values drawn
+    uniformly from +-DUMMY_WEIGHT_RANGE (+-1 in fp8) by a generator seeded with ``seed`` (the same
+    seed gives the same weights on the same device); integer parameters (packed quantized weights)
+    get random values in +-2**15. Returns the names of the parameters it filled."""
+    filled = set()
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        device = param.device
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        gen = generators[device]
+        with torch.no_grad():
+            if param.dtype in (torch.float32, torch.float16, torch.bfloat16):
+                param.data.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=gen)
+            elif param.dtype.is_floating_point:
+                # fp8 (a quantized weight: its float scale makes it small): +-1, drawn in float32
+                # (no uniform_ for fp8; +-1e-3 would round to zero there), then cast
+                values = torch.empty(param.shape, dtype=torch.float32, device=device)
+                values.uniform_(-1.0, 1.0, generator=gen)
+                param.data.copy_(values)
+                del values
+            elif param.dtype == torch.bool:
+                param.data.copy_(torch.randint(0, 2, param.shape, generator=gen, device=device).bool())
+            else:
+                info = torch.iinfo(param.dtype)
+                low, high = max(info.min, -(1 << 15)), min(info.max, 1 << 15)
+                param.data.copy_(torch.randint(low, high, param.shape, generator=gen, device=device, dtype=torch.int64))
+        filled.add(name)
+    return filled
+
+
 def load_model(config: Any, info: ModelInfo, platform: Any, attn_backend_cls: type,
                progress: bool | None = None) -> torch.nn.Module:
     """Build ``info.architecture`` on the platform's device in ``info.dtype`` and load its weights.
@@ -350,7 +386,10 @@ def load_model(config: Any, info: ModelInfo, platform: Any, attn_backend_cls: ty
     # parameters are created directly on the device, in ctx.dtype (layers pass it explicitly)
     with torch.device(platform.device()):
         model = model_cls(info.hf_config, ctx)
-    loaded = model.load_weights(iterate_weights(safetensors_files(info.model_path), progress))
+    if getattr(config, "load_format", "auto") == "dummy":  # random weights, no checkpoint read (benchmarks)
+        loaded = initialize_dummy_weights(model, config.seed)
+    else:
+        loaded = model.load_weights(iterate_weights(safetensors_files(info.model_path), progress))
     # a parameter marked ``optional`` (e.g. GPTQ's g_idx without act-order) may be absent
     missing = sorted(name for name, param in model.named_parameters()
                      if name not in loaded and not getattr(param, "optional", False))

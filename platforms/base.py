@@ -44,6 +44,10 @@ class Platform:
     """Attention backends by name, in order of preference; the first that supports the
     model's configuration is used."""
     description: ClassVar[str] = ""
+    graph_mode: ClassVar[str] = "eager"
+    """How a decode step's forward runs, as ``halserve plugins`` shows it: ``cuda_graphs`` /
+    ``hip_graphs`` (captured at start-up at padded batch sizes, replayed; ``graph_capture``),
+    ``xla_buckets`` (the XLA runner's padded shapes, each compiled once), ``eager``."""
 
     @classmethod
     def auto_dtype(cls, checkpoint_dtype: str | None) -> tuple[str, str]:
@@ -93,6 +97,7 @@ class Platform:
             "default_dtype": cls.default_dtype,
             "fp8_dtype": cls.fp8_dtype,
             "preferred_attention_backends": list(cls.preferred_attention_backends),
+            "graph_mode": cls.graph_mode,
         }
 
     # -- device handling (instance level: only for the selected platform) -------------
@@ -139,6 +144,13 @@ class Platform:
         platform whose parts differ (MI300's e4m3fnuz, MI350's OCP e4m3fn) overrides it;
         an fp8 KV cache ("fp8", "fp8_e4m3") is allocated in it."""
         return self.fp8_dtype
+
+    def graph_capture(self) -> Any:
+        """(optional) default: None, every step runs eagerly. A ``halserve.platforms.graph_capture.
+        GraphCapture`` that records a decode step's forward and replays it. Called once per model
+        runner after its warm-up (never with ``enforce_eager``); the runner then captures decode-only
+        batches at the padded sizes of ``halserve.worker.capture_sizes`` and runs the others eagerly."""
+        return None
 
     def seed_everything(self, seed: int) -> None:
         import torch

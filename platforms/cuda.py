@@ -18,6 +18,7 @@ class CudaPlatform(TorchCudaApiPlatform):
     fp8_dtype = "float8_e4m3fn"
     preferred_attention_backends = ("flash_attn", "triton_paged", "torch")
     description = "NVIDIA GPUs (CUDA build of torch; Triton and flash-attn kernels)"
+    graph_mode = "cuda_graphs"
 
     @classmethod
     def _probe(cls) -> ProbeResult:

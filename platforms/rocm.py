@@ -19,6 +19,7 @@ class RocmPlatform(TorchCudaApiPlatform):
     fp8_dtype = "float8_e4m3fnuz"
     preferred_attention_backends = ("triton_paged_rocm", "triton_paged", "torch")
     description = "AMD GPUs (ROCm build of torch; Triton kernels)"
+    graph_mode = "hip_graphs"
 
     @classmethod
     def _probe(cls) -> ProbeResult:

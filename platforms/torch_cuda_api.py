@@ -36,6 +36,15 @@ class TorchCudaApiPlatform(Platform):
 
         torch.cuda.empty_cache()
 
+    def graph_capture(self):
+        """torch.cuda graphs (HIP graphs on ROCm); None when the platform was moved off a GPU
+        (the interpreted Triton tests put its tensors on the CPU)."""
+        if self.device_type != "cuda":
+            return None
+        from halserve.platforms.graph_capture import CudaGraphCapture
+
+        return CudaGraphCapture(self.device(), name=self.graph_mode)
+
     def seed_everything(self, seed: int) -> None:
         import torch
 

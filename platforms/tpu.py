@@ -34,6 +34,7 @@ class TpuPlatform(Platform):
     fp8_dtype = None
     preferred_attention_backends = ("xla", "torch")
     description = "Google TPUs (torch-xla / PJRT; Pallas ragged paged attention)"
+    graph_mode = "xla_buckets"
     model_runner_cls = "halserve.worker.xla_model_runner:XlaModelRunner"
 
     @classmethod

@@ -86,6 +86,7 @@ class ModelRunner:
         self.kv_connector = None  # the worker side of kv_transfer_config's connector
         self._step_connector = None  # it, while a step with loads or saves runs
         self.drafter = None  # a DraftModelProposer when speculative_config's method is "draft_model"
+        self.step_graphs = None  # decode steps replayed from captured graphs (worker/step_graphs.py)
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model" and self.pp.is_last:  # (it needs the sampled tokens)
             from halserve.spec_decode.draft_model import DraftModelProposer
@@ -186,6 +187,12 @@ class ModelRunner:
             head = self.model.classify if self.info.runner == "pooling" else self.model.compute_logits
             head(hidden[: min(num_tokens, self.config.max_num_seqs)])
 
+    def capture_graphs(self) -> None:
+        """After ``warm_up``: capture decode steps where the platform can (worker/step_graphs.py)."""
+        from halserve.worker.step_graphs import StepGraphs
+
+        self.step_graphs = StepGraphs.build(self)
+
     # -- per step --------------------------------------------------------------------
     # Gradient mode of a step; XLA cannot run under inference_mode, so its runner overrides.
     grad_mode = staticmethod(torch.inference_mode)
@@ -264,8 +271,12 @@ class ModelRunner:
             embeds = step_inputs_embeds(self.model, step, input_ids)
             if embeds is not None:
                 kwargs["inputs_embeds"] = embeds
-        with set_forward_context(attn_metadata, self._step_connector):
-            hidden = self.model(input_ids, positions, intermediate, **kwargs)
+        hidden = None
+        if self.step_graphs is not None:  # a decode-only step replays its captured graph (None: eager)
+            hidden = self.step_graphs.replay(common, input_ids, positions, **kwargs)
+        if hidden is None:
+            with set_forward_context(attn_metadata, self._step_connector):
+                hidden = self.model(input_ids, positions, intermediate, **kwargs)
         if not self.pp.is_last:
             from halserve.distributed import pp_send
 

@@ -74,6 +74,7 @@ class Worker:
 
     def warm_up(self) -> None:
         self.model_runner.warm_up()
+        self.model_runner.capture_graphs()
 
     def shutdown(self) -> None:
         """Release what outlives a step beyond memory (a KV connector's servers)."""
