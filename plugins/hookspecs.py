@@ -1,10 +1,17 @@
+# mypy: disable-error-code="empty-body"
+# (hookspecs declare a signature and document it; pluggy never runs their bodies)
 """The halserve plugin hooks: the whole contract between halserve and a plugin.
 
 A plugin is a module (or object) named by an entry point in the ``halserve.plugins``
 group. It implements some of the hooks below, each decorated with
-``halserve.plugins.hookimpl``. Every hook is called once per process, at discovery, with
-keyword arguments only, and must not initialise a device or import a vendor library
-that is not installed: put such imports inside the methods of the classes you return.
+``halserve.plugins.hookimpl`` (a plain function named like a hook is taken too). A
+``halserve_*`` function that is no hook below, or that takes an argument its hook does not
+pass, makes halserve refuse the whole plugin (``halserve.plugins.hookimpls``).
+
+Hooks are called through pluggy with keyword arguments only; an implementation may take
+any subset of its hook's arguments. Every hook but ``halserve_update_config`` is called
+once per process, at discovery, and must not initialise a device or import a vendor
+library that is not installed: put such imports inside the methods of the classes you return.
 
 Every plugin must implement ``halserve_manifest``. All other hooks are optional; a hook
 returns the objects the plugin contributes, or an empty list / ``None`` for "nothing".
@@ -24,7 +31,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def halserve_manifest() -> "PluginManifest":
+def halserve_manifest() -> PluginManifest:
     """Return this plugin's manifest (name, version, supported plugin-API range).
 
     Called first. A plugin whose ``api`` range excludes ``halserve.plugins.API_VERSION``

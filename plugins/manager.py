@@ -17,9 +17,10 @@ import os
 import threading
 import traceback
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from halserve.plugins.hookimpls import FoundHook, HookManager, check_hookimpls, find_hookimpls
 from halserve.plugins.manifest import PluginManifest
@@ -273,7 +274,7 @@ def discover() -> PluginManager:
         if ep.name in seen:  # the same distribution found twice on sys.path
             continue
         seen.add(ep.name)
-        dist = ep.dist.name if getattr(ep, "dist", None) is not None else None
+        dist = ep.dist.name if ep.dist is not None else None
         record = PluginRecord(name=ep.name, target=ep.value, distribution=dist)
         manager.records.append(record)
         if (allow is not None and ep.name not in allow) or (block is not None and ep.name in block):

@@ -1,8 +1,9 @@
 """One registry per kind of contribution (platforms, kernels, ...)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, Iterator, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from halserve.plugins.testing.results import ConformanceReport
 from halserve.plugins.testing.target import INTERPRETER_BF16_REASON, Target, TargetResolver
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.attention_backends.base import AttentionBackend
 
 TOLERANCE = {"float32": 4e-4, "float16": 8e-3, "bfloat16": 6e-2}
 FP8_KV_TOLERANCE = 3e-2
@@ -71,7 +74,7 @@ def scenarios(block: int, fp8_kv: str | None) -> list[Scenario]:
     return out
 
 
-def _combos(cls: type, quick: bool, interpreter: bool) -> list[tuple[str, int, int]]:
+def _combos(cls: type[AttentionBackend], quick: bool, interpreter: bool) -> list[tuple[str, int, int]]:
     """(dtype, head size, block size) triples, zipped rather than crossed."""
     declared = [d for d in ("float32", "float16", "bfloat16") if d in cls.dtypes]
     if interpreter:

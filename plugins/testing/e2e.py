@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from halserve.plugins.testing.results import ConformanceReport
 from halserve.plugins.testing.target import TargetResolver
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.attention_backends.base import AttentionBackend
+    from halserve.platforms.base import Platform
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog and then",
@@ -59,7 +63,7 @@ class _E2E:
         return self.references[key]
 
 
-def _shape_for(backend_cls: type | None) -> tuple[int, int]:
+def _shape_for(backend_cls: type[AttentionBackend] | None) -> tuple[int, int]:
     """(head size, block size) the backend accepts: 32/16 unless it declares otherwise."""
     head, block = 32, 16
     if backend_cls is not None:
@@ -83,7 +87,7 @@ def check_e2e(report: ConformanceReport, manager: Any, resolver: TargetResolver,
         run.tmp.cleanup()
 
 
-def _dtype_for(platform_cls: type) -> str:
+def _dtype_for(platform_cls: type[Platform]) -> str:
     return "float32" if "float32" in platform_cls.supported_dtypes else platform_cls.default_dtype
 
 

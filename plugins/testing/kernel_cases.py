@@ -8,8 +8,9 @@ run sees the same numbers) and how the result is compared with the torch referen
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 # max |got - ref| allowed, relative to max |ref|, by the dtype results are rounded to
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}

@@ -8,11 +8,14 @@ the op, kernel, case and the error measured against the tolerance.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from halserve.plugins.testing.kernel_cases import CASES, KernelCase
 from halserve.plugins.testing.results import ConformanceReport
 from halserve.plugins.testing.target import TargetResolver, interpreter_decline
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.kernels.base import Kernel
 
 FP8_QUANT_MISMATCH = {False: 0.01, True: 0.10}  # share of q values allowed to differ (interpreter: triton#8322)
 
@@ -37,7 +40,7 @@ def check_kernels(report: ConformanceReport, manager: Any, resolver: TargetResol
             _run_case(report, subject, cls, reference, case, target)
 
 
-def _declaration_problem(cls: type, ops: dict) -> str | None:
+def _declaration_problem(cls: type[Kernel], ops: dict) -> str | None:
     op = getattr(cls, "op", None)
     if op not in ops:
         return f"kernel class {cls.__qualname__} declares op {op!r}, which is not one of {', '.join(ops)}"
@@ -49,7 +52,7 @@ def _declaration_problem(cls: type, ops: dict) -> str | None:
     return None
 
 
-def _run_case(report: ConformanceReport, subject: str, cls: type, reference: Any, case: KernelCase, target) -> None:
+def _run_case(report: ConformanceReport, subject: str, cls: type[Kernel], reference: Any, case: KernelCase, target) -> None:
     import torch
 
     try:
@@ -82,7 +85,7 @@ def _run_case(report: ConformanceReport, subject: str, cls: type, reference: Any
     report.add("kernel", subject, case.label, "failed" if failure else "passed", f"{where}: {detail}" if failure else detail)
 
 
-def _held_to_compute_dtype(case: KernelCase, cls: type) -> KernelCase:
+def _held_to_compute_dtype(case: KernelCase, cls: type[Kernel]) -> KernelCase:
     """A kernel that declares it computes in a narrower dtype than its inputs (``capabilities()``
     ``compute_dtype``, e.g. bf16 matmuls for float32 activations) is held to that dtype's tolerance,
     and ``halserve plugins`` shows the declaration."""

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from halserve.plugins.testing.results import ConformanceReport
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.platforms.base import Platform
 
 ALLOWED_DTYPES = ("float32", "float16", "bfloat16")
 ALLOWED_FP8 = (None, "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")
@@ -21,7 +24,7 @@ SLOW_PROBE_S = 1.0
 def check_platforms(report: ConformanceReport, manager: Any) -> None:
     for reg in manager.platforms.by_plugin(report.plugin):
         cls = reg.obj
-        add = lambda case, status, detail="": report.add("platform", reg.name, case, status, detail)  # noqa: E731
+        add = lambda case, status, detail="", name=reg.name: report.add("platform", name, case, status, detail)  # noqa: E731
         start = time.perf_counter()
         try:
             result = cls.probe()
@@ -44,7 +47,7 @@ def check_platforms(report: ConformanceReport, manager: Any) -> None:
         _check_config_idempotent(report, reg.name, cls)
 
 
-def declaration_problems(cls: type, manager: Any) -> list[tuple[str, str, str]]:
+def declaration_problems(cls: type[Platform], manager: Any) -> list[tuple[str, str, str]]:
     out = []
     dtypes = tuple(getattr(cls, "supported_dtypes", ()) or ())
     bad = [d for d in dtypes if d not in ALLOWED_DTYPES]
@@ -92,7 +95,7 @@ def declaration_problems(cls: type, manager: Any) -> list[tuple[str, str, str]]:
     return out
 
 
-def _check_config_idempotent(report: ConformanceReport, name: str, cls: type) -> None:
+def _check_config_idempotent(report: ConformanceReport, name: str, cls: type[Platform]) -> None:
     from halserve.config import EngineConfig
 
     try:

@@ -9,9 +9,12 @@ The kit runs once, when the items are collected.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from _pytest._code.code import TerminalRepr
 
 OPTION = "--halserve-conformance"
 
@@ -92,7 +95,7 @@ class ConformanceItem(pytest.Item):
             warnings.warn(f"halserve conformance [{r.check}] {r.subject} ({r.case}): {r.detail}", UserWarning,
                           stacklevel=1)
 
-    def repr_failure(self, excinfo: Any, style: Any = None) -> str:
+    def repr_failure(self, excinfo: Any, style: Any = None) -> str | TerminalRepr:
         if isinstance(excinfo.value, ConformanceFailure):
             r = self.result
             return f"[{r.check}] {r.subject} ({r.case}) FAILED:\n{r.detail}"

@@ -36,7 +36,7 @@ class ConformanceReport:
 
     @property
     def summary(self) -> dict[str, int]:
-        counts = {s: 0 for s in STATUSES}
+        counts: dict[str, int] = {s: 0 for s in STATUSES}
         for r in self.results:
             counts[r.status] += 1
         return counts

@@ -20,7 +20,11 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.attention_backends.base import AttentionBackend
+    from halserve.kernels.base import Kernel
 
 INTERPRETER_BF16_REASON = (
     "bfloat16 skipped under the Triton interpreter (it mis-computes bf16 arithmetic); "
@@ -95,7 +99,7 @@ class TargetResolver:
             self._instances[name] = self.manager.platforms[name].obj()
         return self._instances[name]
 
-    def platform_for(self, cls: type) -> str | None:
+    def platform_for(self, cls: type[Kernel] | type[AttentionBackend]) -> str | None:
         """The platform ``cls`` is tested on, or None if it cannot run on the explicit one."""
         runs_on = cls.runs_on
         if self.explicit:
@@ -109,7 +113,7 @@ class TargetResolver:
                 return name
         return candidates[0]
 
-    def target(self, cls: type) -> Target:
+    def target(self, cls: type[Kernel] | type[AttentionBackend]) -> Target:
         platform = self.platform_for(cls)
         if platform is None:
             return Target(self.explicit or "-", None, False,

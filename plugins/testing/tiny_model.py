@@ -61,10 +61,10 @@ def make_tiny_checkpoint(
     os.makedirs(path, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
 
-    def linear(out_features: int, in_features: int) -> "torch.Tensor":
+    def linear(out_features: int, in_features: int) -> torch.Tensor:
         return torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)
 
-    def norm(size: int) -> "torch.Tensor":
+    def norm(size: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(size, generator=gen)
 
     q_size, kv_size = num_heads * head_size, num_kv_heads * head_size

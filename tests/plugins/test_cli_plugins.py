@@ -247,7 +247,8 @@ def test_deprecated_hook_warns_and_is_listed(monkeypatch):
     """A plugin implementing a deprecated hook still loads, with the warning on its record."""
     import types
 
-    from halserve.plugins import PluginManifest, hookimpl, manager as manager_mod
+    from halserve.plugins import PluginManifest, hookimpl
+    from halserve.plugins import manager as manager_mod
     from halserve.plugins.hookspecs import hookspec
     from halserve.plugins.manager import PluginManager, PluginRecord
 

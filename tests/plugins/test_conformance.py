@@ -95,10 +95,10 @@ def test_unknown_platform_is_a_usage_error():
 
 
 def test_unavailable_platform_without_interpreter_declines_with_reason(monkeypatch):
+    import torch
+
     from halserve.plugins import get_plugin_manager
     from halserve.plugins.testing.target import TargetResolver
-
-    import torch
 
     if torch.cuda.is_available():
         pytest.skip("cuda is available here")

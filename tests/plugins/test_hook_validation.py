@@ -126,7 +126,10 @@ def test_hook_that_raises_leaves_nothing_registered() -> None:
 
 def test_plugin_for_another_api_is_refused_before_its_hooks_are_checked() -> None:
     """A plugin built for a later API may have hooks this halserve does not know: refused, not failed."""
-    module = make_plugin(halserve_new_in_api_2=lambda: [])
+    def halserve_new_in_api_2() -> list[type]:
+        return []
+
+    module = make_plugin(halserve_new_in_api_2=halserve_new_in_api_2)
     module.halserve_manifest = hookimpl(lambda: manifest(api=">=2,<3"))
     mgr, record = load(module)
     assert record.status == "refused"

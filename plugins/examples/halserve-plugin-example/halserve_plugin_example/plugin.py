@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from halserve.plugins import PluginManifest, hookimpl
-
 from halserve_plugin_example import __version__
 
 MAX_BATCHED_TOKENS = 8192  # what this device's scheduler budget is capped at
