@@ -31,7 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
     from halserve.models.loader import ModelInfo
     from halserve.platforms.base import Platform
-    from halserve.worker.runner_state import CachedRequestState
+    from halserve.scheduler_output import ModelRunnerOutput
+    from halserve.worker.runner_state import CachedRequestState, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class DraftModelProposer:
         spec = config.speculative_config
         assert spec is not None and spec.method == "draft_model"
         self.num_speculative_tokens = spec.num_speculative_tokens
+        self.disable_by_batch_size = spec.disable_by_batch_size
         self.platform = platform
         self.device = platform.device()
         self.block_size = config.block_size
@@ -156,6 +158,20 @@ class DraftModelProposer:
                 drafts[r].append(token)
                 tokens[r] = token
         return drafts
+
+    def propose_after_step(self, step: StepInputs, output: ModelRunnerOutput, num_requests: int,
+                           max_model_len: int) -> None:
+        """The runner's call after a target step: drafts for the requests that sampled a token, into
+        ``output.spec_token_ids`` (by batch row). None while ``disable_by_batch_size`` or more requests
+        run (``num_requests``): the scheduler would drop them (the K/V is still written, by ``mirror``)."""
+        limit = self.disable_by_batch_size
+        if limit is not None and num_requests >= limit:
+            return
+        rows = [r for r in step.sample_rows if output.sampled_token_ids[r]]
+        drafts = self.propose([step.states[r] for r in rows], max_model_len)
+        output.spec_token_ids = [[] for _ in step.req_ids]
+        for r, proposal in zip(rows, drafts):
+            output.spec_token_ids[r] = proposal
 
     def _embeddable(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Ids past a smaller draft vocabulary (a target-only token) become its last id: the

@@ -17,6 +17,14 @@ from the same noise stream as without drafts (seeded by its output count).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
+
+class _HasOutputs(Protocol):
+    output_token_ids: list[int]
+
+
+_S = TypeVar("_S", bound=_HasOutputs)  # a request's state (the model runner's CachedRequestState)
 
 
 def count_accepted(draft_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> int:
@@ -28,3 +36,13 @@ def count_accepted(draft_token_ids: Sequence[int], output_token_ids: Sequence[in
             break
         num_accepted += 1
     return num_accepted
+
+
+def expand_rows(states: Sequence[_S], drafts: Sequence[list[int]]) -> tuple[list[_S], list[list[int]]]:
+    """The model runner's logits rows of a step: one per position that samples, a request's last
+    token, then each of its drafts (whose row sees the drafts before it as outputs: penalties,
+    min_tokens, seeds). Returns each row's request state and output tokens."""
+    row_states = [s for s, d in zip(states, drafts) for _ in range(len(d) + 1)]
+    row_outputs = [s.output_token_ids + d[:j] if j else s.output_token_ids
+                   for s, d in zip(states, drafts) for j in range(len(d) + 1)]
+    return row_states, row_outputs

@@ -30,8 +30,11 @@ import numpy as np
 import torch
 
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from halserve.spec_decode.verify import count_accepted
+from halserve.spec_decode.verify import count_accepted, expand_rows
+from halserve.structured_output.logits import apply_step_bitmask
+from halserve.worker import mm_embeddings
 from halserve.worker.backend_selection import select_attention_backend
+from halserve.worker.pooler import collect_pooled, pool_step
 from halserve.worker.runner_state import CachedRequestState, StepInputs, update_states
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -92,6 +95,10 @@ class ModelRunner:
             from halserve.spec_decode.draft_model import DraftModelProposer
 
             self.drafter = DraftModelProposer(config, platform, model_info)
+        # vision-language models (worker/mm_embeddings.py), chosen once for _forward: M-RoPE positions
+        # (every stage: the rotary of each layer reads them) and image embeddings (the first stage)
+        self._step_positions = mm_embeddings.step_positions if model_info.uses_mrope else _plain_positions
+        self._model_kwargs = mm_embeddings.model_kwargs if model_info.is_multimodal and self.pp.is_first else _no_kwargs
         from halserve.sampling import Sampler
 
         self.sampler = Sampler()
@@ -221,19 +228,9 @@ class ModelRunner:
                 return None
             output = self._sample(step, logits if step.sample_rows else None, out)
             output.invalid_block_ids = invalid_block_ids
-            if self.drafter is not None and self._drafting_enabled():
-                rows = [r for r in step.sample_rows if output.sampled_token_ids[r]]
-                drafts = self.drafter.propose([step.states[r] for r in rows], self.info.max_model_len)
-                output.spec_token_ids = [[] for _ in step.req_ids]
-                for r, proposal in zip(rows, drafts):
-                    output.spec_token_ids[r] = proposal
+            if self.drafter is not None:  # the draft model proposes the next step's drafts
+                self.drafter.propose_after_step(step, output, len(self.requests), self.info.max_model_len)
             return output
-
-    def _drafting_enabled(self) -> bool:
-        """Whether the draft model proposes after this step: not while ``disable_by_batch_size`` or more
-        requests run (the scheduler would drop the drafts; its K/V is still written, by ``mirror``)."""
-        limit = self.config.speculative_config.disable_by_batch_size
-        return limit is None or len(self.requests) < limit
 
     def _prepare_inputs(self, out: SchedulerOutput) -> "StepInputs":
         """Host-side (numpy/CPU tensors) flattened inputs of one step."""
@@ -257,20 +254,10 @@ class ModelRunner:
         attn_metadata = self.attn_backend_cls.build_metadata(common)
         from halserve.forward_context import set_forward_context
 
-        positions = step.positions
-        if self.info.uses_mrope:  # (every stage: the rotary of each layer reads them)
-            from halserve.worker.mm_embeddings import step_positions
-
-            positions = step_positions(step)
-        input_ids, positions = step.input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True)
+        input_ids = step.input_ids.to(dev, non_blocking=True)
+        positions = self._step_positions(step).to(dev, non_blocking=True)
         intermediate = self._intermediate_tensors(len(input_ids), receive=True)
-        kwargs = {}
-        if self.info.is_multimodal and self.pp.is_first:  # images: their embeddings at their placeholders
-            from halserve.worker.mm_embeddings import step_inputs_embeds
-
-            embeds = step_inputs_embeds(self.model, step, input_ids)
-            if embeds is not None:
-                kwargs["inputs_embeds"] = embeds
+        kwargs = self._model_kwargs(self.model, step, input_ids)
         hidden = None
         if self.step_graphs is not None:  # a decode-only step replays its captured graph (None: eager)
             hidden = self.step_graphs.replay(common, input_ids, positions, **kwargs)
@@ -286,14 +273,7 @@ class ModelRunner:
             self.drafter.mirror(common, input_ids, positions)
         if step.prompt_indices:
             self._score_prompt(step, hidden)
-        from halserve.worker.pooler import accumulate_prompt_rows, pool
-
-        # pooling requests: MEAN/CLS fold in this step's prompt rows (prefill may be chunked)
-        accumulate_prompt_rows(step.states, step.common.query_start_loc_cpu, step.seq_lens, hidden)
-        if step.pool_rows:  # pooling requests that reach their prompt's last token: pool it (LAST) or what was kept
-            rows = [step.states[r] for r in step.pool_rows]
-            for state, result in zip(rows, pool(hidden.index_select(0, step.pool_indices.to(dev)), rows, self.model)):
-                state.pooled = result
+        pool_step(step, hidden, self.model)  # pooling requests (embed, classify)
         if not step.sample_rows:
             return None
         return self.model.compute_logits(hidden.index_select(0, step.logits_indices.to(dev)))
@@ -337,22 +317,8 @@ class ModelRunner:
             rows = [step.states[r] for r in step.sample_rows]
             drafts = step.sample_drafts or [[]] * len(rows)
             # one logits row per position that samples: a request's last token, then each draft
-            # (whose row sees the drafts before it as outputs: penalties, min_tokens, seeds)
-            row_states = [s for s, d in zip(rows, drafts) for _ in range(len(d) + 1)]
-            row_outputs = [s.output_token_ids + d[:j] if j else s.output_token_ids
-                           for s, d in zip(rows, drafts) for j in range(len(d) + 1)]
-            bitmask = scheduler_output.grammar_bitmask
-            if bitmask is not None:  # structured outputs: the scheduler's allowed next tokens
-                from halserve.structured_output import apply_grammar_bitmask
-
-                # (a req_id with k drafts comes k + 1 times, for its k + 1 rows in a row)
-                first_row = {s.req_id: j for j, s in reversed(list(enumerate(row_states)))}
-                seen: dict[str, int] = {}
-                grammar_rows = []
-                for req_id in scheduler_output.grammar_req_ids:
-                    grammar_rows.append(first_row[req_id] + seen.get(req_id, 0))
-                    seen[req_id] = seen.get(req_id, 0) + 1
-                logits = apply_grammar_bitmask(logits, torch.tensor(grammar_rows, device=logits.device), bitmask)
+            row_states, row_outputs = expand_rows(rows, drafts)
+            logits = apply_step_bitmask(logits, row_states, scheduler_output)  # structured outputs' masks
             out = self.sampler.sample(logits, self._sampling_metadata(row_states, row_outputs, logits.device))
             tokens = out.sampled_token_ids.tolist()
             has_token = out.has_token.tolist()
@@ -380,11 +346,7 @@ class ModelRunner:
                     logprobs[r] = new_logprobs
                 if draft:  # K/V of the rejected drafts is stale: not computed
                     step.seq_lens[r] -= len(draft) - count_accepted(draft, new_tokens)
-        for r in step.pool_rows:  # (a pooling request's result ends it: the scheduler appends no token)
-            state = step.states[r]
-            pooled[r], state.pooled = state.pooled, None
-            if state.prompt_logprobs is not None:  # (a generative model's embedding request may ask for them)
-                prompt_logprobs[r], state.prompt_logprobs = state.prompt_logprobs, None
+        collect_pooled(step, pooled, prompt_logprobs)
         for r, state in enumerate(step.states):
             state.num_computed_tokens = int(step.seq_lens[r])
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
@@ -402,3 +364,11 @@ class ModelRunner:
             vocab_size=self.info.vocab_size,
             device=device,
         )
+
+
+def _plain_positions(step: StepInputs) -> torch.Tensor:
+    return step.positions  # [T]
+
+
+def _no_kwargs(model: torch.nn.Module, step: StepInputs, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {}

@@ -21,7 +21,7 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
 
-    from halserve.worker.runner_state import CachedRequestState
+    from halserve.worker.runner_state import CachedRequestState, StepInputs
 
 
 @dataclass(slots=True)
@@ -101,3 +101,26 @@ def pool(last_rows: torch.Tensor, states: list["CachedRequestState"], model: tor
             use_activation = states[i].sampling_params.pooling.activation is not False  # (unset: True)
             out[i] = (activated[k] if use_activation else logits[k]).cpu().tolist()
     return out
+
+
+def pool_step(step: StepInputs, hidden: torch.Tensor, model: torch.nn.Module) -> None:
+    """The model runner's pooling after a step's forward (``hidden`` [T, hidden]): MEAN/CLS requests
+    fold in this step's prompt rows (prefill may be chunked); those that reach their prompt's last
+    token get their result (``state.pooled``)."""
+    accumulate_prompt_rows(step.states, step.common.query_start_loc_cpu, step.seq_lens, hidden)
+    if step.pool_rows:
+        states = [step.states[r] for r in step.pool_rows]
+        for state, result in zip(states, pool(hidden.index_select(0, step.pool_indices.to(hidden.device)), states,
+                                              model)):
+            state.pooled = result
+
+
+def collect_pooled(step: StepInputs, pooled: list, prompt_logprobs: list) -> None:
+    """Move each pooling request's result (and prompt logprobs, which a generative model's embedding
+    request may ask for) from its state to the step's output lists (indexed by batch row). A pooling
+    request's result ends it: the scheduler appends no token."""
+    for r in step.pool_rows:
+        state = step.states[r]
+        pooled[r], state.pooled = state.pooled, None
+        if state.prompt_logprobs is not None:
+            prompt_logprobs[r], state.prompt_logprobs = state.prompt_logprobs, None
