@@ -26,6 +26,9 @@ class EngineConfig(BaseModel):
     """A local HF directory or a hub id."""
     tokenizer: str | None = None
     """Tokenizer directory or hub id; defaults to ``model``."""
+    hf_config_path: str | None = None
+    """Directory or hub id of a config.json to use instead of the model's (vLLM's ``--hf-config-path``;
+    for a GGUF file: instead of the config its metadata gives)."""
     revision: str | None = None
     platform: str | None = None
     """Platform name; None auto-detects (``HALSERVE_PLATFORM`` also selects)."""

@@ -4,6 +4,7 @@
     get_model_info(config, plat)  cheap: config files only -> ModelInfo (sizes, dtype, eos, ...)
     load_model(config, info, ...) build the architecture on the device, stream safetensors in
                                   (or, load_format "dummy", fill random weights there)
+    a GGUF file (or a folder holding one) is read through halserve.models.gguf, dequantized at load
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ class ModelInfo:
     uses_mrope: bool = False  # its positions are M-RoPE's three axes (Qwen2-VL): [3, T] with images
     max_images_per_prompt: int = 0  # a vision-language model's limit (limit_mm_per_prompt); 0 for a text model
     image_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # mm_processor_kwargs
+    # a GGUF checkpoint (halserve.models.gguf): its first file; model_path is then its folder. None: safetensors
+    gguf_file: str | None = None
 
     @property
     def is_multimodal(self) -> bool:
@@ -123,10 +126,16 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
     from transformers import AutoConfig
 
     from halserve.models.gemma import attention_logits_soft_cap
+    from halserve.models.gguf import find_gguf_file, load_gguf_config
     from halserve.models.llama import head_size_of, layer_sliding_windows
 
-    path = resolve_model_path(config.model, config.revision)
-    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    gguf_file = find_gguf_file(config.model)  # a GGUF checkpoint (its first shard), else None
+    if gguf_file is not None:
+        path = os.path.dirname(os.path.abspath(gguf_file))
+        hf_config = load_gguf_config(gguf_file, config.hf_config_path, config.trust_remote_code)
+    else:
+        path = resolve_model_path(config.model, config.revision)
+        hf_config = AutoConfig.from_pretrained(config.hf_config_path or path, trust_remote_code=config.trust_remote_code)
     archs = list(getattr(hf_config, "architectures", None) or [])
     supported = supported_architectures()
     arch = next((a for a in archs if a in supported), None)
@@ -195,6 +204,7 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
         uses_mrope=bool(getattr(model_cls, "uses_mrope", False)),
         max_images_per_prompt=_max_images(config) if multimodal else 0,
         image_processor_kwargs=dict(config.mm_processor_kwargs or {}) if multimodal else {},
+        gguf_file=gguf_file,
     )
 
 
@@ -388,6 +398,10 @@ def load_model(config: Any, info: ModelInfo, platform: Any, attn_backend_cls: ty
         model = model_cls(info.hf_config, ctx)
     if getattr(config, "load_format", "auto") == "dummy":  # random weights, no checkpoint read (benchmarks)
         loaded = initialize_dummy_weights(model, config.seed)
+    elif info.gguf_file is not None:  # dequantized to info.dtype as it streams (halserve.models.gguf)
+        from halserve.models.gguf import iterate_gguf_weights
+
+        loaded = model.load_weights(iterate_gguf_weights(info.gguf_file, info.hf_config, info.dtype, progress))
     else:
         loaded = model.load_weights(iterate_weights(safetensors_files(info.model_path), progress))
     # a parameter marked ``optional`` (e.g. GPTQ's g_idx without act-order) may be absent

@@ -14,7 +14,13 @@ from halserve.sampling_params import SamplingParams
 def load_tokenizer(config: EngineConfig, model_info: Any) -> Any:
     from transformers import AutoTokenizer
 
+    from halserve.models.gguf import find_gguf_file, load_gguf_tokenizer
+
     path = config.tokenizer or model_info.model_path
+    # a GGUF checkpoint carries its tokenizer (and chat template) in its metadata
+    gguf_file = find_gguf_file(config.tokenizer) if config.tokenizer else getattr(model_info, "gguf_file", None)
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file, config.trust_remote_code)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
 
 

@@ -20,8 +20,8 @@ from halserve.models.gguf.reader import open_gguf
 
 logger = logging.getLogger(__name__)
 
-# transformers' model_type for the GGUF architectures whose name differs
-_MODEL_TYPE_OF_ARCH = {"gemma3": "gemma3_text"}
+# llama.cpp's precomputed RoPE factors (Llama 3.1, Phi-3 long context): halserve computes them from the config
+DERIVED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def gguf_to_hf_names(architecture: str, hf_config: Any) -> tuple[dict[str, str], Any]:
@@ -40,7 +40,8 @@ def gguf_to_hf_names(architecture: str, hf_config: Any) -> tuple[dict[str, str],
 def iterate_gguf_weights(path: str, hf_config: Any, dtype: torch.dtype,
                          progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream ``(HF name, tensor in dtype)`` pairs of the GGUF checkpoint ``path``, tensor by tensor.
-    A tensor without an HF counterpart (e.g. llama.cpp's precomputed ``rope_freqs``) is skipped."""
+    llama.cpp's precomputed RoPE factors are skipped; any other tensor without an HF counterpart is a
+    ``ValueError`` before anything is read (a config that does not describe the file)."""
     import numpy as np
     from gguf import dequantize
 
@@ -48,23 +49,27 @@ def iterate_gguf_weights(path: str, hf_config: Any, dtype: torch.dtype,
     names, processor = gguf_to_hf_names(checkpoint.architecture, hf_config)
     logger.info("loading GGUF %s: weights dequantized to %s at load (keeping them quantized with native "
                 "GGUF kernels is not supported yet)", checkpoint.describe(), str(dtype).replace("torch.", ""))
-    tensors = [t for reader in checkpoint.readers for t in reader.tensors]
+    tensors = [t for reader in checkpoint.readers for t in reader.tensors if t.name not in DERIVED_TENSORS]
+    unknown = [t.name for t in tensors if t.name not in names]
+    if unknown:
+        raise ValueError(
+            f"GGUF tensors {', '.join(unknown[:4])}{' ...' if len(unknown) > 4 else ''} ({len(unknown)} in all) of "
+            f"{checkpoint.describe()} have no counterpart in the model its config describes "
+            f"({hf_config.model_type}, {hf_config.num_hidden_layers} layers); is --hf-config-path this file's config?")
     bar = None
     if progress or (progress is None and len(tensors) and sum(int(t.n_bytes) for t in tensors) > 1 << 30):
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(tensors), desc="Dequantizing GGUF tensors", unit="tensor")
+    parsed = {"config": hf_config.to_dict()}  # (what transformers' processors may consult)
     try:
         for tensor in tensors:
             values = dequantize(tensor.data, tensor.tensor_type)  # float32, [rows, cols] in torch order
             result = processor.process(weights=values, name=tensor.name, tensor_key_mapping=names,
-                                       parsed_parameters={"config": hf_config.to_dict()})
+                                       parsed_parameters=parsed)
             if bar is not None:
                 bar.update(1)
-            hf_name = names.get(result.name)
-            if hf_name is None:
-                logger.debug("GGUF tensor %s has no Hugging Face counterpart; skipped", tensor.name)
-                continue
+            hf_name = names[result.name]
             # the memory-mapped F32 tensors are read-only: copy those (dequantized ones are fresh arrays)
             values = np.require(result.weights, requirements=["C", "W"])
             yield hf_name, torch.from_numpy(values).to(dtype)
