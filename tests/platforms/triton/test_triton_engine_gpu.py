@@ -53,3 +53,47 @@ def test_speculative_decoding_on_cuda(tmp_path):
     assert_speculation_matches(path, prompts, hf_greedy(path, prompts, NEW_TOKENS), NEW_TOKENS, platform="cuda",
                                dtype="float32", block_size=BLOCK, max_num_batched_tokens=BUDGET,
                                attention_backend="triton_paged")
+
+
+def test_cuda_graphs_equal_enforce_eager(tmp_path):
+    """Decode steps replayed from CUDA graphs (captured at start-up at padded batch sizes) give the
+    tokens, token for token, and the logprobs of the same engine run with enforce_eager; requests end
+    one by one, so the decode batch shrinks through padded sizes (7 -> 8, 5 -> 8, 3 -> 4, ...)."""
+    import torch
+    from model_factory import make_checkpoint
+
+    from halserve import LLM, SamplingParams
+
+    if torch.version.hip:
+        pytest.skip("the cuda platform")
+    path = make_checkpoint(str(tmp_path), "llama", hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 17, 40, 90, 5, 33, 64)]
+    max_tokens = [4, 30, 12, 24, 8, 18, 27]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3) for n in max_tokens]
+    results = {}
+    for eager in (False, True):
+        llm = LLM(path, platform="cuda", dtype="float32", block_size=BLOCK, max_num_batched_tokens=BUDGET,
+                  max_num_seqs=8, attention_backend="triton_paged", enforce_eager=eager)
+        graphs = llm.llm_engine.core.executor.worker.model_runner.step_graphs
+        assert (graphs is None) == eager
+        replayed = []
+        if graphs is not None:
+            assert graphs.sizes == [1, 2, 4, 8] and type(graphs.capture).__name__ == "CudaGraphCapture"
+            replay = graphs.replay
+
+            def counting(*args, _replay=replay, **kwargs):
+                hidden = _replay(*args, **kwargs)
+                replayed.append(hidden is not None)
+                return hidden
+
+            graphs.replay = counting
+        results[eager] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if not eager:
+            assert sum(replayed) >= 10, f"{sum(replayed)} of {len(replayed)} steps replayed a graph"
+        llm.llm_engine.shutdown()
+        del llm
+    for i, (g, e) in enumerate(zip(results[False], results[True])):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids, f"prompt {i} (len {len(prompts[i])}) differs"
+        for a, b in zip(g.outputs[0].logprobs, e.outputs[0].logprobs):
+            assert a.keys() == b.keys() and all(abs(a[k].logprob - b[k].logprob) < 1e-3 for k in a)
