@@ -234,7 +234,7 @@ class Scheduler:
             if not num_new_tokens:  # its next image waits for a step with room to encode it
                 index += 1
                 continue
-            drafts = self._propose_drafts(request, token_budget)
+            drafts = drafter.propose(request, token_budget, len(self.running))
             end = request.num_computed_tokens + num_new_tokens + len(drafts)
             lookahead = len(drafts) + drafter.lookahead(request, end)
             while (new_block_ids := kv.allocate_slots(request, num_new_tokens,
@@ -342,7 +342,8 @@ class Scheduler:
         return output
 
     def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:
-        """The drafts a decoding request carries this step (``DraftRule.propose``)."""
+        """The drafts ``request`` would carry if scheduled now (``DraftRule.propose``; ``schedule``
+        calls the rule directly)."""
         return self.drafter.propose(request, token_budget, len(self.running))
 
     def _recover_failed_loads(self, block_ids: set[int]) -> None:
