@@ -128,7 +128,7 @@ def get_beam_search_score(tokens: Sequence[int], cumulative_logprob: float, eos_
         return cumulative_logprob * (0.0 if length_penalty > 0 else math.inf)
 
 
-def step_sampling_params(params: BeamSearchParams) -> "SamplingParams":
+def step_sampling_params(params: BeamSearchParams) -> SamplingParams:
     """The one-token request each beam sends each step: greedy, the 2 * beam_width top logprobs.
     Everything that could change the chosen token is set, so model defaults cannot apply."""
     from halserve.sampling_params import SamplingParams
@@ -138,7 +138,7 @@ def step_sampling_params(params: BeamSearchParams) -> "SamplingParams":
                           frequency_penalty=0.0, repetition_penalty=1.0)
 
 
-def first_token_logprobs(output: "RequestOutput") -> TopLogprobs | None:
+def first_token_logprobs(output: RequestOutput) -> TopLogprobs | None:
     """A finished step request's top logprobs (None when it generated no token)."""
     logprobs = output.outputs[0].logprobs
     return logprobs[0] if logprobs else None
@@ -176,7 +176,9 @@ class BeamSearch:
         params = self.params
         candidates: list[tuple[float, BeamSearchSequence, int, TopLogprobs]] = []
         for beam, top in zip(self.beams, results):
-            for token_id, logprob in (top or {}).items():
+            if not top:
+                continue
+            for token_id, logprob in top.items():
                 cum_logprob = beam.cum_logprob + logprob.logprob
                 if token_id in self.eos_token_ids and not params.ignore_eos:
                     tokens = beam.tokens + [token_id] if params.include_stop_str_in_output else list(beam.tokens)

@@ -136,7 +136,7 @@ class IncrementalDetokenizer:
         if start >= len(text):
             return None
         best: tuple[int, int, str] | None = None  # (end, begin, stop string)
-        for stop in self.params.stop:
+        for stop in self.params.stop or ():  # (a list since SamplingParams.__post_init__)
             # only matches ending in the new text: earlier ones were checked before
             begin = text.find(stop, max(0, start - len(stop) + 1))
             if begin != -1 and (best is None or (begin + len(stop), begin) < best[:2]):

@@ -10,22 +10,26 @@ dummy run (memory profiling, warm-up): attention layers skip the cache and retur
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.kv_connectors.base import KVConnector
 
 
 @dataclass(slots=True)
 class ForwardContext:
     attn_metadata: Any  # backend metadata for this step, or None for a dummy run
-    kv_connector: Any = None  # the worker's KV connector when this step loads or saves blocks (per-layer hooks)
+    kv_connector: KVConnector | None = None  # the worker's KV connector when this step loads or saves blocks (per-layer hooks)
 
 
 _current: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any, kv_connector: Any = None) -> Iterator[ForwardContext]:
+def set_forward_context(attn_metadata: Any, kv_connector: KVConnector | None = None) -> Iterator[ForwardContext]:
     """Make ``attn_metadata`` (and the step's KV connector) visible to the layers for the duration
     of one model call. Nesting restores the outer context on exit."""
     global _current

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
@@ -68,7 +69,7 @@ class PoolerConfig(BaseModel):
         return value
 
     @classmethod
-    def parse(cls, value: Any) -> "PoolerConfig":
+    def parse(cls, value: Any) -> PoolerConfig:
         """A PoolerConfig from itself, a dict or a JSON object string; ValueError naming the
         bad field and what it accepts."""
         if isinstance(value, cls):
@@ -80,7 +81,7 @@ class PoolerConfig(BaseModel):
             raise ValueError("; ".join(_describe(err) for err in exc.errors(include_url=False))) from None
 
 
-def _describe(err: dict) -> str:
+def _describe(err: Mapping[str, Any]) -> str:
     name = ".".join(str(part) for part in err["loc"])
     if err["type"] == "extra_forbidden":
         return f"pooler config has no field {name!r}; its fields are {', '.join(PoolerConfig.model_fields)}"

@@ -19,9 +19,10 @@ model serves is fixed by its architecture (``check_task``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
+    from halserve.models.loader import ModelInfo
     from halserve.pooler_config import PoolerConfig
     from halserve.sampling_params import SamplingParams
 
@@ -69,7 +70,7 @@ class PoolingParams:
         if self.dimensions is not None and self.dimensions > hidden_size:
             raise ValueError(f"dimensions {self.dimensions} exceeds the model's embedding size {hidden_size}")
 
-    def with_defaults(self, config: "PoolerConfig") -> "PoolingParams":
+    def with_defaults(self, config: PoolerConfig) -> PoolingParams:
         """These params with the fields left unset taken from the model's pooler config
         (``self`` when nothing is unset). Called by the engine when the request is added. A
         classify request takes only the pooling type (its activation defaults in the runner)."""
@@ -91,7 +92,7 @@ class PoolingParams:
         return self.pooling_type in WHOLE_PROMPT_POOLING_TYPES
 
 
-def check_task(params: "SamplingParams", model_info: Any) -> None:
+def check_task(params: SamplingParams, model_info: ModelInfo) -> None:
     """Refuse, naming what to use instead, a request the model cannot serve: a classification
     model (``model_info.runner == "pooling"``: a ``*ForSequenceClassification`` checkpoint, no LM
     head) only classifies; a generative model generates and embeds but has no classifier head.

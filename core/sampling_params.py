@@ -203,7 +203,7 @@ class SamplingParams:
                     raise ValueError(f"stop strings must be non-empty strings, got {s!r} in stop={self.stop!r}")
             if not self.detokenize:
                 raise ValueError(f"stop={self.stop!r} needs detokenize=True: stop strings are matched on the text")
-        for tid in self.stop_token_ids:
+        for tid in self.stop_token_ids or ():
             if type(tid) is not int or tid < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {tid!r}")
         for tid, bias in (self.logit_bias or {}).items():
@@ -228,9 +228,10 @@ class SamplingParams:
         for word in self.bad_words or ():
             if not isinstance(word, str) or not word.strip():
                 raise ValueError(f"bad_words must be non-blank strings, got {word!r} in {self.bad_words!r}")
-        k = self.truncate_prompt_tokens
-        if k is not None and (type(k) is not int or (k < 1 and k != -1)):
-            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for max_model_len, got {k!r}")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (type(truncate) is not int or (truncate < 1 and truncate != -1)):
+            raise ValueError("truncate_prompt_tokens must be an integer >= 1, or -1 for max_model_len, "
+                             f"got {truncate!r}")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """ValueError if a token id named by logit_bias, allowed_token_ids or the structured
@@ -267,11 +268,11 @@ class SamplingParams:
         """Fields the caller set (by keyword) rather than left at their default."""
         return self._explicit
 
-    def clone(self) -> "SamplingParams":
+    def clone(self) -> SamplingParams:
         """An independent copy (lists are copied too)."""
         new = copy.copy(self)
-        new.stop = list(self.stop)
-        new.stop_token_ids = list(self.stop_token_ids)
+        new.stop = list(self.stop or ())  # (lists since __post_init__)
+        new.stop_token_ids = list(self.stop_token_ids or ())
         if self.logit_bias is not None:
             new.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
@@ -282,7 +283,7 @@ class SamplingParams:
 
     def update_from_generation_config(
         self, defaults: dict[str, Any], model_eos_token_id: int | None = None
-    ) -> "SamplingParams":
+    ) -> SamplingParams:
         """Apply a model's defaults (its HF ``generation_config``) to the fields the caller
         did not set; returns ``self``.
 
@@ -302,6 +303,7 @@ class SamplingParams:
         eos = defaults.get("eos_token_id")
         if eos is not None and not self.ignore_eos:
             eos_ids = [eos] if isinstance(eos, int) else list(eos)
+            assert self.stop_token_ids is not None  # (a list since __post_init__)
             for tid in eos_ids:
                 if tid != model_eos_token_id and tid not in self.stop_token_ids:
                     self.stop_token_ids.append(tid)

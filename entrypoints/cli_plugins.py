@@ -21,7 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.platforms.base import Platform
+    from halserve.plugins.manager import PluginManager
 
 # Representative problem per op, used to show what each op resolves to. The dtype is
 # filled in per platform ("act" = the platform's default dtype, "fp8" = its fp8 flavour).
@@ -91,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -- collecting ----------------------------------------------------------------------
-def collect(manager: Any, platform: str | None = None) -> dict[str, Any]:
+def collect(manager: PluginManager, platform: str | None = None) -> dict[str, Any]:
     """The whole report as JSON-able data (what ``--json`` prints)."""
     from halserve.plugins import API_VERSION
 
@@ -134,7 +138,7 @@ def _select(platform: str | None) -> tuple[str | None, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def _platform_rows(manager: Any, selected: str | None) -> list[dict[str, Any]]:
+def _platform_rows(manager: PluginManager, selected: str | None) -> list[dict[str, Any]]:
     from halserve.plugins.registry import describe
 
     rows = []
@@ -156,7 +160,7 @@ def _platform_rows(manager: Any, selected: str | None) -> list[dict[str, Any]]:
     return rows
 
 
-def _rows(manager: Any, kind: str) -> list[dict[str, Any]]:
+def _rows(manager: PluginManager, kind: str) -> list[dict[str, Any]]:
     from halserve.plugins.registry import describe
 
     rows = []
@@ -176,7 +180,7 @@ def _rows(manager: Any, kind: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _problem(op: str, platform_cls: Any) -> dict[str, Any]:
+def _problem(op: str, platform_cls: type[Platform]) -> dict[str, Any]:
     from halserve.kernels import OPS
 
     default = getattr(platform_cls, "default_dtype", "float32")
@@ -187,7 +191,7 @@ def _problem(op: str, platform_cls: Any) -> dict[str, Any]:
 
 
 def _resolve_kernels(
-    manager: Any, platform: str | None
+    manager: PluginManager, platform: str | None
 ) -> tuple[dict[str, str | None], dict[str, str], dict[str, list[str]]]:
     """({op: kernel | None}, {op: why none}, {op: ["name: reason", ...] of the kernels passed over
     before the chosen one})."""
@@ -223,7 +227,7 @@ def _resolve_kernels(
     return kernels, errors, skipped
 
 
-def _resolve_attention(manager: Any, platform: str | None) -> tuple[str | None, list[str], dict[str, Any]]:
+def _resolve_attention(manager: PluginManager, platform: str | None) -> tuple[str | None, list[str], dict[str, Any]]:
     """(backend name | None, reasons the platform's earlier preferences were passed over, problem)."""
     if platform is None:
         return None, ["no platform selected"], {}

@@ -32,9 +32,15 @@ import sys
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from halserve.executors.base import Executor, RemoteTraceback, WorkerDiedError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
+    from halserve.models.loader import ModelInfo
+    from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +76,7 @@ def _error_reply(exc: BaseException) -> tuple:
     return ("error", payload, f"{type(exc).__name__}: {exc}", tb)
 
 
-def _worker_main(conn, config, platform_name: str, model_info, rank: int, world_size: int,
+def _worker_main(conn: Any, config: EngineConfig, platform_name: str, model_info: ModelInfo, rank: int, world_size: int,
                  init_method: str, env: dict[str, str]) -> None:
     """Entry point of one worker process: build the Worker and serve calls until told to stop
     (or until the engine's end of the pipe closes, i.e. the engine process is gone)."""
@@ -127,7 +133,7 @@ class MultiprocExecutor(Executor):
     supports_multiple_ranks = True
     description = "one worker process per rank on this machine, torch.distributed with the platform's backend"
 
-    def __init__(self, config, platform_name, model_info) -> None:
+    def __init__(self, config: EngineConfig, platform_name: str, model_info: ModelInfo) -> None:
         super().__init__(config, platform_name, model_info)
         import multiprocessing
 
@@ -160,6 +166,7 @@ class MultiprocExecutor(Executor):
                 child_conn.close()
                 self._conns.append(parent_conn)
                 self._procs.append(proc)
+                assert proc.pid is not None  # (set by start)
                 self._pids.append(proc.pid)
         except BaseException:
             self.shutdown()
@@ -182,7 +189,7 @@ class MultiprocExecutor(Executor):
         self._send_all(method, args, kwargs, full_reply_rank=None)
         return self._gather(method)
 
-    def execute_model(self, scheduler_output):
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collect_model(self.submit_model(scheduler_output))
 
     # -- overlapped steps: one in flight per pipeline stage ------------------------------
@@ -190,14 +197,14 @@ class MultiprocExecutor(Executor):
     def max_concurrent_batches(self) -> int:
         return self.config.pipeline_parallel_size
 
-    def submit_model(self, scheduler_output) -> int:
+    def submit_model(self, scheduler_output: SchedulerOutput) -> int:
         """Send the step to every rank (each runs its calls in order); a ticket for ``collect_model``."""
         self._send_all("execute_model", (scheduler_output,), {}, full_reply_rank=self.output_rank)
         ticket = next(self._tickets)
         self._pending_steps.append(ticket)
         return ticket
 
-    def collect_model(self, ticket: int):
+    def collect_model(self, ticket: int) -> ModelRunnerOutput:
         while ticket not in self._finished_steps:
             self._read_oldest_step()
         return self._finished_steps.pop(ticket)
@@ -230,7 +237,7 @@ class MultiprocExecutor(Executor):
 
         return bool(wait([self._procs[rank].sentinel], timeout=0))
 
-    def _fail(self, rank: int, what: str) -> None:
+    def _fail(self, rank: int, what: str) -> NoReturn:
         proc = self._procs[rank]
         code = proc.exitcode
         pid = self._pids[rank]
@@ -276,7 +283,8 @@ class MultiprocExecutor(Executor):
                 self._failure = f"worker rank {rank} failed in {method!r}: {summary}"
             exc = pickle.loads(payload) if payload is not None else RuntimeError(
                 f"worker rank {rank} failed in {method!r}: {summary}")
-            exc.add_note(f"(raised in {method!r} by worker rank {rank} of the mp executor)")
+            if sys.version_info >= (3, 11):  # (no exception notes on 3.10)
+                exc.add_note(f"(raised in {method!r} by worker rank {rank} of the mp executor)")
             raise exc from RemoteTraceback(f"\n(worker rank {rank})\n{tb}")
         return [replies[r][1] for r in range(self.world_size)]
 

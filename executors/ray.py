@@ -25,11 +25,19 @@ import atexit
 import logging
 import os
 import socket
+import sys
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from halserve.executors.base import Executor, RemoteTraceback, WorkerDiedError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
+    from halserve.models.loader import ModelInfo
+    from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from halserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +77,7 @@ class _RayWorkerWrapper:
     ``Worker``, built by ``init_worker`` once every rank's placement is known."""
 
     def __init__(self) -> None:
-        self.worker = None
+        self.worker: Worker | None = None
 
     def node_info(self) -> dict[str, Any]:
         import ray
@@ -82,7 +90,7 @@ class _RayWorkerWrapper:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def init_worker(self, config, platform_name: str, model_info, rank: int, world_size: int,
+    def init_worker(self, config: EngineConfig, platform_name: str, model_info: ModelInfo, rank: int, world_size: int,
                     init_method: str, env: dict[str, str]) -> None:
         os.environ.update(env)
         from halserve.worker.worker import Worker
@@ -108,18 +116,19 @@ class RayExecutor(Executor):
     supports_multiple_ranks = True
     description = "one Ray actor per rank in a placement group, on this machine or a Ray cluster"
 
-    def __init__(self, config, platform_name, model_info) -> None:
+    def __init__(self, config: EngineConfig, platform_name: str, model_info: ModelInfo) -> None:
         super().__init__(config, platform_name, model_info)
         ray = import_ray()
         self._failure: str | None = None  # why the executor is unusable, once it is
         self._is_shut_down = False
         self._owns_ray = False  # whether this executor called ray.init (then it calls ray.shutdown)
-        self._pg = None
+        self._pg: Any = None  # ray's PlacementGroup, once reserved
         self._actors: list = []
         self._pids: list[int] = []
         self._ips: list[str] = []
         self.rpc_timeout_s = _env_float("HALSERVE_RAY_RPC_TIMEOUT_S", None)  # None: wait while actors live
         pg_timeout_s = _env_float("HALSERVE_RAY_PG_TIMEOUT_S", 60.0)
+        assert pg_timeout_s is not None  # (a default is given)
         strategy = os.environ.get("HALSERVE_RAY_PLACEMENT_STRATEGY") or "PACK"
         if strategy.upper() not in _PLACEMENT_STRATEGIES:
             raise ValueError(f"HALSERVE_RAY_PLACEMENT_STRATEGY={strategy!r} is not one of {_PLACEMENT_STRATEGIES}")
@@ -216,7 +225,7 @@ class RayExecutor(Executor):
         A rank's exception is re-raised here (its traceback as the cause)."""
         return self._gather(self._submit(method, args, kwargs, full_reply_rank=None), method)
 
-    def execute_model(self, scheduler_output):
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collect_model(self.submit_model(scheduler_output))
 
     # -- overlapped steps: one in flight per pipeline stage (an actor runs its calls in order) --
@@ -224,10 +233,10 @@ class RayExecutor(Executor):
     def max_concurrent_batches(self) -> int:
         return self.config.pipeline_parallel_size
 
-    def submit_model(self, scheduler_output) -> list:
+    def submit_model(self, scheduler_output: SchedulerOutput) -> list:
         return self._submit("execute_model", (scheduler_output,), {}, full_reply_rank=self.output_rank)
 
-    def collect_model(self, refs: list):
+    def collect_model(self, refs: list) -> ModelRunnerOutput:
         results = self._gather(refs, "execute_model")
         try:
             return self.pick_output(results)
@@ -297,19 +306,20 @@ class RayExecutor(Executor):
             raise
         if errors:
             rank = min(errors)
-            exc = errors[rank]
-            cause = exc.cause
+            failed = errors[rank]
+            cause = failed.cause
             summary = f"{type(cause).__name__}: {cause}"
             if pending or method == "execute_model":
                 # other ranks are stuck in (or went past) a collective the failed one left
                 self._failure = f"worker rank {rank} failed in {method!r}: {summary}"
             if not isinstance(cause, BaseException) or isinstance(cause, RayError):  # not picklable
                 cause = RuntimeError(f"worker rank {rank} failed in {method!r}: {summary}")
-            cause.add_note(f"(raised in {method!r} by worker rank {rank} of the ray executor)")
-            raise cause from RemoteTraceback(f"\n(worker rank {rank})\n{exc}")
+            if sys.version_info >= (3, 11):  # (no exception notes on 3.10)
+                cause.add_note(f"(raised in {method!r} by worker rank {rank} of the ray executor)")
+            raise cause from RemoteTraceback(f"\n(worker rank {rank})\n{failed}")
         return [results[r] for r in range(len(refs))]
 
-    def _fail(self, rank: int, what: str, exc: BaseException) -> None:
+    def _fail(self, rank: int, what: str, exc: BaseException) -> NoReturn:
         detail = " ".join(str(exc).split())
         if len(detail) > 500:
             detail = detail[:500] + " ..."

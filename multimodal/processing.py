@@ -28,10 +28,17 @@ while a text prefix before the first image still does.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from halserve.models.interfaces import uses_mrope
+
+if TYPE_CHECKING:
+    from halserve.models.interfaces import SupportsMultiModal
+    from halserve.models.loader import ModelInfo
 
 IMAGE = "image"
 MAX_IMAGES_PER_PROMPT = 64
@@ -93,15 +100,15 @@ class MultiModalProcessor:
     """Per engine: expands a prompt's image placeholders and preprocesses its images with the
     checkpoint's own image processor (``AutoImageProcessor``, as vLLM uses the HF processors)."""
 
-    def __init__(self, model_info: Any, model_cls: type | None = None, tokenizer: Any = None) -> None:
+    def __init__(self, model_info: ModelInfo, model_cls: type[SupportsMultiModal] | None = None, tokenizer: Any = None) -> None:
         self.info = model_info
         self.tokenizer = tokenizer  # (for the model's image_token_wrappers; None: a model without them)
         self.image_token_id: int = model_info.image_token_id
         if model_cls is None:
-            from halserve.models.loader import model_class
+            from halserve.models import architecture_class
 
-            model_cls = model_class(model_info.architecture)
-        self.model_cls = model_cls
+            model_cls = architecture_class(model_info.architecture)
+        self.model_cls: type[SupportsMultiModal] = model_cls
         self._image_processor = None
         self._wrappers: tuple[list[int], list[int]] | None = None
 
@@ -148,7 +155,7 @@ class MultiModalProcessor:
         features = [MultiModalFeature(IMAGE, item, offset, count, _content_hash(item))
                     for item, offset, count in zip(items, offsets, counts)]
         mrope = None
-        if getattr(self.model_cls, "uses_mrope", False):
+        if uses_mrope(self.model_cls):
             positions, delta = self.model_cls.mrope_positions(hf_config, ids, items)
             mrope = MRopePositions(positions.to(torch.int64), int(delta))
         return ids, features, mrope

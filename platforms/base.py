@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from halserve.config import EngineConfig
+
 
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
@@ -101,7 +103,7 @@ class Platform:
         }
 
     # -- device handling (instance level: only for the selected platform) -------------
-    def device(self, index: int = 0) -> "torch.device":
+    def device(self, index: int = 0) -> torch.device:
         import torch
 
         return torch.device(self.device_type, index)
@@ -120,7 +122,7 @@ class Platform:
         free, _total = self.memory_info()
         return int(free * fraction)
 
-    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: "torch.dtype") -> "torch.Tensor":
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """One layer's zeroed KV-cache tensor (optional) default: ``torch.zeros`` on
         ``self.device()``. A platform overrides it to place the cache specially."""
         import torch
@@ -161,7 +163,7 @@ class Platform:
     """(optional) "module:Class" of the model runner this platform's workers use; XLA
     platforms need one that pads steps to static shapes."""
 
-    def check_and_update_config(self, config: Any) -> None:
+    def check_and_update_config(self, config: EngineConfig) -> None:
         """Adjust an EngineConfig for this platform (optional) default: resolve ``dtype``.
 
         Called once after selection, before the config is used. Must be idempotent.

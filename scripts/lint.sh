@@ -46,7 +46,7 @@ PY
 }
 
 run_mypy() {
-    echo "== mypy ${MYPY_TARGETS[*]}"
+    echo "== mypy core/ (halserve) ${MYPY_TARGETS[*]}"
     build_mypy_tree || return 1
     local core
     core=$(for f in core/*.py; do m=$(basename "$f" .py); [ "$m" = __init__ ] && echo "-m halserve" || echo "-m halserve.$m"; done

@@ -12,7 +12,10 @@ not by the rows.
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
 
 DEFAULT_MAX_CAPTURE_SIZE = 512  # vLLM's default largest captured batch
 _FINE_STEP, _COARSE_STEP, _COARSE_FROM = 8, 16, 256
@@ -31,7 +34,7 @@ def capture_sizes(max_size: int) -> list[int]:
     return sizes
 
 
-def max_capture_size(config: Any) -> int:
+def max_capture_size(config: EngineConfig) -> int:
     """The largest batch worth capturing for ``config``: ``max_cudagraph_capture_size`` (default
     512), never past the most requests a step holds (``max_num_seqs``) nor the tokens it may
     schedule (``max_num_batched_tokens``: a decode step has one token per request)."""

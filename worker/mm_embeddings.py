@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
+    from halserve.models.interfaces import SupportsMultiModal
     from halserve.worker.runner_state import StepInputs
 
 
-def step_inputs_embeds(model: torch.nn.Module, step: "StepInputs", input_ids: torch.Tensor) -> torch.Tensor | None:
+def step_inputs_embeds(model: SupportsMultiModal, step: "StepInputs", input_ids: torch.Tensor) -> torch.Tensor | None:
     """``inputs_embeds`` [T, H] for ``input_ids`` (on the device) when the step feeds any image's
     placeholder; None otherwise (the model embeds the token ids itself)."""
     qsl = step.common.query_start_loc_cpu.tolist()
@@ -51,7 +52,7 @@ def step_inputs_embeds(model: torch.nn.Module, step: "StepInputs", input_ids: to
     return embeds
 
 
-def _encode_missing(model: torch.nn.Module, needed: list) -> None:
+def _encode_missing(model: SupportsMultiModal, needed: list) -> None:
     """Run the vision encoder (``embed_multimodal``, all in one call) on the images in ``needed``
     ((state, feature index) pairs) that have no embedding yet. An image (by content hash) that
     another of the step's requests holds already, or that several need (``n`` samples of one

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +29,7 @@ from halserve.worker.capture_sizes import capture_sizes, max_capture_size, padde
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.attention_backends.base import AttentionMetadata
+    from halserve.platforms.base import Platform
     from halserve.platforms.graph_capture import GraphCapture
     from halserve.worker.model_runner import ModelRunner
 
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 PAD_SLOT = 0  # slot 0 of the null block: where padding rows write their K/V
 
 
-def why_eager(runner: "ModelRunner") -> str | None:
+def why_eager(runner: ModelRunner) -> str | None:
     """Why this runner cannot replay graphs at all (None: it can, given a platform capture)."""
     config, info = runner.config, runner.info
     reasons = [
@@ -54,7 +56,7 @@ def why_eager(runner: "ModelRunner") -> str | None:
 class StepGraphs:
     """The captured decode steps of one model runner; ``replay`` runs a step through them."""
 
-    def __init__(self, runner: "ModelRunner", capture: "GraphCapture", sizes: list[int]) -> None:
+    def __init__(self, runner: ModelRunner, capture: GraphCapture, sizes: list[int]) -> None:
         self.runner = runner
         self.capture = capture
         self.sizes = sizes
@@ -73,7 +75,7 @@ class StepGraphs:
 
     # -- start-up ---------------------------------------------------------------------
     @classmethod
-    def build(cls, runner: "ModelRunner") -> "StepGraphs | None":
+    def build(cls, runner: ModelRunner) -> StepGraphs | None:
         """Capture every size (largest first, so the smaller graphs reuse its memory), or None
         when this runner runs eagerly; logs which mode runs and why."""
         reason = why_eager(runner)
@@ -120,7 +122,7 @@ class StepGraphs:
         forward()  # eagerly first: kernels compile, workspaces are allocated outside the capture
         self.replays[size] = self.capture.capture(forward)
 
-    def _metadata(self, size: int) -> "AttentionMetadata":
+    def _metadata(self, size: int) -> AttentionMetadata:
         from halserve.attention_backends.base import AttentionMetadata
 
         return AttentionMetadata(
@@ -138,7 +140,7 @@ class StepGraphs:
         )
 
     # -- per step ---------------------------------------------------------------------
-    def replay(self, common: "AttentionMetadata", input_ids: torch.Tensor, positions: torch.Tensor,
+    def replay(self, common: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
                **kwargs: Any) -> torch.Tensor | None:
         """Hidden states [num_reqs, hidden] of a decode-only step (``common`` with its tensors on the
         device), from the graph of its padded size; None when the step must run eagerly. The result
@@ -171,7 +173,7 @@ class StepGraphs:
         return self.replays[size]()[:r]
 
 
-def _free_memory(platform: Any) -> int | None:
+def _free_memory(platform: Platform) -> int | None:
     try:
         platform.synchronize()
         return platform.memory_info()[0]

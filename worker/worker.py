@@ -12,6 +12,7 @@ from halserve.worker.model_runner import ModelRunner
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
     from halserve.models.loader import ModelInfo
+    from halserve.platforms.base import Platform
     from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -20,9 +21,9 @@ logger = logging.getLogger(__name__)
 class Worker:
     def __init__(
         self,
-        config: "EngineConfig",
+        config: EngineConfig,
         platform_name: str,
-        model_info: "ModelInfo",
+        model_info: ModelInfo,
         rank: int = 0,
         world_size: int = 1,
         distributed_init_method: str | None = None,
@@ -33,7 +34,7 @@ class Worker:
         self.rank = rank
         self.world_size = world_size
         self.distributed_init_method = distributed_init_method
-        self.platform = None
+        self.platform: Platform | None = None
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
@@ -45,9 +46,7 @@ class Worker:
         if self.platform.device_count() > 1:
             self.platform.set_device(local_rank)
         if self.world_size > 1:
-            from halserve.distributed import init_distributed
-
-            from halserve.distributed import set_tp_communicator
+            from halserve.distributed import init_distributed, set_tp_communicator
 
             tp = init_distributed(
                 backend=self.platform.dist_backend,
@@ -87,7 +86,7 @@ class Worker:
         connector = self.model_runner.kv_connector
         return {} if connector is None else connector.worker_info()
 
-    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput | None":
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's output; None on ranks before the last pipeline stage (they do not sample)."""
         return self.model_runner.execute_model(scheduler_output)
 

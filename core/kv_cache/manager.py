@@ -132,7 +132,7 @@ class KVCacheManager:
         )
         assert self.max_model_len is None or num_total + num_lookahead_tokens <= self.max_model_len
 
-        num_have = (0 if is_first else len(req_blocks)) + len(new_computed_blocks)
+        num_have = (0 if req_blocks is None else len(req_blocks)) + len(new_computed_blocks)
         num_new_blocks = max(0, cdiv(num_total + num_lookahead_tokens, self.block_size) - num_have)
         # Hits on free cached blocks take them out of the free queue too.
         num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
@@ -140,7 +140,7 @@ class KVCacheManager:
             return None
 
         # -- commit --
-        if is_first:
+        if req_blocks is None:  # (is_first)
             req_blocks = self.req_to_blocks[req_id] = []
             self.num_cached_block[req_id] = 0
             if self.enable_prefix_caching:

@@ -23,7 +23,11 @@ import signal
 import socket
 import sys
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
+    from halserve.models.loader import ModelInfo
 
 logger = logging.getLogger("halserve.serve")
 
@@ -32,7 +36,7 @@ __all__ = ["run_api_servers"]
 STOP_TIMEOUT_S = 15.0
 
 
-def run_api_servers(args: argparse.Namespace, config: Any, served: list[str], model: str,
+def run_api_servers(args: argparse.Namespace, config: EngineConfig, served: list[str], model: str,
                     chat_template: str | None) -> int:
     import multiprocessing
     from multiprocessing.connection import wait
@@ -114,8 +118,8 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _api_server_main(args: argparse.Namespace, config: Any, served: list[str], model: str,
-                     chat_template: str | None, socket_path: str, model_info: Any, listener: socket.socket) -> None:
+def _api_server_main(args: argparse.Namespace, config: EngineConfig, served: list[str], model: str,
+                     chat_template: str | None, socket_path: str, model_info: ModelInfo, listener: socket.socket) -> None:
     """One API server (a spawned process): connect to the engine, serve HTTP on ``listener``."""
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
