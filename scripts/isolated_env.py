@@ -15,6 +15,15 @@ Usage::
     python scripts/isolated_env.py run xla -- pytest tests/isolated/xla -q
     python scripts/isolated_env.py path ipex            # the venv path (no build)
     python scripts/isolated_env.py list
+    python scripts/isolated_env.py test [ipex] [xla]    # CI's step: build or reuse, run each suite, timed
+
+``test`` is how the isolated suites run (``.ci/run`` runs it after the default suite, which
+skips them with HALSERVE_SKIP_ISOLATED=1). A first build downloads about 7 GB per stack
+(torch with its CUDA libraries, IPEX or torch-xla; pip prints each file it downloads) and
+takes several minutes; a venv that is already built is reused in seconds. It prints each
+stack's setup and suite times and ends with a summary table; the exit status is non-zero
+when a venv cannot be built or a suite fails or runs no test. HALSERVE_SKIP_ISOLATED=1
+skips it (exit 0, saying so).
 
 A venv without the marker (an interrupted build) is deleted and rebuilt. halserve itself
 is installed with ``pip install --no-deps -e <this checkout>``; it is reinstalled
@@ -25,11 +34,13 @@ changes, so the venv always imports THIS checkout's code. pip's own cache
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -56,6 +67,7 @@ COMMON = [
 
 STACKS: dict[str, dict] = {
     "ipex": {
+        "download": "about 7 GB: torch 2.8.0 (+cu128, with its CUDA libraries) and IPEX 2.8.0",
         # IPEX checks torch's major.minor at import: 2.8.x only. PyPI has only the CUDA
         # (+cu128) build of torch 2.8.0; IPEX's CPU kernels run on it all the same.
         "requirements": ["torch==2.8.0", "intel-extension-for-pytorch==2.8.0", *COMMON],
@@ -63,6 +75,7 @@ STACKS: dict[str, dict] = {
         "env": {},
     },
     "xla": {
+        "download": "about 7 GB: torch 2.9.0 (with its CUDA libraries) and torch-xla 2.9.0",
         # torch-xla declares no torch requirement but needs torch 2.9.0 at run time.
         "requirements": ["torch==2.9.0", "torch-xla==2.9.0", *COMMON],
         "check": "import torch, torch_xla; print('torch', torch.__version__, 'torch_xla', torch_xla.__version__, torch_xla.device())",
@@ -136,10 +149,18 @@ def _install_fingerprint() -> dict:
     return {"repo": str(REPO), "packaging": h.hexdigest()[:16]}
 
 
+def _roots() -> list[str]:
+    """setup.py's ROOTS folders, read without running setup.py."""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "ROOTS" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise RuntimeError("setup.py defines no ROOTS mapping")
+
+
 def _find_packages() -> list[str]:
-    roots = ["core", "platforms", "attention_backends", "quant_methods", "executors", "kv_connectors", "plugins"]
     out = []
-    for root in roots:
+    for root in _roots():
         base = REPO / root
         for dirpath, dirnames, filenames in os.walk(base):
             dirnames[:] = [d for d in dirnames if d != "__pycache__" and not d.startswith(".")]
@@ -253,6 +274,58 @@ def run(stack: str, cmd: list[str], build: bool = True) -> int:
     return rc
 
 
+def _summary_line(stdout: str) -> str:
+    """pytest's closing line ("12 passed, 1 skipped in 30.1s"), or "" when pytest did not finish."""
+    lines = [ln.strip("= ").strip() for ln in stdout.splitlines()]
+    done = [ln for ln in lines if re.match(r"^(\d+ (passed|failed|skipped|errors?|deselected|xfailed|xpassed)|no tests ran)", ln)]
+    return done[-1] if done else ""
+
+
+def test(stacks: list[str]) -> int:
+    """Build or reuse each stack's venv and run its suite there; print times and a summary."""
+    if os.environ.get("HALSERVE_SKIP_ISOLATED", "").strip().lower() in ("1", "true", "yes"):
+        print("isolated suites: skipped (HALSERVE_SKIP_ISOLATED is set)", flush=True)
+        return 0
+    rows = []
+    for stack in stacks or list(STACKS):
+        venv = venv_path(stack)
+        built = (venv / MARKER).exists()
+        print(f"== {stack}: {'reusing' if built else 'building'} {venv}", flush=True)
+        if not built:
+            print(f"   downloads {STACKS[stack]['download']} (pip lists each file below)", flush=True)
+        t0 = time.monotonic()
+        try:
+            ensure(stack)
+        except RuntimeError as exc:
+            setup_s = time.monotonic() - t0
+            log(f"ERROR: {exc}")
+            rows.append((stack, "build failed", "-", setup_s, 0.0, str(exc)))
+            continue
+        setup_s = time.monotonic() - t0
+        size = json.loads((venv / MARKER).read_text()).get("size_bytes") or 0
+        cmd = [str(_python(venv)), "-m", "pytest", f"tests/isolated/{stack}", "-q", "-rs", "-p", "no:cacheprovider",
+               "--durations=10"]
+        log(f"$ {' '.join(cmd)}")
+        t1 = time.monotonic()
+        proc = subprocess.run(cmd, env=venv_env(stack, venv), cwd=REPO, stdout=subprocess.PIPE, text=True)
+        suite_s = time.monotonic() - t1
+        sys.stdout.write(proc.stdout)
+        summary = _summary_line(proc.stdout)
+        ok = proc.returncode == 0 and re.search(r"\d+ passed", summary) is not None
+        rows.append((stack, "reused" if built else "built", f"{size / 2**30:.1f} GiB", setup_s, suite_s,
+                     ("" if ok else f"FAILED (exit {proc.returncode}): ") + (summary or "pytest did not finish")))
+    print("\nisolated suites:", flush=True)
+    print(f"  {'stack':<6} {'venv':<13} {'size':>9} {'setup':>8} {'suite':>8}  result")
+    for stack, state, size, setup_s, suite_s, result in rows:
+        print(f"  {stack:<6} {state:<13} {size:>9} {setup_s:>7.0f}s {suite_s:>7.0f}s  {result}")
+    failed = [r[0] for r in rows if r[1] == "build failed" or r[5].startswith("FAILED")]
+    if failed:
+        print(f"isolated suites: FAILED ({', '.join(failed)})", flush=True)
+        return 1
+    print("isolated suites: OK", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="action", required=True)
@@ -265,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("path", help="print the stack's venv path")
     p.add_argument("stack", choices=sorted(STACKS))
     sub.add_parser("list", help="list stacks, their venvs and whether they are built")
+    p = sub.add_parser("test", help="build or reuse each stack's venv and run its suite (timed)")
+    p.add_argument("stacks", nargs="*", metavar="STACK", help=f"any of {', '.join(STACKS)} (default: every stack)")
     argv = list(sys.argv[1:] if argv is None else argv)
     tail: list[str] = []
     if "--" in argv:  # everything after -- is the command, verbatim
@@ -286,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as exc:
             log(f"ERROR: {exc}")
             return 1
+    if args.action == "test":
+        unknown = [x for x in args.stacks if x not in STACKS]
+        if unknown:
+            parser.error(f"unknown stack {unknown[0]!r}; known: {', '.join(STACKS)}")
+        return test(args.stacks)
     if args.action == "path":
         print(venv_path(args.stack))
         return 0

@@ -172,11 +172,15 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one() -> Non
     commands = _readme_commands()
     assert commands == {
         "1": "pip install torch==2.13.0 && pip install -e . && halserve serve",
-        "2": 'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest -q',
+        "2": 'pip install torch==2.13.0 && pip install -e ".[dev]" && HALSERVE_SKIP_ISOLATED=1 python -m pytest -q --durations=25',
     }
     ci = (REPO / ".ci" / "run").read_text()
     assert ci.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in ci
     assert f"({commands['2']})" in ci
+    # the isolated suites: the README's separate command, run verbatim as .ci/run's own step
+    isolated = "python scripts/isolated_env.py test"
+    assert f"```bash\n{isolated}\n```" in (REPO / "README.md").read_text()
+    assert f"if {isolated}; then" in ci
 
 
 @pytest.mark.parametrize(
@@ -195,7 +199,8 @@ def test_ci_run_fails_on_any_failure(tmp_path: Path, pytest_output: str, pytest_
     (shims / "python").write_text(f"#!/bin/sh\necho \"python $*\"\necho '{pytest_output}'\nexit {pytest_status}\n")
     for shim in shims.iterdir():
         shim.chmod(0o755)
-    env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}", "CI": "true"}
+    # the lint step runs the real linters: this test is about the test step's status
+    env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}", "CI": "true", "HALSERVE_SKIP_LINT": "1"}
     proc = subprocess.run(["bash", str(REPO / ".ci" / "run")], capture_output=True, text=True, env=env, timeout=60)
     assert "python -m pytest -q" in proc.stdout
     assert f"pytest summary: {pytest_output}" in proc.stdout

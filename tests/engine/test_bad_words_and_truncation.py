@@ -8,6 +8,8 @@ import pytest
 from halserve import LLM, SamplingParams
 from halserve.engine.processor import tokenize_bad_words
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 MAX_MODEL_LEN = 128
 PROMPT = "the quick brown fox"
 LONG_TEXT = "the quick brown fox jumps over the lazy dog " * 30  # ~330 tokens: over max_model_len

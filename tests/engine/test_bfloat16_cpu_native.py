@@ -13,6 +13,7 @@ from halserve.platforms import cpu_kernels
 pytestmark = pytest.mark.skipif(
     cpu_kernels.toolchain_missing() is not None, reason=f"no C++ toolchain: {cpu_kernels.toolchain_missing()}"
 )
+pytestmark = [pytestmark, pytest.mark.slow]  # starts engines (inner loop: -m 'not slow')
 
 BLOCK = 16
 NEW_TOKENS = 16

@@ -10,6 +10,8 @@ import torch
 
 from halserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 
 @pytest.fixture(scope="module")
 def llama_path(checkpoint_factory):

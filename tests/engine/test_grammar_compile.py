@@ -12,6 +12,8 @@ import torch
 from halserve import LLM, SamplingParams
 from halserve.structured_output import StructuredOutputManager, apply_grammar_bitmask
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 xgr = pytest.importorskip("xgrammar", reason="structured outputs need the structured-outputs extra (xgrammar)")
 
 

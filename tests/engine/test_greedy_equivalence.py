@@ -8,6 +8,8 @@ import pytest
 
 from engine_helpers import ARCHS, hf_greedy, prompt_lengths
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 BLOCK = 16
 BUDGET = 64  # max_num_batched_tokens: the longest prompt is chunked over several steps
 NEW_TOKENS = 32

@@ -13,6 +13,8 @@ import torch
 from halserve import LLM, BeamSearchParams, SamplingParams
 from halserve.beam_search import get_beam_search_score
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 EOS = 2
 PROMPT_IDS = [1, 0, 1, 1, 0]  # (ids the 3-token model knows too)
 PROMPTS = ["the quick brown fox", "hello world model"]

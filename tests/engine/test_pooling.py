@@ -10,6 +10,8 @@ import torch
 
 from halserve import LLM, PoolerConfig, PoolingParams
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 ENGINE = dict(platform="cpu", dtype="float32", block_size=16, max_model_len=256)
 
 

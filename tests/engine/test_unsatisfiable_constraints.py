@@ -9,6 +9,8 @@ import pytest
 
 from halserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 NO_TOKEN = "the request's constraints leave no token to generate"
 
 

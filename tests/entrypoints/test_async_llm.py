@@ -9,6 +9,8 @@ from fake_core import FakeCore, make_async_llm
 from halserve.engine.async_llm import EngineDeadError
 from halserve.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=30))

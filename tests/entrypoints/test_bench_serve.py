@@ -16,6 +16,8 @@ from halserve.bench import serve as bench_serve
 from halserve.bench.random_images import ImageSize, parse_image_size, random_image_urls, warmup_image_urls
 from halserve.bench.serve import RequestResult, build_payload, compute_metrics, format_table
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 
 def test_statistics():
     results = [

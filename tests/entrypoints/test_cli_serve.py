@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 
 def serve(*args: str, timeout: float = 60) -> tuple[int, str, float]:
     start = time.monotonic()

@@ -6,6 +6,8 @@ import pytest
 
 from server_utils import SERVED_NAME
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 
 @pytest.fixture(scope="module")
 def added_tokens(checkpoint) -> set[str]:

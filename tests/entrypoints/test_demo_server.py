@@ -10,6 +10,8 @@ import pytest
 from server_utils import ServerProcess
 from halserve.demo import DEMO_MODEL_NAME, is_correct, make_problem
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory):

@@ -8,6 +8,8 @@ import pytest
 
 from server_utils import MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 PROMPT = "the quick brown fox"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me about paris"}]
 

@@ -7,6 +7,8 @@ import pytest
 
 from server_utils import SERVED_NAME, ServerProcess, server_args
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 
 @pytest.fixture(scope="module")
 def keyed_server(checkpoint, tmp_path_factory):

@@ -9,6 +9,8 @@ import pytest
 from halserve.engine.processor import tokenize_bad_words
 from server_utils import MAX_MODEL_LEN, SERVED_NAME
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 PROMPT = "the quick brown fox"
 LONG_TEXT = "the quick brown fox jumps over the lazy dog " * 30  # ~330 tokens: over max_model_len
 GREEDY = dict(model=SERVED_NAME, temperature=0, max_tokens=16)

@@ -17,6 +17,8 @@ from halserve.sampling_params import SamplingParams
 from server_utils import MAX_MODEL_LEN, SERVED_NAME
 from test_server_load import scrape, wait_idle
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 PROMPTS = ["the quick brown fox", "tell me about paris"]
 MESSAGES = [{"role": "user", "content": "tell me a story"}]
 

@@ -14,6 +14,8 @@ import torch
 from classifier_factory import hf_logits, make_classifier
 from server_utils import MAX_MODEL_LEN, VOCAB_SIZE, ServerProcess
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 NAME = "tiny-classifier"
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 INPUTS = ["hello world, tell me about the quick brown fox", "paris", "the capital city of france is paris"]

@@ -12,6 +12,8 @@ import torch
 
 from server_utils import SERVED_NAME, VOCAB_SIZE, ServerProcess, server_args
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 INPUTS = ["hello world, tell me about the quick brown fox", "paris"]
 
 

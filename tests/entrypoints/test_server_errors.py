@@ -9,6 +9,8 @@ import httpx
 
 from server_utils import MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 OK = {"model": SERVED_NAME, "prompt": "hello world", "max_tokens": 3}
 CHAT_OK = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3}
 

@@ -11,6 +11,8 @@ import pytest
 from mm_factory import image_data_url, make_image, make_llava_checkpoint
 from server_utils import SERVED_NAME, ServerProcess, server_args
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 MAX_TOKENS = 8
 QUESTION = "what is in the picture"
 

@@ -12,6 +12,8 @@ import pytest
 
 from server_utils import SERVED_NAME, VOCAB_SIZE, ServerProcess, server_args
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 PROMPTS = ["the quick brown fox", "tell me about paris", "hello world model", "once upon a time", "red green blue"]
 
 

@@ -15,6 +15,8 @@ import pytest
 
 from server_utils import MAX_MODEL_LEN, SERVED_NAME, ServerProcess, server_args
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 PROMPT = [17, 42, 99, 123, 7, 256, 300, 11, 5, 77, 401, 33]
 MESSAGES = [{"role": "user", "content": "tell me about the quick brown fox"}]
 MAX_TOKENS = 8

@@ -6,6 +6,8 @@ import pytest
 
 from server_utils import SERVED_NAME, ServerProcess, server_args
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 PROMPTS = ["the quick brown fox", "hello", "paris is the capital of"]
 
 

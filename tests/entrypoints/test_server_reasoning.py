@@ -16,6 +16,8 @@ import pytest
 
 from server_utils import SERVED_NAME, ServerProcess, server_args
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 pytest.importorskip("xgrammar", reason="structured outputs need the structured-outputs extra (in dev)")
 
 THINK_TEMPLATE = (

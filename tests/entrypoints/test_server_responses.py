@@ -20,6 +20,8 @@ from pydantic import BaseModel, Field, TypeAdapter
 
 from server_utils import SERVED_NAME, ServerProcess, server_args
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 INSTRUCTIONS = "be brief"
 QUESTION = "tell me about paris"
 CHAT_MESSAGES = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]

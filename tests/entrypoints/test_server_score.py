@@ -15,6 +15,8 @@ import torch
 from server_utils import MAX_MODEL_LEN, SERVED_NAME, ServerProcess, server_args
 from test_server_load import scrape, wait_idle
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 QUERY = "what is the capital of france?"
 DOCS = ["paris is the capital of france", "the quick brown fox jumps", "berlin is in germany", "a fox"]
 TOO_LONG = "fox " * (2 * MAX_MODEL_LEN)

@@ -11,6 +11,8 @@ import pytest
 
 from server_utils import SERVED_NAME, VOCAB_SIZE, ServerProcess, server_args
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 PROMPTS = ["the quick brown fox jumps over the lazy dog and the quick brown", "hello hello hello", "paris is"]
 

@@ -21,6 +21,8 @@ from engine_helpers import (
     hf_greedy,
 )
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 NEW_TOKENS = 12
 ENGINE_KWARGS = dict(platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=64,
                      num_kv_blocks=64, max_num_seqs=8)

@@ -3,6 +3,8 @@ library (default suite; nothing is built or downloaded here)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +78,46 @@ def test_tpu_probe_without_torch_xla_ignores_the_test_switch(monkeypatch):
     monkeypatch.setenv("HALSERVE_TPU_ALLOW_XLA_CPU", "1")
     result = TpuPlatform.probe()
     assert not result.available and "torch_xla is not installed" in result.reason
+
+
+def _fake_built_venv(mod, stack: str, pytest_output: str, exit_status: int) -> Path:
+    """A venv that looks built and installed, whose python prints a pytest summary."""
+    venv = mod.venv_path(stack)
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f"#!/bin/sh\necho \"fake $*\"\necho '{pytest_output}'\nexit {exit_status}\n")
+    python.chmod(0o755)
+    (venv / mod.MARKER).write_text(json.dumps({"stack": stack, "size_bytes": 3 * 2**30}))
+    (venv / mod.INSTALL_STAMP).write_text(json.dumps(mod._install_fingerprint()))
+    return venv
+
+
+@pytest.mark.parametrize(("pytest_output", "exit_status", "ok"),
+                         [("5 passed, 1 skipped in 2.0s", 0, True), ("1 failed, 4 passed in 2.0s", 1, False),
+                          ("no tests ran in 0.1s", 5, False)])
+def test_test_command_reuses_runs_and_summarizes(monkeypatch, tmp_path, pytest_output, exit_status, ok):
+    """`isolated_env.py test` (CI's isolated step) with a prebuilt stand-in venv: nothing is built."""
+    monkeypatch.setenv("HALSERVE_VENV_DIR", str(tmp_path))
+    mod = _script()
+    venv = _fake_built_venv(mod, "ipex", pytest_output, exit_status)
+    env = {**os.environ, "HALSERVE_VENV_DIR": str(tmp_path)}
+    env.pop("HALSERVE_SKIP_ISOLATED", None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "test", "ipex"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert f"reusing {venv}" in proc.stdout
+    assert "fake -m pytest tests/isolated/ipex -q" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("ipex "))
+    assert "reused" in row and "3.0 GiB" in row and pytest_output in row, row
+    assert (proc.returncode == 0) is ok, proc.stdout + proc.stderr
+    assert ("isolated suites: OK" if ok else "isolated suites: FAILED (ipex)") in proc.stdout
+
+
+def test_test_command_skips_on_request_and_rejects_unknown_stacks(tmp_path):
+    env = {**os.environ, "HALSERVE_VENV_DIR": str(tmp_path), "HALSERVE_SKIP_ISOLATED": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "test"], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0 and "skipped (HALSERVE_SKIP_ISOLATED is set)" in proc.stdout
+    assert not any(tmp_path.iterdir()), "a skipped step must not create a venv"
+    env.pop("HALSERVE_SKIP_ISOLATED")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "test", "cuda"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 2 and "unknown stack 'cuda'" in proc.stderr

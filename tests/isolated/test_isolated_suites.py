@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds the IPEX/torch-xla venvs: about 14 GB on a first run (README, Run the tests)
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "isolated_env.py"
 BUILD_TIMEOUT = int(os.environ.get("HALSERVE_ISOLATED_BUILD_TIMEOUT", 45 * 60))

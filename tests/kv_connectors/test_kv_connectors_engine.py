@@ -11,6 +11,8 @@ import pytest
 
 from halserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(70)] for i in range(3)]  # 4 full blocks of 16, and 6 tokens
 GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=1)
 

@@ -10,6 +10,8 @@ from halserve import LLM
 from server_utils import free_port
 from test_kv_connectors_engine import PROMPTS, first_logprobs, generate, tokens
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 
 def producer_config(port, rows=64):
     return {"kv_connector": "P2pConnector", "kv_role": "kv_producer", "kv_port": port,

@@ -14,6 +14,8 @@ import pytest
 
 from server_utils import SERVED_NAME, ServerProcess, free_port, server_args
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 PROMPT = [(11 * j) % 500 + 3 for j in range(70)]  # 4 full blocks of 16, and 6 tokens
 
 

@@ -13,6 +13,8 @@ from engine_helpers import hf_greedy
 from lora_factory import ENGINE_KWARGS, NEW_TOKENS, greedy as _greedy, prompt_dicts as _prompts
 from lora_factory import sampled_logprobs, token_ids as _tokens
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 
 @pytest.fixture(scope="module")
 def lora_llm(lora_models):

@@ -20,6 +20,8 @@ from peft_reference import adapter_modules, halserve_greedy, hf_greedy_logprobs,
 from test_gemma import gemma2_checkpoint
 from test_moe import checkpoint, tokenizer  # noqa: F401  (fixtures: tiny MoE checkpoints written by transformers)
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 DENSE_MLP = ["gate_proj", "up_proj", "down_proj"]
 

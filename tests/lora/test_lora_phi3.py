@@ -19,6 +19,8 @@ from lora_factory import ENGINE_KWARGS, PROMPT_LENGTHS, greedy, prompt_dicts, sa
 from peft_reference import adapter_modules, halserve_greedy, hf_greedy_logprobs, make_peft_adapter
 from test_phi3 import make_phi3
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from lora_factory import ENGINE_KWARGS, greedy, make_adapter, prompt_dicts, token_ids
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 
 def test_tp2_mixed_batch_equals_tp1_and_merged(lora_models, loras, merged_outputs, tmp_path):
     from halserve import LLM, LoRARequest

@@ -12,6 +12,8 @@ from test_gemma import make_gemma_checkpoint
 from test_moe import ARCHS as MOE_ARCHS, hf_config as moe_config
 from test_phi3 import make_phi3
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 BLOCK = 16
 BUDGET = 64
 NEW_TOKENS = 24

@@ -9,6 +9,8 @@ import torch
 
 from mm_factory import internvl_processor, make_image, make_internvl_checkpoint
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 NEW_TOKENS = 10
 PROMPTS = [  # (text, image sizes (width, height))
     ("<|user|>\n<IMG_CONTEXT>\nDescribe the quick brown fox in this picture.<|assistant|>\n", [(200, 60)]),  # 3x1 + 1

@@ -8,6 +8,8 @@ import torch
 
 from mm_factory import make_image, make_llava_checkpoint
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 NEW_TOKENS = 12
 PROMPTS = [  # (text, number of images)
     ("<|user|>\n<image>\nDescribe the quick brown fox in this picture.<|assistant|>\n", 1),

@@ -8,6 +8,8 @@ import torch
 
 from mm_factory import make_image, make_llava_next_checkpoint
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 NEW_TOKENS = 10
 PROMPTS = [  # (text, image sizes (width, height))
     ("<|user|>\n<image>\nDescribe the quick brown fox in this picture.<|assistant|>\n", [(200, 60)]),  # 1x2 grid

@@ -8,6 +8,8 @@ import torch
 
 from mm_factory import make_image, make_qwen2_vl_checkpoint, qwen2_vl_processor
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 NEW_TOKENS = 10
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPTS = [  # (text, image sizes); prompts of 19, 23, 35 and 42 tokens

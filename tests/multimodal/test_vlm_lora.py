@@ -8,6 +8,8 @@ import torch
 
 from mm_factory import make_image, make_llava_checkpoint
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 PROMPT = "<|user|>\n<image>\nDescribe the quick brown fox in this picture.<|assistant|>\n"
 NEW_TOKENS = 10
 DECODER = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"

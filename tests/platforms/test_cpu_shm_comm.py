@@ -17,6 +17,7 @@ from halserve.platforms import cpu_kernels
 pytestmark = pytest.mark.skipif(
     cpu_kernels.toolchain_missing() is not None, reason=f"no C++ toolchain: {cpu_kernels.toolchain_missing()}"
 )
+pytestmark = [pytestmark, pytest.mark.slow]  # one process per rank, ~50 s (inner loop: -m 'not slow')
 
 
 def _free_port() -> int:

@@ -21,6 +21,8 @@ from quant_factory import (
 )
 from test_quantized_models import fp8_per_group, fp8_per_token, reference_steps, run_steps, with_input_quant
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 VOCAB, HIDDEN = 512, 64
 MOE = {  # arch -> (transformers config, architecture, its defaults)
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",

@@ -16,6 +16,8 @@ from quant_factory import (
     make_gptq_checkpoint,
 )
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 PROMPTS = [[1, 45, 74, 299, 17, 273, 5, 9, 100, 31, 7, 8, 99, 3], [1, 300, 2, 9], [1, 100, 101, 102, 103]]
 
 

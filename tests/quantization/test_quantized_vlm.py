@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 from mm_factory import make_llava_checkpoint
 from quant_factory import make_ct_checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "multimodal"))
 from test_llava_engine import PROMPTS, greedy, hf_reference, images_for, make_llm, request  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a quantized LLaVA against transformers, ~25 s (inner loop: -m 'not slow')
 
 IGNORE = ["re:.*lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"]
 

@@ -17,6 +17,8 @@ import pytest
 
 from halserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 REPETITIVE = [[9, 10] * 8, [5, 6, 7, 8] * 5, [40, 41, 42] * 4 + [40]]
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from halserve import LLM, LoRARequest, SamplingParams
+
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
 
 KW = dict(platform="cpu", dtype="float32", max_model_len=96, block_size=8, num_kv_blocks=120, enable_lora=True,
           max_loras=2, max_lora_rank=8)
