@@ -39,12 +39,12 @@ class AttentionMetadata:
     num_reqs: int  # R
     max_query_len: int  # longest query_len this step (1 for a pure-decode step)
     max_seq_len: int  # longest seq_len this step
-    query_start_loc: "torch.Tensor"  # [R + 1] int32, on the device
-    seq_lens: "torch.Tensor"  # [R] int32, on the device
-    block_table: "torch.Tensor"  # [R, max_blocks_per_req] int32, on the device
-    slot_mapping: "torch.Tensor"  # [T] int64, on the device
-    query_start_loc_cpu: "torch.Tensor"  # the same, on the host (no device sync to read it)
-    seq_lens_cpu: "torch.Tensor"  # the same, on the host
+    query_start_loc: torch.Tensor  # [R + 1] int32, on the device
+    seq_lens: torch.Tensor  # [R] int32, on the device
+    block_table: torch.Tensor  # [R, max_blocks_per_req] int32, on the device
+    slot_mapping: torch.Tensor  # [T] int64, on the device
+    query_start_loc_cpu: torch.Tensor  # the same, on the host (no device sync to read it)
+    seq_lens_cpu: torch.Tensor  # the same, on the host
 
 
 class AttentionBackend:
@@ -168,13 +168,13 @@ class AttentionBackend:
 
     def forward(
         self,
-        q: "torch.Tensor",  # [T, num_heads, head_size]
-        k: "torch.Tensor",  # [T, num_kv_heads, head_size]
-        v: "torch.Tensor",  # [T, num_kv_heads, head_size]
-        kv_cache: "torch.Tensor",  # kv_cache_shape(...)
+        q: torch.Tensor,  # [T, num_heads, head_size]
+        k: torch.Tensor,  # [T, num_kv_heads, head_size]
+        v: torch.Tensor,  # [T, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # kv_cache_shape(...)
         metadata: Any,  # what build_metadata returned
         k_scale: float = 1.0,  # per-tensor fp8 scales (used when kv_cache_dtype is fp8)
         v_scale: float = 1.0,
-    ) -> "torch.Tensor":  # [T, num_heads, head_size]
+    ) -> torch.Tensor:  # [T, num_heads, head_size]
         """Write this step's K/V to the cache at ``slot_mapping``, then attend."""
         raise NotImplementedError

@@ -54,23 +54,23 @@ class IpexAttentionMetadata:
     """
 
     common: AttentionMetadata
-    slot_mapping: "torch.Tensor"  # [T] int64, the actual tokens only
+    slot_mapping: torch.Tensor  # [T] int64, the actual tokens only
     # decodes: requests with query_len == 1
     num_decodes: int
     decode_slice: slice | None  # tokens of the decodes when contiguous
-    decode_token_idx: "torch.Tensor | None"  # [Nd] int64, else
-    decode_block_table: "torch.Tensor | None"  # [Nd, max_blocks] int32, contiguous
-    decode_seq_lens: "torch.Tensor | None"  # [Nd] int32
+    decode_token_idx: torch.Tensor | None  # [Nd] int64, else
+    decode_block_table: torch.Tensor | None  # [Nd, max_blocks] int32, contiguous
+    decode_seq_lens: torch.Tensor | None  # [Nd] int32
     decode_max_seq_len: int
     # prefills: requests with query_len > 1 (a prefill, a chunk of one, or a prefill
     # after a prefix-cache hit: the cached prefix is attended through the block table)
     num_prefills: int
     num_prefill_tokens: int
     prefill_slice: slice | None
-    prefill_token_idx: "torch.Tensor | None"  # [Tp] int64
-    prefill_cu_seqlens_q: "torch.Tensor | None"  # [Np + 1] int32
-    prefill_cu_seqlens_kv: "torch.Tensor | None"  # [Np + 1] int32
-    prefill_block_table: "torch.Tensor | None"  # [Np, max_blocks] int32, contiguous
+    prefill_token_idx: torch.Tensor | None  # [Tp] int64
+    prefill_cu_seqlens_q: torch.Tensor | None  # [Np + 1] int32
+    prefill_cu_seqlens_kv: torch.Tensor | None  # [Np + 1] int32
+    prefill_block_table: torch.Tensor | None  # [Np, max_blocks] int32, contiguous
     prefill_max_query_len: int
     prefill_max_seq_len: int
 
@@ -136,7 +136,7 @@ class IpexAttentionBackend(AttentionBackend):
         dec_reqs, _ = _runs(is_decode)
         pre_reqs, _ = _runs([not d for d in is_decode])
 
-        def token_part(reqs: list[int]) -> tuple[slice | None, "torch.Tensor | None", int]:
+        def token_part(reqs: list[int]) -> tuple[slice | None, torch.Tensor | None, int]:
             tokens = [t for r in reqs for t in range(qsl[r], qsl[r + 1])]
             if not tokens:
                 return None, None, 0
@@ -144,7 +144,7 @@ class IpexAttentionBackend(AttentionBackend):
                 return slice(tokens[0], tokens[-1] + 1), None, len(tokens)
             return None, torch.tensor(tokens, dtype=torch.int64, device=device), len(tokens)
 
-        def rows(t: "torch.Tensor", reqs: list[int]) -> "torch.Tensor":
+        def rows(t: torch.Tensor, reqs: list[int]) -> torch.Tensor:
             if len(reqs) == num_reqs:
                 return t.contiguous()
             return t.index_select(0, torch.tensor(reqs, dtype=torch.int64, device=t.device)).contiguous()
@@ -154,7 +154,7 @@ class IpexAttentionBackend(AttentionBackend):
         pre_q = [query_lens[r] for r in pre_reqs]
         pre_kv = [seq_lens[r] for r in pre_reqs]
 
-        def cumsum(lens: list[int]) -> "torch.Tensor":
+        def cumsum(lens: list[int]) -> torch.Tensor:
             out = [0]
             for n in lens:
                 out.append(out[-1] + n)
@@ -192,9 +192,9 @@ class IpexAttentionBackend(AttentionBackend):
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-        self._head_mapping: dict[Any, "torch.Tensor"] = {}
+        self._head_mapping: dict[Any, torch.Tensor] = {}
 
-    def head_mapping(self, device: "torch.device") -> "torch.Tensor":
+    def head_mapping(self, device: torch.device) -> torch.Tensor:
         """[num_heads] int32: query head h reads kv head h // (num_heads / num_kv_heads)."""
         import torch
 
@@ -282,7 +282,7 @@ class IpexAttentionBackend(AttentionBackend):
             out = (out.float() * v_scale).to(out.dtype)
         return out
 
-    def _check_kv_cache(self, kv_cache: "torch.Tensor", q: "torch.Tensor") -> None:
+    def _check_kv_cache(self, kv_cache: torch.Tensor, q: torch.Tensor) -> None:
         import torch
 
         if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
@@ -351,7 +351,7 @@ def _check_cache_pair(key_cache: Any, value_cache: Any, device: Any, num_kv_head
     )
 
 
-def _check_values_on_cpu(name: str, t: "torch.Tensor", low: int, high: int) -> None:
+def _check_values_on_cpu(name: str, t: torch.Tensor, low: int, high: int) -> None:
     # Out-of-range indices make IPEX read/write out of bounds. Checking them costs a
     # device sync, so it is done where it is free: tensors on the host.
     if t.device.type == "cpu" and t.numel():

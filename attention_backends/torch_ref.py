@@ -156,7 +156,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out.view(out_shape)
 
     @staticmethod
-    def _workspace(meta: "TorchAttentionMetadata", name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+    def _workspace(meta: TorchAttentionMetadata, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A flat scratch buffer of at least ``numel`` elements, kept for the whole step."""
         key = ("workspace", name, like.dtype, like.device)
         buf = meta.cache.get(key)

@@ -90,7 +90,7 @@ class TritonPagedAttentionBackend(AttentionBackend):
         self._num_sms: int | None = None
 
     # -- split-K policy -------------------------------------------------------------------
-    def num_kv_splits(self, metadata: Any, device: "torch.device") -> int:
+    def num_kv_splits(self, metadata: Any, device: torch.device) -> int:
         """How many programs share one (request, kv head)'s context this step.
 
         Only decode-only steps with long contexts split: there the grid is (requests x kv

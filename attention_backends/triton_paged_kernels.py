@@ -368,7 +368,7 @@ def pipeline_stages(max_query_len: int, num_splits: int = 1) -> int | None:
     return _decode_stages(id(driver), driver.get_current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _decode_stages(driver_id: int, device: int) -> int | None:
     # once per (driver, device), not per launch: get_current_target queries the device
     # (the compile check's stand-in driver numbers its targets as devices)

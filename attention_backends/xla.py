@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 _MASKED = -1e30  # finite: a fully masked (padded) row must not produce NaN
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def xla_device_kind() -> str | None:
     """Hardware of the default XLA device (``"TPU"``, ``"CPU"``, ``"GPU"``, ...), or None
     when torch_xla is not installed. Initialises the PJRT client on first call."""
@@ -59,9 +59,9 @@ class XlaAttentionMetadata:
     """The (padded) common metadata plus per-token indices built on the host."""
 
     common: AttentionMetadata
-    token_req: "torch.Tensor"  # [T_pad] int64: request row of each token (0 for padding)
-    token_pos: "torch.Tensor"  # [T_pad] int64: position of each token in its sequence, -1 for padding
-    num_seqs: "torch.Tensor"  # [1] int32: real number of requests (the Pallas kernel's num_seqs)
+    token_req: torch.Tensor  # [T_pad] int64: request row of each token (0 for padding)
+    token_pos: torch.Tensor  # [T_pad] int64: position of each token in its sequence, -1 for padding
+    num_seqs: torch.Tensor  # [1] int32: real number of requests (the Pallas kernel's num_seqs)
 
 
 class XlaAttentionBackend(AttentionBackend):

@@ -13,7 +13,6 @@ token came.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys

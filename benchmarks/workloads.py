@@ -95,8 +95,15 @@ def _write_llava_checkpoint(name: str, path: str) -> str:
     Random weights as transformers initialises them (like W1's), seed 0."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast)
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
 
     w = MM_WORKLOADS[name]
     tok = Tokenizer(models.WordLevel(_word_level_vocab(VOCAB - 1), unk_token="<unk>"))

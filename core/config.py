@@ -169,7 +169,7 @@ class EngineConfig(BaseModel):
         return None if value is None else KVTransferConfig.parse(value)
 
     @model_validator(mode="after")
-    def _kv_offloading(self) -> "EngineConfig":
+    def _kv_offloading(self) -> EngineConfig:
         if self.kv_offloading_size is not None:
             if self.kv_transfer_config is not None:
                 raise ValueError("kv_offloading_size and kv_transfer_config both ask for a KV connector; give one "
@@ -181,7 +181,7 @@ class EngineConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _lora_limits(self) -> "EngineConfig":
+    def _lora_limits(self) -> EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
                              "every running adapter stays loaded")

@@ -58,7 +58,7 @@ _FINISH_REASONS = {
 class Request:
     request_id: RequestId
     prompt_token_ids: list[int]
-    sampling_params: "SamplingParams"
+    sampling_params: SamplingParams
     max_tokens: int
     """Resolved output budget (the engine turns ``None`` into ``max_model_len - prompt_len``)."""
     eos_token_ids: set[int] = field(default_factory=set)
@@ -77,18 +77,18 @@ class Request:
     """The stop token id or stop string that ended it, or why its constraints left no token to
     generate (``ModelRunnerOutput.no_token_req_ids``); None for eos, length or abort."""
     num_preemptions: int = 0
-    grammar_future: "Future | None" = None
+    grammar_future: Future | None = None
     """Structured outputs: its grammar compiling in the background; None once compiled (or never
     asked). The scheduler admits the request only then."""
-    grammar: "RequestGrammar | None" = None
+    grammar: RequestGrammar | None = None
     """Structured outputs: its matcher, from when it is first scheduled (kept across preemption)."""
-    lora_request: "LoRARequest | None" = None
+    lora_request: LoRARequest | None = None
     """The LoRA adapter it runs with; None: the base model."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft-model speculation: the drafts the workers proposed for its next step ([] none)."""
-    mm_features: "list[MultiModalFeature] | None" = None
+    mm_features: list[MultiModalFeature] | None = None
     """Its images (placeholder runs in the prompt, pixel values, content hashes); None: none."""
-    mrope_positions: "MRopePositions | None" = None
+    mrope_positions: MRopePositions | None = None
     """An M-RoPE model's (Qwen2-VL) positions of its prompt with images; None: plain positions."""
     kv_load_failed: bool = False
     """A KV connector's blocks for it failed to load once: it is recomputed without the connector."""

@@ -26,12 +26,12 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens generated before a preemption (recomputed now); [] when new
-    sampling_params: "SamplingParams"
+    sampling_params: SamplingParams
     block_ids: list[int]  # the request's whole block table so far
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit), before this step
-    lora_request: "LoRARequest | None" = None  # its LoRA adapter; None: the base model
-    mm_features: "list[MultiModalFeature] | None" = None  # its images; None: none
-    mrope_positions: "MRopePositions | None" = None  # an M-RoPE model's prompt positions with images
+    lora_request: LoRARequest | None = None  # its LoRA adapter; None: the base model
+    mm_features: list[MultiModalFeature] | None = None  # its images; None: none
+    mrope_positions: MRopePositions | None = None  # an M-RoPE model's prompt positions with images
 
 
 @dataclass
@@ -57,12 +57,12 @@ class SchedulerOutput:
     # structured outputs: the requests that sample this step under a grammar, and their
     # allowed next tokens, one row each (bit t of a row: token t allowed), [k, ceil(vocab / 32)] int32
     grammar_req_ids: list[str] = field(default_factory=list)
-    grammar_bitmask: "torch.Tensor | None" = None
+    grammar_bitmask: torch.Tensor | None = None
     # speculative decoding: req_id -> draft tokens fed after its last token this step (counted
     # in num_scheduled_tokens: 1 + len(drafts)); the runner samples at every one of those positions
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # a KV connector's loads and saves for this step (halserve.kv_connectors.base.KVConnectorMetadata); None: none
-    kv_connector_metadata: "KVConnectorMetadata | None" = None
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:

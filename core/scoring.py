@@ -13,8 +13,9 @@ it is in: a query against N documents is N + 1 embeddings.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 
 @dataclass(slots=True)

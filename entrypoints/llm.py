@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from halserve.config import EngineConfig
 from halserve.outputs import (
@@ -85,7 +85,7 @@ class LLM:
         prompts: str | dict | Sequence[str | dict | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
@@ -124,9 +124,9 @@ class LLM:
     def beam_search(
         self,
         prompts: str | dict | Sequence[str | dict | list[int]],
-        params: "BeamSearchParams",
-        lora_request: "LoRARequest | None" = None,
-    ) -> list["BeamSearchOutput"]:
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+    ) -> list[BeamSearchOutput]:
         """vLLM's beam search (``halserve.beam_search``): per prompt, in input order, a
         ``BeamSearchOutput`` whose ``sequences`` are the ``params.beam_width`` best beams, best
         first. Prompts are given as to ``generate``; ``lora_request``: search with that adapter.
@@ -164,7 +164,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
-        lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate (``lora_request``
         as for ``generate``). A user message's content may hold OpenAI's image parts,
@@ -200,7 +200,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
-        lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in input order: the prompt's final hidden states pooled
         as the model's pooler config says (LAST, MEAN or CLS; the checkpoint's
@@ -218,7 +218,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
-        lora_request: "LoRARequest | Sequence[LoRARequest | None] | None" = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """vLLM's classify, for a classification model (a ``*ForSequenceClassification`` checkpoint,
         reward models included): per prompt, in input order, ``.outputs.probs``, its class
@@ -237,7 +237,7 @@ class LLM:
         text_2: str | Sequence[str],
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
-        lora_request: "LoRARequest | None" = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[ScoringRequestOutput]:
         """vLLM's score for an embedding model: per pair, in order, the cosine similarity of the
         two texts' embeddings (``.outputs.score``). ``text_1`` and ``text_2`` (strings or lists of

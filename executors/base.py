@@ -44,7 +44,7 @@ class Executor:
     supports_multiple_ranks: ClassVar[bool] = False
     description: ClassVar[str] = ""
 
-    def __init__(self, config: "EngineConfig", platform_name: str, model_info: "ModelInfo") -> None:
+    def __init__(self, config: EngineConfig, platform_name: str, model_info: ModelInfo) -> None:
         if config.world_size > 1 and not self.supports_multiple_ranks:
             raise ValueError(
                 f"executor {self.name!r} runs a single rank but tensor_parallel_size="
@@ -69,7 +69,7 @@ class Executor:
         """The ranks that sample (the last pipeline stage); they must all sample the same tokens."""
         return range(self.output_rank, self.config.world_size)
 
-    def pick_output(self, results: list[Any]) -> "ModelRunnerOutput":
+    def pick_output(self, results: list[Any]) -> ModelRunnerOutput:
         """The engine's answer from every rank's ``execute_model`` result (by rank; a rank other
         than ``output_rank`` may have answered with only its sampled token ids). Raises when two
         sampling ranks disagree: their request states diverged, and later steps would be garbage."""
@@ -105,7 +105,7 @@ class Executor:
         self.collective_rpc("warm_up")
         return num_blocks
 
-    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; return the output rank's answer (``pick_output``)."""
         return self.pick_output(self.collective_rpc("execute_model", scheduler_output))
 
@@ -117,12 +117,12 @@ class Executor:
         1 (the default): one step at a time."""
         return 1
 
-    def submit_model(self, scheduler_output: "SchedulerOutput") -> Any:
+    def submit_model(self, scheduler_output: SchedulerOutput) -> Any:
         """(subclasses, with ``max_concurrent_batches`` > 1) Start a step on every rank without waiting;
         returns a handle for ``collect_model``. Steps run on each rank in the order submitted."""
         return self.execute_model(scheduler_output)
 
-    def collect_model(self, handle: Any) -> "ModelRunnerOutput":
+    def collect_model(self, handle: Any) -> ModelRunnerOutput:
         """(subclasses) The output of the step ``submit_model`` started (waiting for it); handles are
         collected in the order they were submitted."""
         return handle

@@ -120,7 +120,7 @@ class TorchFp8BlockScaledGemm(Kernel):
 
     def __call__(self, a, b, scale_a, scale_b, block_size, out_dtype, bias=None):
         block_n, block_k = check_block_scaled_operands(a, b, scale_a, scale_b, block_size)
-        (m, k), n = a.shape, b.shape[0]
+        (_, k), n = a.shape, b.shape[0]
         # one scale per element: repeat each block's scale over its rows/columns, cut the tails
         sa = scale_a.float().repeat_interleave(block_k, dim=1)[:, :k]  # [M, K]
         sb = scale_b.float().repeat_interleave(block_n, dim=0).repeat_interleave(block_k, dim=1)[:n, :k]  # [N, K]

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.models.loader import ModelInfo
 
 
-def resolve_connector_cls(transfer_config: "KVTransferConfig") -> "type[KVConnector]":
+def resolve_connector_cls(transfer_config: KVTransferConfig) -> type[KVConnector]:
     """The connector class ``kv_connector`` names: from ``kv_connector_module_path`` when given,
     else a registered plugin. ValueError naming the known ones otherwise."""
     from halserve.kv_connectors.base import KVConnector
@@ -40,7 +40,7 @@ def resolve_connector_cls(transfer_config: "KVTransferConfig") -> "type[KVConnec
     return reg.obj
 
 
-def check_kv_transfer(config: "EngineConfig") -> None:
+def check_kv_transfer(config: EngineConfig) -> None:
     """Refuse, before anything loads, what a connector cannot run with (ValueError)."""
     transfer = config.kv_transfer_config
     if transfer is None:
@@ -55,7 +55,7 @@ def check_kv_transfer(config: "EngineConfig") -> None:
     resolve_connector_cls(transfer).check_config(transfer, config)
 
 
-def connector_context(config: "EngineConfig", info: "ModelInfo", rank: int = 0) -> "ConnectorContext":
+def connector_context(config: EngineConfig, info: ModelInfo, rank: int = 0) -> ConnectorContext:
     from halserve.kv_connectors.base import ConnectorContext
 
     world = config.world_size
@@ -67,7 +67,7 @@ def connector_context(config: "EngineConfig", info: "ModelInfo", rank: int = 0) 
                             rank=rank, rank_tag=tags[rank], rank_tags=tags)
 
 
-def make_connector(config: "EngineConfig", role: "Role", context: "ConnectorContext") -> "KVConnector":
+def make_connector(config: EngineConfig, role: Role, context: ConnectorContext) -> KVConnector:
     transfer = config.kv_transfer_config
     return resolve_connector_cls(transfer)(transfer, role, context)
 

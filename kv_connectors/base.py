@@ -73,7 +73,7 @@ class KVTransferConfig(BaseModel):
         return self.kv_role in ("kv_consumer", "kv_both")
 
     @classmethod
-    def parse(cls, value: object) -> "KVTransferConfig":
+    def parse(cls, value: object) -> KVTransferConfig:
         """From a dict, a JSON string (``--kv-transfer-config``) or an instance."""
         if isinstance(value, cls):
             return value
@@ -108,7 +108,7 @@ class KVConnectorMetadata:
 class ConnectorContext:
     """What a connector may read about the engine it serves, on either side."""
 
-    config: "EngineConfig"
+    config: EngineConfig
     model_id: str  # what identifies the model's K/V (its path or hub id, dtype, KV dtype, shapes)
     block_size: int
     world_size: int
@@ -123,7 +123,7 @@ class KVCacheAccess:
     ``views[i]`` is layer i's (keys, values), each ``[num_blocks, block_size, num_kv_heads, head_size]``
     (views of the backend's own tensor: ``AttentionBackend.kv_cache_block_views``)."""
 
-    def __init__(self, views: list[tuple["torch.Tensor", "torch.Tensor"]]) -> None:
+    def __init__(self, views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if not views:
             raise ValueError("a KV connector needs at least one attention layer's cache")
         self.views = views
@@ -132,7 +132,7 @@ class KVCacheAccess:
         self.dtype = first.dtype
         self.device = first.device
 
-    def read(self, block_ids: list[int]) -> "torch.Tensor":
+    def read(self, block_ids: list[int]) -> torch.Tensor:
         """``[len(block_ids), num_layers, 2, block_size, H, D]``, a copy (on the cache's device)."""
         import torch
 
@@ -141,7 +141,7 @@ class KVCacheAccess:
                   for keys, values in self.views]
         return torch.stack(layers).permute(2, 0, 1, 3, 4, 5)
 
-    def write(self, block_ids: list[int], data: "torch.Tensor") -> None:
+    def write(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Store ``data`` (as ``read`` returns it, on any device) into the blocks ``block_ids``."""
         import torch
 
@@ -181,7 +181,7 @@ class KVConnector:
         self.extra = dict(transfer_config.kv_connector_extra_config)
 
     @classmethod
-    def check_config(cls, transfer_config: KVTransferConfig, config: "EngineConfig") -> None:
+    def check_config(cls, transfer_config: KVTransferConfig, config: EngineConfig) -> None:
         """Raise ValueError when this connector cannot run with these settings (called before the
         model loads, so a mistake costs nothing). The default checks the extra config's keys."""
         unknown = sorted(set(transfer_config.kv_connector_extra_config) - set(cls.extra_config_keys))
@@ -195,22 +195,22 @@ class KVConnector:
         return {"description": cls.description, "extra_config_keys": list(cls.extra_config_keys)}
 
     # -- scheduler side ----------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens after the ``num_computed_tokens`` of the local prefix-cache hit whose K/V the
         connector can load this step (a whole number of blocks; 0: none)."""
         return 0
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_local_tokens: int,
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
                                  num_external_tokens: int) -> None:
         """The request got its blocks (``block_ids``: its whole table); the ``num_external_tokens``
         after its ``num_local_tokens`` are to be loaded into them."""
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput",
-                             requests: dict[str, "Request"]) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput,
+                             requests: dict[str, Request]) -> KVConnectorMetadata:
         """This step's loads and saves (``requests``: the scheduler's, by id)."""
         return KVConnectorMetadata()
 
-    def request_finished(self, request: "Request") -> None:
+    def request_finished(self, request: Request) -> None:
         """The request finished or was preempted: forget what the connector held for it."""
 
     def on_failed_blocks(self, block_ids: set[int]) -> None:

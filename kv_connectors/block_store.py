@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
-def block_keys(request: "Request", block_size: int, num_tokens: int, first: int = 0) -> list[str]:
+def block_keys(request: Request, block_size: int, num_tokens: int, first: int = 0) -> list[str]:
     """Keys (hex block hashes) of the request's full blocks ``first`` .. within its first ``num_tokens`` tokens."""
     end = num_tokens // block_size
     if end <= first:
@@ -58,7 +58,7 @@ class BlockStoreConnector(KVConnector):
         """(worker) Write the blocks into the KV cache; returns the block ids that failed."""
         raise NotImplementedError
 
-    def save_blocks(self, transfers: list[BlockTransfer], data: "torch.Tensor") -> None:
+    def save_blocks(self, transfers: list[BlockTransfer], data: torch.Tensor) -> None:
         """(worker) Keep ``data[j]`` (``KVCacheAccess.read`` layout) under ``transfers[j]``."""
         raise NotImplementedError
 
@@ -73,7 +73,7 @@ class BlockStoreConnector(KVConnector):
         self._bad_keys: set[str] = set()  # (scheduler) keys whose copies failed to load: never looked up again
 
     # -- scheduler side ----------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         if not self.transfer_config.is_consumer:
             return 0
         block_size = self.context.block_size
@@ -83,7 +83,7 @@ class BlockStoreConnector(KVConnector):
             keys = keys[:next((i for i, key in enumerate(keys) if key in self._bad_keys), len(keys))]
         return self.count_present(keys) * block_size if keys else 0
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_local_tokens: int,
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
                                  num_external_tokens: int) -> None:
         block_size = self.context.block_size
         first, end = num_local_tokens // block_size, (num_local_tokens + num_external_tokens) // block_size
@@ -93,8 +93,8 @@ class BlockStoreConnector(KVConnector):
             self._pending_loads += [BlockTransfer(block_ids[i], key, slot)
                                     for i, key, slot in zip(range(first, end), keys, self.slots_for_loads(keys))]
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput",
-                             requests: dict[str, "Request"]) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput,
+                             requests: dict[str, Request]) -> KVConnectorMetadata:
         meta, self._pending_loads = KVConnectorMetadata(loads=self._pending_loads), []
         self._loading = {t.block_id: t.key for t in meta.loads}
         if not self.transfer_config.is_producer:
@@ -124,7 +124,7 @@ class BlockStoreConnector(KVConnector):
     def on_failed_blocks(self, block_ids: set[int]) -> None:
         self._bad_keys.update(self._loading[i] for i in block_ids if i in self._loading)
 
-    def request_finished(self, request: "Request") -> None:
+    def request_finished(self, request: Request) -> None:
         self._num_handled.pop(request.request_id, None)
         self._block_ids.pop(request.request_id, None)
 

@@ -32,7 +32,7 @@ def _positive_int(extra: dict, key: str, name: str = "OffloadingConnector") -> i
     return int(value)
 
 
-def check_pool_config(name: str, extra: dict, config: "EngineConfig") -> None:
+def check_pool_config(name: str, extra: dict, config: EngineConfig) -> None:
     """The host pool's settings: exactly one size, and whole engine blocks."""
     nbytes, nblocks = _positive_int(extra, "cpu_bytes_to_use", name), _positive_int(extra, "num_cpu_blocks", name)
     if (nbytes is None) == (nblocks is None):
@@ -50,7 +50,7 @@ class OffloadingConnector(BlockStoreConnector):
     extra_config_keys = ("cpu_bytes_to_use", "num_cpu_blocks", "block_size")
 
     @classmethod
-    def check_config(cls, transfer_config: "KVTransferConfig", config: "EngineConfig") -> None:
+    def check_config(cls, transfer_config: KVTransferConfig, config: EngineConfig) -> None:
         super().check_config(transfer_config, config)
         check_pool_config(cls.name, transfer_config.kv_connector_extra_config, config)
         if transfer_config.kv_role != "kv_both":
@@ -62,13 +62,13 @@ class OffloadingConnector(BlockStoreConnector):
         self.num_slots = 0
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> pool row, least recently used first
         self._free: list[int] = []
-        self.pool: "torch.Tensor | None" = None  # (worker) [num_slots, *block_shape]
+        self.pool: torch.Tensor | None = None  # (worker) [num_slots, *block_shape]
         # (worker) the key each row holds; None while it is written (or never was): a load checks it,
         # so a save that failed is a failed load (recomputed), never another block's K/V
         self._row_keys: list[str | None] = []
 
     # -- sizing (worker, then scheduler) ---------------------------------------------------
-    def register_kv_caches(self, caches: "KVCacheAccess") -> None:
+    def register_kv_caches(self, caches: KVCacheAccess) -> None:
         import torch
 
         super().register_kv_caches(caches)
@@ -118,7 +118,7 @@ class OffloadingConnector(BlockStoreConnector):
         return slots
 
     # -- worker side -------------------------------------------------------------------
-    def load_blocks(self, transfers: list["BlockTransfer"]) -> set[int]:
+    def load_blocks(self, transfers: list[BlockTransfer]) -> set[int]:
         import torch
 
         good = [t for t in transfers if self._row_keys[t.slot] == t.key]
@@ -127,7 +127,7 @@ class OffloadingConnector(BlockStoreConnector):
             self.caches.write([t.block_id for t in good], self.pool.index_select(0, rows))
         return {t.block_id for t in transfers} - {t.block_id for t in good}
 
-    def save_blocks(self, transfers: list["BlockTransfer"], data: "torch.Tensor") -> None:
+    def save_blocks(self, transfers: list[BlockTransfer], data: torch.Tensor) -> None:
         import torch
 
         for t in transfers:

@@ -128,7 +128,7 @@ class P2pConnector(OffloadingConnector):
     extra_config_keys = ("cpu_bytes_to_use", "num_cpu_blocks", "block_size", "peer")
 
     @classmethod
-    def check_config(cls, transfer_config: "KVTransferConfig", config: "EngineConfig") -> None:
+    def check_config(cls, transfer_config: KVTransferConfig, config: EngineConfig) -> None:
         super(OffloadingConnector, cls).check_config(transfer_config, config)  # (the keys; not the pool's rules)
         extra = transfer_config.kv_connector_extra_config
         if transfer_config.kv_role == "kv_producer":
@@ -157,7 +157,7 @@ class P2pConnector(OffloadingConnector):
         return self.transfer_config.kv_role == "kv_producer"
 
     # -- producer ------------------------------------------------------------------------
-    def register_kv_caches(self, caches: "KVCacheAccess") -> None:
+    def register_kv_caches(self, caches: KVCacheAccess) -> None:
         if not self.producer:
             KVConnector.register_kv_caches(self, caches)
             return
@@ -236,7 +236,7 @@ class P2pConnector(OffloadingConnector):
     def on_failed_blocks(self, block_ids: set[int]) -> None:
         """(a reused row or a lost producer is passing: the keys stay worth asking for)"""
 
-    def load_blocks(self, transfers: list["BlockTransfer"]) -> set[int]:
+    def load_blocks(self, transfers: list[BlockTransfer]) -> set[int]:
         import torch
 
         failed = {t.block_id for t in transfers}

@@ -43,7 +43,7 @@ class SharedStorageConnector(BlockStoreConnector):
     extra_config_keys = ("shared_storage_path", "namespace", "max_storage_bytes")
 
     @classmethod
-    def check_config(cls, transfer_config: "KVTransferConfig", config: "EngineConfig") -> None:
+    def check_config(cls, transfer_config: KVTransferConfig, config: EngineConfig) -> None:
         super().check_config(transfer_config, config)
         path = transfer_config.kv_connector_extra_config.get("shared_storage_path")
         if not isinstance(path, str) or not path:
@@ -135,7 +135,7 @@ class SharedStorageConnector(BlockStoreConnector):
         # (a file holds the block and ~100 bytes of header)
         return {"block_bytes": self.caches.bytes_per_block + 128}
 
-    def load_blocks(self, transfers: list["BlockTransfer"]) -> set[int]:
+    def load_blocks(self, transfers: list[BlockTransfer]) -> set[int]:
         import torch
         from safetensors.torch import load_file
 
@@ -161,7 +161,7 @@ class SharedStorageConnector(BlockStoreConnector):
             self.caches.write(ok, torch.stack(blocks))
         return failed
 
-    def save_blocks(self, transfers: list["BlockTransfer"], data: "torch.Tensor") -> None:
+    def save_blocks(self, transfers: list[BlockTransfer], data: torch.Tensor) -> None:
         from safetensors.torch import save_file
 
         data = data.cpu()

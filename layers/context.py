@@ -21,20 +21,20 @@ class ModelContext:
     dtype: torch.dtype  # parameter / activation dtype
     attn_backend_cls: type  # AttentionBackend subclass each Attention layer instantiates
     kv_cache_dtype: str = "auto"
-    quant_method: "QuantMethod | None" = None  # None = unquantized
+    quant_method: QuantMethod | None = None  # None = unquantized
     max_position: int | None = None  # rotary cache length; None = the model's max_position_embeddings
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).replace("torch.", "")
 
-    def without_quantization(self) -> "ModelContext":
+    def without_quantization(self) -> ModelContext:
         """This context for layers a quantized checkpoint leaves in floats (MoE routers, vision towers)."""
         import dataclasses
 
         return dataclasses.replace(self, quant_method=None)
 
-    def linear_method(self, prefix: str) -> "QuantMethod":
+    def linear_method(self, prefix: str) -> QuantMethod:
         """The quant method for the linear layer named ``prefix``."""
         if self.quant_method is None:
             from halserve.quant_methods.unquantized import UnquantizedLinearMethod

@@ -22,7 +22,8 @@ float one. The other layers stay quantized; the experts take the memory of a flo
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -113,7 +114,7 @@ class FusedMoE(nn.Module):
         offset = 0 if shard_id == "gate" else local
         self._copy(param.data[expert_id, offset : offset + local], loaded[start : start + local], loaded, shard_id)
 
-    def expert_method(self, expert_id: int, proj: str) -> "QuantMethod":
+    def expert_method(self, expert_id: int, proj: str) -> QuantMethod:
         """The quant method the checkpoint gives projection ``proj`` (its own name) of an expert."""
         return self.ctx.linear_method(f"{self.prefix}.{expert_id}.{proj}")
 

@@ -77,7 +77,7 @@ class BaseLinearWithLoRA(nn.Module):
         """(inputs, outputs) of the checkpoint's whole (unsharded) module ``shard_id``."""
         raise NotImplementedError
 
-    def prepare(self, lora: "LoRARequest", modules: dict[Any, tuple[str, torch.Tensor, torch.Tensor]],
+    def prepare(self, lora: LoRARequest, modules: dict[Any, tuple[str, torch.Tensor, torch.Tensor]],
                 scaling: float, dtype: torch.dtype) -> LoRAPair:
         """This rank's stacked pair for ``modules`` (shard id -> (module name, A [r, in], B [out, r])).
         Shards given the same A tensor (one fused checkpoint module) share its rows of the stacked A."""

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,7 +36,6 @@ from torch import nn
 from halserve.layers.fused_moe import FusedMoE
 from halserve.layers.linear import LinearBase
 from halserve.lora.layers import BaseLinearWithLoRA, LoRABatch, LoRAPair, wrap_linear
-from halserve.models.pipeline import is_other_stage_weight
 from halserve.lora.peft import (
     PeftLoRAConfig,
     adapter_error,
@@ -43,6 +43,7 @@ from halserve.lora.peft import (
     read_peft_config,
     resolve_adapter_dir,
 )
+from halserve.models.pipeline import is_other_stage_weight
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
@@ -84,7 +85,7 @@ def _moe_routers(model: nn.Module) -> set[str]:
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: "EngineConfig", device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.model_name = type(model).__name__
         self.device, self.dtype = device, dtype
         self.max_loras = config.max_loras
@@ -109,8 +110,8 @@ class LoRAManager:
         self.routes = _checkpoint_routes(model)
         self.targetable = self._targetable_names()
         self.model = model
-        self._cpu: OrderedDict[int, tuple["LoRARequest", dict[str, LoRAPair]]] = OrderedDict()
-        self._active: OrderedDict[int, "LoRARequest"] = OrderedDict()  # on the device
+        self._cpu: OrderedDict[int, tuple[LoRARequest, dict[str, LoRAPair]]] = OrderedDict()
+        self._active: OrderedDict[int, LoRARequest] = OrderedDict()  # on the device
 
     def _resolve(self, module: str) -> list[tuple[str, str, Any]] | None:
         """(part name, our layer name, shard id) for each part of checkpoint module ``module``, in
@@ -157,7 +158,7 @@ class LoRAManager:
                 "use an adapter trained with only those modules in target_modules")
 
     # -- adapters --------------------------------------------------------------------
-    def add(self, lora: "LoRARequest") -> None:
+    def add(self, lora: LoRARequest) -> None:
         """Load and validate ``lora`` (ValueError naming the adapter and the fix). The engine
         core decides what stays loaded (``halserve.lora.registry``): nothing is evicted here."""
         if lora.lora_int_id not in self._cpu:
@@ -173,7 +174,7 @@ class LoRAManager:
     def list_loras(self) -> list[int]:
         return list(self._cpu)
 
-    def _load(self, lora: "LoRARequest") -> dict[str, LoRAPair]:
+    def _load(self, lora: LoRARequest) -> dict[str, LoRAPair]:
         adapter_dir = resolve_adapter_dir(lora)
         config = read_peft_config(lora, adapter_dir, self.max_lora_rank)
         self._check_target_modules(lora, config)
@@ -193,7 +194,7 @@ class LoRAManager:
         return {name: self.layers[name].prepare(lora, modules, config.scaling, self.dtype)
                 for name, modules in grouped.items()}
 
-    def _split(self, lora: "LoRARequest", module: str, a: torch.Tensor,
+    def _split(self, lora: LoRARequest, module: str, a: torch.Tensor,
                b: torch.Tensor) -> list[tuple[str, Any, torch.Tensor]]:
         """(our layer name, shard id, its rows of lora_B) for each part of checkpoint module ``module``;
         every part keeps the whole lora_A, since x A^T is the same for all of them. ValueError if the
@@ -219,7 +220,7 @@ class LoRAManager:
                 "different base model")
         return [(layer_name, shard_id, b_rows) for (_, layer_name, shard_id), b_rows in zip(targets, b.split(rows))]
 
-    def _check_target_modules(self, lora: "LoRARequest", config: PeftLoRAConfig) -> None:
+    def _check_target_modules(self, lora: LoRARequest, config: PeftLoRAConfig) -> None:
         targets = config.target_modules
         if not isinstance(targets, (list, tuple)):
             return  # a regex or "all-linear": the weights themselves are checked module by module
@@ -234,11 +235,11 @@ class LoRAManager:
                 "use an adapter trained for this base model on those modules"))
 
     # -- per step --------------------------------------------------------------------
-    def set_batch(self, lora_requests: Sequence["LoRARequest | None"], query_start_loc: torch.Tensor) -> None:
+    def set_batch(self, lora_requests: Sequence[LoRARequest | None], query_start_loc: torch.Tensor) -> None:
         """Map this step's tokens to adapters. ``lora_requests[r]``: request r's adapter (batch
         order); its tokens are ``query_start_loc[r] : query_start_loc[r + 1]``."""
         rows: dict[int, list[int]] = {}
-        loras: dict[int, "LoRARequest"] = {}
+        loras: dict[int, LoRARequest] = {}
         for r, lora in enumerate(lora_requests):
             if lora is not None:
                 rows.setdefault(lora.lora_int_id, []).append(r)
@@ -259,7 +260,7 @@ class LoRAManager:
             groups.append((lora_id, torch.from_numpy(index).to(self.device, non_blocking=True)))
         self.batch.groups = groups
 
-    def _activate(self, lora: "LoRARequest") -> None:
+    def _activate(self, lora: LoRARequest) -> None:
         lora_id = lora.lora_int_id
         if lora_id in self._active:
             self._active.move_to_end(lora_id)

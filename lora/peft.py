@@ -39,11 +39,11 @@ class PeftLoRAConfig:
         return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
 
-def adapter_error(lora: "LoRARequest", message: str) -> ValueError:
+def adapter_error(lora: LoRARequest, message: str) -> ValueError:
     return ValueError(f"LoRA adapter {lora.lora_name!r} ({lora.lora_path}): {message}")
 
 
-def resolve_adapter_dir(lora: "LoRARequest") -> str:
+def resolve_adapter_dir(lora: LoRARequest) -> str:
     """A local directory for ``lora.lora_path``: itself, or a Hugging Face hub snapshot."""
     path = os.path.expanduser(lora.lora_path)
     if os.path.isdir(path):
@@ -60,7 +60,7 @@ def resolve_adapter_dir(lora: "LoRARequest") -> str:
                                   f"({type(exc).__name__}: {exc})") from None
 
 
-def read_peft_config(lora: "LoRARequest", adapter_dir: str, max_lora_rank: int) -> PeftLoRAConfig:
+def read_peft_config(lora: LoRARequest, adapter_dir: str, max_lora_rank: int) -> PeftLoRAConfig:
     """The adapter's config, validated: ValueError for what halserve does not serve."""
     path = os.path.join(adapter_dir, CONFIG_NAME)
     if not os.path.isfile(path):
@@ -106,7 +106,7 @@ def read_peft_config(lora: "LoRARequest", adapter_dir: str, max_lora_rank: int) 
     return PeftLoRAConfig(r=r, lora_alpha=float(alpha), use_rslora=rslora, target_modules=cfg.get("target_modules"))
 
 
-def read_lora_weights(lora: "LoRARequest", adapter_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+def read_lora_weights(lora: LoRARequest, adapter_dir: str) -> dict[str, dict[str, torch.Tensor]]:
     """``{module name (as in the base model, e.g. model.layers.0.self_attn.q_proj): {"A": [r, in],
     "B": [out, r]}}`` from the adapter's weights file."""
     for name in WEIGHTS_NAMES:

@@ -25,11 +25,11 @@ class LoRARegistry:
         self.max_cpu_loras = max_cpu_loras
         self._rpc = rpc  # the executor's collective_rpc: every worker runs the method
         self._in_use = in_use  # lora_int_ids of the unfinished requests
-        self.loras: OrderedDict[int, "LoRARequest"] = OrderedDict()  # loaded on the workers, LRU first
+        self.loras: OrderedDict[int, LoRARequest] = OrderedDict()  # loaded on the workers, LRU first
         self._retiring: set[int] = set()  # removed, but loaded until their last request ends
         self._pins: dict[int, int] = {}  # lora_int_id -> callers keeping it loaded (``pin``)
 
-    def add(self, lora: "LoRARequest") -> bool:
+    def add(self, lora: LoRARequest) -> bool:
         """Have every worker load and validate ``lora`` unless it holds it; ValueError, with the
         engine unharmed, when it cannot be served. True if it was loaded now."""
         known = self.loras.get(lora.lora_int_id)

@@ -18,7 +18,8 @@ replicated on every tensor-parallel rank (no sharding, quantization or LoRA).
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn

@@ -35,7 +35,8 @@ Checkpoint names, both schemes loaded (LLaVA's; the tower directly under ``visio
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,11 +44,11 @@ from torch import nn
 from halserve.distributed import get_pp_state
 from halserve.layers import ModelContext
 from halserve.layers.linear import vision_linear
-from halserve.models.vision_layers import get_activation
 from halserve.models.internvl_vision import InternVisionModel, square_size
 from halserve.models.llama import LlamaForCausalLM
 from halserve.models.pipeline import PPMissingLayer
 from halserve.models.vision_language import VisionLanguageModel
+from halserve.models.vision_layers import get_activation
 
 TEXT_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # decoders of LlamaForCausalLM
 VISION_MODEL_TYPES = ("internvl_vision",)

@@ -22,7 +22,8 @@ or LoRA); the RMSNorms in float32 as transformers does.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn

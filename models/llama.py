@@ -19,8 +19,9 @@ layer through ``make_mlp``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from itertools import islice
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,7 +41,6 @@ from halserve.layers import (
 )
 from halserve.layers.rotary import RotaryEmbedding
 from halserve.models.pipeline import IntermediateTensors, PPMissingLayer, is_other_stage_weight, make_layers
-
 
 # decoders that are another one's under a different model_type
 MODEL_TYPE_ALIASES = {
@@ -259,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # the same tensor as embed_tokens (some checkpoints store both)
             if is_other_stage_weight(name, self):
                 continue  # (pipeline parallelism: another stage loads it)
-            for hf_part, our_part, shard_id in self.STACKED_PARAMS:
+            for hf_part, our_part, shard_id in self.STACKED_PARAMS:  # noqa: B007 (shard_id: read after the break)
                 if hf_part in name:
                     target = name.replace(hf_part, our_part)
                     break

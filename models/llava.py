@@ -34,10 +34,10 @@ from halserve.distributed import get_pp_state
 from halserve.layers import ModelContext
 from halserve.layers.linear import vision_linear
 from halserve.models.clip import CLIPVisionModel
-from halserve.models.vision_layers import feature_layer_index, get_activation
 from halserve.models.llama import LlamaForCausalLM
-from halserve.models.vision_language import VisionLanguageModel
 from halserve.models.pipeline import PPMissingLayer
+from halserve.models.vision_language import VisionLanguageModel
+from halserve.models.vision_layers import feature_layer_index, get_activation
 
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # decoders of LlamaForCausalLM
 VISION_MODEL_TYPES = ("clip_vision_model",)

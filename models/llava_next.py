@@ -24,7 +24,8 @@ Checkpoint names: LLaVA's two schemes (``llava.py``), plus the newline vector:
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn

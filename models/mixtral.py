@@ -9,7 +9,8 @@ experts (``mlp.experts.gate_up_proj`` / ``down_proj``); both layouts load.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn

@@ -19,7 +19,8 @@ Llama checkpoint's separate q_proj/k_proj/v_proj (gate_proj/up_proj) tensors do.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 

@@ -32,7 +32,8 @@ it there); the decoder gets it on a copy of the text config.
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -40,8 +41,8 @@ from halserve.distributed import get_pp_state
 from halserve.layers import ModelContext
 from halserve.models.llama import LlamaForCausalLM
 from halserve.models.pipeline import PPMissingLayer
-from halserve.models.vision_language import VisionLanguageModel
 from halserve.models.qwen2_vl_vision import Qwen2_5VisionTransformer, Qwen2VisionTransformer
+from halserve.models.vision_language import VisionLanguageModel
 
 DEFAULT_MROPE_SECTION = [16, 24, 24]  # transformers' default when a config names none
 

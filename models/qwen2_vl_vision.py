@@ -28,7 +28,8 @@ quantization or LoRA); rope and the attention softmax in float32 as transformers
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn

@@ -14,7 +14,8 @@ Layer i is sparse unless i is in ``mlp_only_layers``, ``num_experts`` is 0 or
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn

@@ -4,7 +4,8 @@ first pipeline stage only. Subclasses add the multimodal protocol's model-specif
 (docs/multimodal.md) and ``_load_vision_weight``."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn

@@ -3,7 +3,7 @@ feature-layer index, an RMSNorm over any shape, the fc1 -> act -> fc2 MLP, and f
 attention. Plain torch in the model dtype; linear layers through ``vision_linear``."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

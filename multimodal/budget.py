@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.request import Request
 
 
-def fit_encoder_budget(request: "Request", start: int, num_new_tokens: int, budget_left: int, budget: int,
+def fit_encoder_budget(request: Request, start: int, num_new_tokens: int, budget_left: int, budget: int,
                        fresh: bool) -> tuple[int, int]:
     """``(num_new_tokens cut before the first image that does not fit, image tokens to encode)`` for
     ``request``'s chunk of ``num_new_tokens`` from ``start``; ``fresh``: the runner gets the request

@@ -24,8 +24,9 @@ import io
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 from urllib.request import url2pathname
 
@@ -95,7 +96,7 @@ def _data_url_bytes(url: str, limit: int) -> bytes:
                          "standard base64 (RFC 4648, '+/' alphabet, '=' padding)") from None
 
 
-def _check_domain(url: str, allowed_media_domains: "Sequence[str] | None") -> None:
+def _check_domain(url: str, allowed_media_domains: Sequence[str] | None) -> None:
     if allowed_media_domains is None:
         return
     host = (urlparse(url).hostname or "").lower()
@@ -104,7 +105,7 @@ def _check_domain(url: str, allowed_media_domains: "Sequence[str] | None") -> No
                          f"(--allowed-media-domains); {_short(url)} names {host or 'no host'!r}")
 
 
-def _http_bytes(url: str, timeout: float, limit: int, allowed_media_domains: "Sequence[str] | None" = None) -> bytes:
+def _http_bytes(url: str, timeout: float, limit: int, allowed_media_domains: Sequence[str] | None = None) -> bytes:
     """The body of a GET of ``url``: within ``timeout`` seconds all told, at most ``limit`` bytes; with
     ``allowed_media_domains``, only from those hosts (redirects included)."""
     try:
@@ -174,7 +175,7 @@ def _file_bytes(url: str, allowed_local_media_path: str | None, limit: int) -> b
 
 
 # ---------------------------------------------------------------------- decoding
-def decode_image(data: bytes) -> "Image.Image":
+def decode_image(data: bytes) -> Image.Image:
     """Encoded bytes -> an RGB image; ValueError when they are not a (reasonable) image."""
     from PIL import Image, UnidentifiedImageError
 
@@ -201,7 +202,7 @@ def decode_image(data: bytes) -> "Image.Image":
     return _to_rgb(image)
 
 
-def _to_rgb(image: "Image.Image") -> "Image.Image":
+def _to_rgb(image: Image.Image) -> Image.Image:
     """RGB, with any transparency composited onto white (as vLLM's ``convert_image_mode``)."""
     from PIL import Image
 
@@ -217,7 +218,7 @@ def _to_rgb(image: "Image.Image") -> "Image.Image":
 
 # ---------------------------------------------------------------------- entry points
 def load_image(url: str, *, allowed_local_media_path: str | None = None, timeout: float | None = None,
-               allowed_media_domains: "Sequence[str] | None" = None) -> "Image.Image":
+               allowed_media_domains: Sequence[str] | None = None) -> Image.Image:
     """The RGB image ``url`` names (a data:, http(s): or file: URL). ``timeout``: seconds for an
     http(s) download (None: ``HALSERVE_MEDIA_FETCH_TIMEOUT_S``, default 10); ``allowed_media_domains``:
     the hosts http(s) URLs may name (None: any). ValueError on any failure."""
@@ -239,7 +240,7 @@ def load_image(url: str, *, allowed_local_media_path: str | None = None, timeout
 
 
 async def load_image_async(url: str, *, allowed_local_media_path: str | None = None, timeout: float | None = None,
-                           allowed_media_domains: "Sequence[str] | None" = None) -> "Image.Image":
+                           allowed_media_domains: Sequence[str] | None = None) -> Image.Image:
     """``load_image`` in a worker thread (downloads and decoding keep the event loop free)."""
     return await asyncio.to_thread(load_image, url, allowed_local_media_path=allowed_local_media_path,
                                    timeout=timeout, allowed_media_domains=allowed_media_domains)

@@ -169,14 +169,22 @@ def halserve_attention_backends() -> list[type]:
 
 @hookimpl
 def halserve_kernels() -> list[type]:
-    from halserve.platforms.cpu_kernels.fused import (CpuFusedRmsNorm, CpuFusedRotaryEmbedding, CpuFusedSiluAndMul,
-                                                      CpuScaledInt8Quant)
-    from halserve.platforms.cpu_kernels.onednn_gemm import OneDnnGemm
-    from halserve.platforms.cpu_kernels.onednn_int8_gemm import OneDnnInt8ScaledGemm
-    from halserve.platforms.cpu_kernels.native_fp8 import (NativeFp8BlockScaledGemm, NativeFp8ScaledGemm,
-                                                           NativePerTokenGroupFp8Quant, NativeScaledFp8Quant)
+    from halserve.platforms.cpu_kernels.fused import (
+        CpuFusedRmsNorm,
+        CpuFusedRotaryEmbedding,
+        CpuFusedSiluAndMul,
+        CpuScaledInt8Quant,
+    )
+    from halserve.platforms.cpu_kernels.native_fp8 import (
+        NativeFp8BlockScaledGemm,
+        NativeFp8ScaledGemm,
+        NativePerTokenGroupFp8Quant,
+        NativeScaledFp8Quant,
+    )
     from halserve.platforms.cpu_kernels.native_int4 import NativeInt4AwqGemm, NativeInt4GptqGemm
     from halserve.platforms.cpu_kernels.native_int8 import NativeInt8ScaledGemm
+    from halserve.platforms.cpu_kernels.onednn_gemm import OneDnnGemm
+    from halserve.platforms.cpu_kernels.onednn_int8_gemm import OneDnnInt8ScaledGemm
     from halserve.platforms.cpu_kernels.quant_gemm import CpuInt4AwqGemm, CpuInt4GptqGemm, CpuInt8ScaledGemm
 
     return [OneDnnGemm, CpuFusedRmsNorm, CpuFusedRotaryEmbedding, CpuFusedSiluAndMul,

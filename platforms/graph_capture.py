@@ -15,7 +15,8 @@ speed-up; it proves the runner's buffer plumbing on any device, the CPU tests us
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -32,7 +33,7 @@ class GraphCapture:
     from the metadata's device tensors (``AttentionBackend`` subclasses say so with
     ``supports_graph_capture = True``)."""
 
-    def capture(self, fn: Callable[[], "torch.Tensor"]) -> Callable[[], "torch.Tensor"]:
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """Run ``fn`` once, recording it; return the replay. ``fn`` has already run eagerly once
         (kernels compiled, workspaces allocated), so nothing in it may need a first-call setup."""
         raise NotImplementedError

@@ -8,7 +8,6 @@ import os
 from halserve.platforms.base import Platform, ProbeResult
 from halserve.plugins import PluginManifest, hookimpl
 
-
 # TEST-ONLY: makes the tpu platform available on torch-xla's CPU device (PJRT_DEVICE=CPU),
 # so its model runner and XLA attention fallback run in CI without a TPU. Never on by default.
 TEST_SWITCH = "HALSERVE_TPU_ALLOW_XLA_CPU"

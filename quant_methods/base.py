@@ -71,24 +71,24 @@ class QuantMethod:
     def describe(cls) -> dict[str, Any]:
         return {"platforms": list(cls.platforms), "description": cls.description}
 
-    def get_method_for_layer(self, prefix: str) -> "QuantMethod":
+    def get_method_for_layer(self, prefix: str) -> QuantMethod:
         """The method for the linear layer named ``prefix`` (e.g. ``model.layers.0.mlp.down_proj``)
         (optional) default: self. Formats that leave some layers unquantized
         (``modules_to_not_convert``, ``ignore``) return an ``UnquantizedLinearMethod`` here."""
         return self
 
     def create_weights(
-        self, layer: "torch.nn.Module", input_size: int, output_size: int, params_dtype: "torch.dtype"
+        self, layer: torch.nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype
     ) -> None:
         """Register the layer's weight parameters (TP-local sizes) on ``layer``."""
         raise NotImplementedError
 
-    def process_weights_after_loading(self, layer: "torch.nn.Module") -> None:
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack/convert the loaded weights (optional) default: nothing."""
 
     def apply(
-        self, layer: "torch.nn.Module", x: "torch.Tensor", bias: "torch.Tensor | None" = None
-    ) -> "torch.Tensor":
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``x [M, input_size] -> [M, output_size]`` (``x @ W.T + bias``)."""
         raise NotImplementedError
 
@@ -101,8 +101,8 @@ class QuantMethod:
         raise ValueError(f"quantization {self.name!r} does not support MoE experts yet; serve an unquantized "
                          "checkpoint of this model")
 
-    def dequantize_weight(self, tensors: dict[str, "torch.Tensor"], input_size: int,
-                          output_size: int) -> "torch.Tensor":
+    def dequantize_weight(self, tensors: dict[str, torch.Tensor], input_size: int,
+                          output_size: int) -> torch.Tensor:
         """The float weight ``[output_size, input_size]`` that ``tensors`` (named as
         ``expert_weight_names`` says, the whole projection, not a rank's share) stand for."""
         raise NotImplementedError

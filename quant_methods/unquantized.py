@@ -16,7 +16,7 @@ class UnquantizedLinearMethod(QuantMethod):
     name = "unquantized"
     description = "dense weights in the model dtype through the gemm kernel"
 
-    def create_weights(self, layer: "nn.Module", input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         from halserve.kernels import resolve_kernel
 
         weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False)
@@ -26,7 +26,7 @@ class UnquantizedLinearMethod(QuantMethod):
         dtype_name = str(params_dtype).replace("torch.", "")
         layer.gemm_kernel = resolve_kernel("gemm", self.platform_name, dtype=dtype_name, n=output_size, k=input_size)
 
-    def process_weights_after_loading(self, layer: "nn.Module") -> None:
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
         prepare_gemm_weight(layer)  # e.g. oneDNN's blocked layout, the dense copy dropped
 
     def expert_weight_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -35,5 +35,5 @@ class UnquantizedLinearMethod(QuantMethod):
     def dequantize_weight(self, tensors: dict[str, torch.Tensor], input_size: int, output_size: int) -> torch.Tensor:
         return tensors["weight"]
 
-    def apply(self, layer: "nn.Module", x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return layer.gemm_kernel(x, gemm_weight(layer), bias)

@@ -2,7 +2,7 @@
 given tokens (a prompt's) from the hidden states before them."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -89,7 +89,7 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: Collection[int] | Sequence[Collection[int]] = (),
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """Build the metadata of one step's batch.
 
         Row ``i`` of every argument describes the request in row ``i`` of the logits:

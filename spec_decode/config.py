@@ -37,7 +37,7 @@ class SpeculativeConfig(BaseModel):
     device busy, and checking drafts costs compute. None: always draft."""
 
     @model_validator(mode="after")
-    def _lookup_range(self) -> "SpeculativeConfig":
+    def _lookup_range(self) -> SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError('speculative_config method "draft_model" needs "model": the draft checkpoint')
         if self.method == "ngram" and self.model is not None:
@@ -52,7 +52,7 @@ class SpeculativeConfig(BaseModel):
         return self.prompt_lookup_min if self.prompt_lookup_min is not None else self.prompt_lookup_max
 
     @classmethod
-    def parse(cls, value: object) -> "SpeculativeConfig":
+    def parse(cls, value: object) -> SpeculativeConfig:
         """From a dict, a JSON string (``--speculative-config``) or an instance."""
         if isinstance(value, cls):
             return value

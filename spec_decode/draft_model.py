@@ -55,7 +55,7 @@ class WorkerDrafts:
 class DraftModelProposer:
     """Owned by the model runner when ``speculative_config.method`` is "draft_model"."""
 
-    def __init__(self, config: "EngineConfig", platform: "Platform", target_info: "ModelInfo") -> None:
+    def __init__(self, config: EngineConfig, platform: Platform, target_info: ModelInfo) -> None:
         from halserve.models.loader import get_model_info
         from halserve.worker.backend_selection import select_attention_backend
 
@@ -121,7 +121,7 @@ class DraftModelProposer:
         with set_forward_context(self.attn_backend_cls.build_metadata(common)):
             self.model(self._embeddable(input_ids), positions)
 
-    def propose(self, states: list["CachedRequestState"], max_model_len: int) -> list[list[int]]:
+    def propose(self, states: list[CachedRequestState], max_model_len: int) -> list[list[int]]:
         """Step 2: up to k drafts after each request's last token (its state is up to date)."""
         k, bs = self.num_speculative_tokens, self.block_size
         last = np.array([s.num_tokens - 1 for s in states], dtype=np.int64)  # P per request

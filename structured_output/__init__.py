@@ -220,7 +220,7 @@ class StructuredOutputManager:
         self._compiler_lock = threading.Lock()
         self._queue: queue.SimpleQueue | None = None  # (future, key) to compile; None stops a thread
 
-    def submit(self, request: "Request") -> None:
+    def submit(self, request: Request) -> None:
         """Queue the compile of ``request``'s grammar (``grammar_future``). The result is the
         compiled grammar, or None (an error logged) if it does not compile (``validate``
         parsed it when the request was added, so this is not expected: it runs unconstrained).
@@ -233,7 +233,7 @@ class StructuredOutputManager:
         self._queue.put((future, request.sampling_params.structured_outputs.key))
         request.grammar_future = future
 
-    def cancel(self, request: "Request") -> None:
+    def cancel(self, request: Request) -> None:
         """``request`` ended (aborted, perhaps while waiting): its compile is dropped if it has not
         started (one that has runs to its end; xgrammar cannot stop it)."""
         if request.grammar_future is not None:
@@ -248,7 +248,7 @@ class StructuredOutputManager:
             if future.set_running_or_notify_cancel():  # (False: cancelled while queued)
                 future.set_result(self._compile(key))
 
-    def is_ready(self, request: "Request") -> bool:
+    def is_ready(self, request: Request) -> bool:
         """Whether ``request`` may run: it has no grammar to wait for. The first call after its
         compile finished gives it its matcher (``request.grammar``)."""
         future = request.grammar_future
@@ -261,7 +261,7 @@ class StructuredOutputManager:
         return True
 
     @staticmethod
-    def wait(requests: "Iterable[Request]", timeout: float) -> None:
+    def wait(requests: Iterable[Request], timeout: float) -> None:
         """Block until one of ``requests``' grammars compiles, at most ``timeout`` seconds."""
         pending = [r.grammar_future for r in requests if r.grammar_future is not None]
         if pending:
@@ -295,7 +295,7 @@ class StructuredOutputManager:
         return RequestGrammar(params, matcher, waits=params.start_after is not None, gated=params.opened_by is not None)
 
     def grammar_bitmask(self, grammars: list[RequestGrammar],
-                        drafts: list[list[int]] | None = None) -> "torch.Tensor":
+                        drafts: list[list[int]] | None = None) -> torch.Tensor:
         """[rows, ceil(vocab / 32)] int32: bit t of a row says token t may come next (a gated
         grammar's ``opened_by`` token stays allowed). One row per grammar, or with ``drafts``
         (speculative decoding: drafts its grammar accepts, ``RequestGrammar.valid_prefix``)
@@ -334,7 +334,7 @@ def _lower_thread_priority() -> None:
         pass
 
 
-def apply_grammar_bitmask(logits: "torch.Tensor", rows: "torch.Tensor", bitmask: "torch.Tensor") -> "torch.Tensor":
+def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """-inf in ``logits`` [R, V] rows ``rows`` [k] for every token the matching ``bitmask`` row
     [k, ceil(V' / 32)] int32 does not allow (tokens past its V' are not allowed); returns the
     masked logits (a copy: the caller's stay as they were). Plain torch: any device."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 import torch
-
 from model_factory import ARCHS, _hf_config, _randomize, make_tokenizer
 
 HIDDEN_SIZE = 64

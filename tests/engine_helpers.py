@@ -1,7 +1,6 @@
 """Helpers for engine tests: model families, prompt lengths, transformers' greedy output."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]

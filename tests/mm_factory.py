@@ -28,7 +28,6 @@ import math
 import os
 
 import torch
-
 from model_factory import _hf_config, _randomize, make_tokenizer
 
 IMAGE_TOKEN = "<image>"

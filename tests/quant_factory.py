@@ -37,7 +37,7 @@ EXPERT_LINEARS = ("w1", "w2", "w3")  # Mixtral's expert projections (Qwen MoE's 
 def _copy_base(base: str, out: str) -> None:
     shutil.copytree(base, out, dirs_exist_ok=True)
     for name in os.listdir(out):
-        if name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
+        if name.endswith((".safetensors", ".safetensors.index.json")):
             os.remove(os.path.join(out, name))
 
 

@@ -40,7 +40,7 @@ class ServerProcess:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read()
 
-    def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
+    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
-def select_attention_backend(config: "EngineConfig", platform: "Platform", info: "ModelInfo") -> type:
+def select_attention_backend(config: EngineConfig, platform: Platform, info: ModelInfo) -> type:
     """The forced backend (config or HALSERVE_ATTENTION_BACKEND), else the platform's
     first preferred backend that supports this model's configuration."""
     from halserve.plugins import get_plugin_manager

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.worker.model_runner import ModelRunner
 
 
-def attach_connector(runner: "ModelRunner") -> "KVConnector | None":
+def attach_connector(runner: ModelRunner) -> KVConnector | None:
     """The worker-side connector the config asks for, with the runner's caches registered; None: none."""
     config = runner.config
     if config.kv_transfer_config is None:
@@ -37,7 +37,7 @@ def attach_connector(runner: "ModelRunner") -> "KVConnector | None":
     return connector
 
 
-def start_step(connector: "KVConnector | None", metadata: "KVConnectorMetadata | None") -> "KVConnector | None":
+def start_step(connector: KVConnector | None, metadata: KVConnectorMetadata | None) -> KVConnector | None:
     """Begin the step's loads; returns the connector the layers call this step (None: no transfers)."""
     if connector is None or metadata is None or not (metadata.loads or metadata.saves):
         return None
@@ -45,7 +45,7 @@ def start_step(connector: "KVConnector | None", metadata: "KVConnectorMetadata |
     return connector
 
 
-def finish_step(connector: "KVConnector | None") -> set[int]:
+def finish_step(connector: KVConnector | None) -> set[int]:
     """Finish the step's saves; the blocks whose loads failed."""
     if connector is None:
         return set()

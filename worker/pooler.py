@@ -33,7 +33,7 @@ class PromptPool:
 
 
 def accumulate_prompt_rows(
-    states: list["CachedRequestState"], query_start_loc: torch.Tensor, seq_lens: "np.ndarray", hidden: torch.Tensor
+    states: list[CachedRequestState], query_start_loc: torch.Tensor, seq_lens: np.ndarray, hidden: torch.Tensor
 ) -> None:
     """Fold this step's prompt rows of ``hidden`` [T, hidden] into ``state.prompt_pool`` of each
     MEAN or CLS embedding request. ``query_start_loc`` [R+1] and ``seq_lens`` [R] are the step's
@@ -66,7 +66,7 @@ def accumulate_prompt_rows(
                 pooled.num_rows += num_prompt_rows
 
 
-def pool(last_rows: torch.Tensor, states: list["CachedRequestState"], model: torch.nn.Module) -> list[list[float]]:
+def pool(last_rows: torch.Tensor, states: list[CachedRequestState], model: torch.nn.Module) -> list[list[float]]:
     """Results of the pooling requests that finish their prompt this step: ``last_rows``
     [R, hidden] is each one's hidden state at its last prompt token (what LAST pools); MEAN
     and CLS read what ``accumulate_prompt_rows`` kept, which covers the whole prompt by now.

@@ -14,9 +14,9 @@ from halserve.attention_backends.base import AttentionMetadata
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.lora.request import LoRARequest
-    from halserve.scheduler_output import SchedulerOutput
     from halserve.multimodal.processing import MRopePositions, MultiModalFeature
     from halserve.sampling_params import SamplingParams
+    from halserve.scheduler_output import SchedulerOutput
     from halserve.worker.pooler import PromptPool
 
 logger = logging.getLogger("halserve.worker.model_runner")
@@ -27,7 +27,7 @@ class StepInputs:
     """One step's flattened inputs, on the host; the runner moves them to the device."""
 
     req_ids: list[str]  # batch order
-    states: list["CachedRequestState"]
+    states: list[CachedRequestState]
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     common: AttentionMetadata  # host tensors
@@ -52,16 +52,16 @@ class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    sampling_params: "SamplingParams"
+    sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
     # prompt_logprobs asked and the prompt not yet all scored: entries for prompt tokens 1.. so far
     prompt_logprobs: list | None = None
     pooled: list[float] | None = None  # a pooling request's result (embedding or class probs), until sent
-    prompt_pool: "PromptPool | None" = None  # a MEAN/CLS embedding request's prompt rows pooled so far
-    lora_request: "LoRARequest | None" = None  # its LoRA adapter; None: the base model
-    mm_features: "list[MultiModalFeature] | None" = None  # its images; None: none
-    mrope_positions: "MRopePositions | None" = None  # an M-RoPE model's prompt positions with images
+    prompt_pool: PromptPool | None = None  # a MEAN/CLS embedding request's prompt rows pooled so far
+    lora_request: LoRARequest | None = None  # its LoRA adapter; None: the base model
+    mm_features: list[MultiModalFeature] | None = None  # its images; None: none
+    mrope_positions: MRopePositions | None = None  # an M-RoPE model's prompt positions with images
     # its images' embeddings computed and not yet all fed to the model: feature index -> [length, H]
     mm_embeddings: dict[int, torch.Tensor] | None = None
 
@@ -78,7 +78,7 @@ class CachedRequestState:
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
 
 
-def update_states(requests: dict[str, CachedRequestState], out: "SchedulerOutput", receives_tokens: bool) -> None:
+def update_states(requests: dict[str, CachedRequestState], out: SchedulerOutput, receives_tokens: bool) -> None:
     """Apply a step's diffs to the runner's request states: drop finished (and preempted) requests,
     add new (and resumed) ones, extend the others. ``receives_tokens``: a pipeline stage before the
     last, which learns the sampled tokens from the scheduler (the last stage sampled them itself)."""

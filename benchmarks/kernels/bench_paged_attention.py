@@ -128,8 +128,8 @@ def main() -> None:
 
     import torch
 
-    from halserve.attention_backends.triton_paged import TritonPagedAttentionBackend
     from halserve.attention_backends import triton_paged_kernels as kernels
+    from halserve.attention_backends.triton_paged import TritonPagedAttentionBackend
 
     dtype = getattr(torch, DTYPES[args.dtype])
     backend = TritonPagedAttentionBackend(args.num_heads, args.head_size, args.head_size**-0.5, args.num_kv_heads,
@@ -226,7 +226,9 @@ def decode_grid(args, backend, kernels, common, device) -> None:
             def percent(forced: dict[str, str]) -> str:
                 try:
                     with forced_env(forced):
-                        ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md), device, args.iters)
+                        # (ruff reads the `del` below as before the call: percent runs first)
+                        ms = time_ms(lambda: backend.forward(q, k, v, kv_cache, md),  # noqa: F821
+                                     device, args.iters)
                     return f"{100 * kv_bytes / (ms * 1e-3) / 1e9 / args.peak_gbps:.1f}"
                 except Exception as exc:  # a configuration that cannot build: say so, go on
                     return type(exc).__name__[:7]

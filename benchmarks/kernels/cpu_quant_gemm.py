@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def median_ms(fn: Callable[[], object], budget_s: float, max_calls: int = 50) -> float:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
 from halserve.entrypoints.openai.constraints import named_tool, template_tool_call
-from halserve.sampling_params import MAX_LOGPROBS
 from halserve.entrypoints.openai.protocol import (
     OpenAIModel,
     PromptLogprobs,
@@ -16,6 +15,7 @@ from halserve.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from halserve.sampling_params import MAX_LOGPROBS
 
 
 def str_or_list(item: type) -> Any:
@@ -24,7 +24,7 @@ def str_or_list(item: type) -> Any:
     which ``errors`` leaves out of a field's path."""
     tag = f"list[{item.__name__}]"
     return Annotated[
-        Union[Annotated[str, Tag("str")], Annotated[list[item], Tag(tag)]],  # type: ignore[valid-type]
+        Annotated[str, Tag("str")] | Annotated[list[item], Tag(tag)],  # type: ignore[valid-type]
         Discriminator(lambda value: "str" if isinstance(value, str) else tag),
     ]
 
@@ -48,7 +48,7 @@ class ChatContentPart(OpenAIModel):
         return {"url": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _check_part(self) -> "ChatContentPart":
+    def _check_part(self) -> ChatContentPart:
         if self.type == "text":
             if self.text is None:
                 raise ValueError("a 'text' content part needs a 'text' field")
@@ -101,7 +101,7 @@ class ChatMessage(OpenAIModel):
     reasoning_content: str | None = None  # ... or its older name; templates read reasoning_content
 
     @model_validator(mode="after")
-    def _images_from_users(self) -> "ChatMessage":
+    def _images_from_users(self) -> ChatMessage:
         if self.role != "user" and self.image_urls():
             raise ValueError(f"images are allowed in user messages only; this {self.role!r} message has an "
                              "'image_url' content part (move the image to a user message)")
@@ -156,7 +156,7 @@ class ChatCompletionRequest(SamplingRequest):
     include_reasoning: bool = True  # with --reasoning-parser: False leaves the reasoning out
 
     @model_validator(mode="after")
-    def _check_chat(self) -> "ChatCompletionRequest":
+    def _check_chat(self) -> ChatCompletionRequest:
         choice = self.tool_choice
         if not self.tools:
             if choice not in (None, "none", "auto"):

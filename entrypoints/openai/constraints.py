@@ -14,18 +14,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.entrypoints.openai.protocol import SamplingRequest
 
 
-def output_constraint(req: "SamplingRequest") -> dict[str, Any] | None:
+def output_constraint(req: SamplingRequest) -> dict[str, Any] | None:
     """The request's one constraint (None: free text); two at once are a 400."""
     return next(iter(_constraint_sources(req).values()), None)
 
 
-def constraint_messages(req: "SamplingRequest") -> dict[str, str | None]:
+def constraint_messages(req: SamplingRequest) -> dict[str, str | None]:
     """``add_requests``' message_params: an engine error about the constraint names the request
     field that gave it (response_format, structured_outputs, guided_json, tool_choice...)."""
     return {"structured outputs": next(iter(_constraint_sources(req)), None)}
 
 
-def _constraint_sources(req: "SamplingRequest") -> dict[str, dict[str, Any]]:
+def _constraint_sources(req: SamplingRequest) -> dict[str, dict[str, Any]]:
     """{the request field that gives it: the constraint}; two at once are a 400."""
     sources: dict[str, dict[str, Any]] = {}
     if req.calls_tools:
@@ -60,7 +60,7 @@ def _constraint_sources(req: "SamplingRequest") -> dict[str, dict[str, Any]]:
     return sources
 
 
-def named_tool(req: "ChatCompletionRequest") -> "ChatTool":
+def named_tool(req: ChatCompletionRequest) -> ChatTool:
     """The tool a named tool_choice picks; ValueError if it names none of the tools."""
     choice = req.tool_choice
     function = choice.get("function") if isinstance(choice, dict) else None
@@ -74,7 +74,7 @@ def named_tool(req: "ChatCompletionRequest") -> "ChatTool":
     raise ValueError(f"tool_choice names {name!r}, which is not among the tools ({names})")
 
 
-def tool_calls_schema(req: "ChatCompletionRequest") -> dict[str, Any]:
+def tool_calls_schema(req: ChatCompletionRequest) -> dict[str, Any]:
     """A forced tool call's JSON schema: a named function's arguments, or for 'required' a
     non-empty array of {"name", "parameters"} of any of the tools (one item at most without
     parallel_tool_calls)."""

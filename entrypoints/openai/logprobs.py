@@ -3,7 +3,8 @@ OpenAI formats: legacy completions (tokens / token_logprobs / top_logprobs /
 text_offset) and chat (``content: [{token, logprob, bytes, top_logprobs}]``)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from halserve.entrypoints.openai.chat_protocol import ChatChoiceLogprobs, ChatTokenLogprob, ChatTopLogprob
 from halserve.entrypoints.openai.protocol import CompletionLogProbs, PromptLogprob, PromptLogprobs
@@ -50,7 +51,7 @@ def _append_legacy(result: CompletionLogProbs, token_ids: Any, entries: Any, dec
         result.text_offset.append(offset)
 
 
-def prompt_text_offsets(tokenizer: Any, request: "RequestOutput", params: "SamplingParams") -> list[int]:
+def prompt_text_offsets(tokenizer: Any, request: RequestOutput, params: SamplingParams) -> list[int]:
     """``text_offset`` of an echoed prompt's tokens: decoded as the engine's detokenizer
     decodes output. The echoed text is the prompt string, which holds no special token the
     tokenizer added (a BOS: zero width), or for a prompt given as token ids
@@ -66,11 +67,11 @@ def prompt_text_offsets(tokenizer: Any, request: "RequestOutput", params: "Sampl
 
 
 def completion_logprobs(
-    output: "CompletionOutput",
+    output: CompletionOutput,
     start: int,
     decode: Decode,
     base: int = 0,
-    echoed: "RequestOutput | None" = None,
+    echoed: RequestOutput | None = None,
     echoed_offsets: list[int] | None = None,
 ) -> CompletionLogProbs | None:
     """Logprobs of ``output.token_ids[start:]``; their text offsets are the engine's
@@ -89,7 +90,7 @@ def completion_logprobs(
     return result
 
 
-def prompt_logprobs(output: "RequestOutput", decode: Decode) -> PromptLogprobs | None:
+def prompt_logprobs(output: RequestOutput, decode: Decode) -> PromptLogprobs | None:
     """vLLM's ``prompt_logprobs`` response field, from the engine's (None when not asked)."""
     if output.prompt_logprobs is None:
         return None
@@ -102,7 +103,7 @@ def prompt_logprobs(output: "RequestOutput", decode: Decode) -> PromptLogprobs |
     ]
 
 
-def chat_logprobs(output: "CompletionOutput", start: int, top_n: int, decode: Decode) -> ChatChoiceLogprobs | None:
+def chat_logprobs(output: CompletionOutput, start: int, top_n: int, decode: Decode) -> ChatChoiceLogprobs | None:
     """Chat-format logprobs of ``output.token_ids[start:]`` with ``top_n`` alternatives."""
     if output.logprobs is None:
         return None

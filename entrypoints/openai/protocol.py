@@ -84,7 +84,7 @@ class OpenAIModel(BaseModel):
         return {key: value for key, value in data.items() if value is not None or key not in _not_nullable(cls)}
 
     @model_validator(mode="after")
-    def _log_unknown(self) -> "OpenAIModel":
+    def _log_unknown(self) -> OpenAIModel:
         extra = self.model_extra or {}
         if extra:
             logger.info("ignoring unknown request fields: %s", ", ".join(sorted(extra)))
@@ -137,7 +137,7 @@ class SamplingRequest(OpenAIModel):
     length_penalty: float | None = None  # use_beam_search's final ranking (vLLM's; default 1.0)
 
     @model_validator(mode="after")
-    def _check_common(self) -> "SamplingRequest":
+    def _check_common(self) -> SamplingRequest:
         if self.length_penalty is not None and not self.use_beam_search:
             raise ValueError("length_penalty only applies to beam search: set use_beam_search to true, "
                              "or leave length_penalty out")
@@ -199,7 +199,7 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
 
     @model_validator(mode="after")
-    def _check_completion(self) -> "CompletionRequest":
+    def _check_completion(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ValueError("best_of is not supported (only best_of == n)")
         if self.suffix:

@@ -52,7 +52,7 @@ class InputPart(OpenAIModel):
     detail: Literal["auto", "low", "high"] | None = None  # an input_image's; accepted, not used
 
     @model_validator(mode="after")
-    def _check_part(self) -> "InputPart":
+    def _check_part(self) -> InputPart:
         if self.type == IMAGE_PART:
             if self.file_id is not None:
                 raise ValueError("input_image parts with a file_id are not supported (this server stores no files); "
@@ -90,7 +90,7 @@ class InputItem(OpenAIModel):
     encrypted_content: str | None = None
 
     @model_validator(mode="after")
-    def _check_item(self) -> "InputItem":
+    def _check_item(self) -> InputItem:
         parts = self.content if isinstance(self.content, list) else []
         if self.type == "message":
             if self.role is None:
@@ -135,7 +135,7 @@ class TextFormat(OpenAIModel):
     strict: bool | None = None
 
     @model_validator(mode="after")
-    def _check_schema(self) -> "TextFormat":
+    def _check_schema(self) -> TextFormat:
         if self.type == "json_schema" and (not self.name or self.schema_ is None):
             raise ValueError('a text.format of type "json_schema" needs a name and a schema (a JSON schema object)')
         return self
@@ -223,7 +223,7 @@ class ResponsesRequest(SamplingRequest):
         return value
 
     @model_validator(mode="after")
-    def _one_constraint(self) -> "ResponsesRequest":
+    def _one_constraint(self) -> ResponsesRequest:
         others = [name for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
                                     "guided_grammar") if getattr(self, name) is not None]
         if self.text_format.type != "text" and others:
@@ -361,7 +361,7 @@ class ResponsesResponse(BaseModel):
 
     @classmethod
     def in_progress(cls, req: ResponsesRequest, response_id: str, model: str, created_at: int,
-                    temperature: float, top_p: float) -> "ResponsesResponse":
+                    temperature: float, top_p: float) -> ResponsesResponse:
         """The response as announced before any output: the request's settings echoed."""
         return cls(
             id=response_id, created_at=created_at, model=model, status="in_progress",

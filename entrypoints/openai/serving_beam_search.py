@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -65,7 +66,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def beam_search_params(req: "SamplingRequest", max_tokens: int | None, max_model_len: int | None) -> BeamSearchParams:
+def beam_search_params(req: SamplingRequest, max_tokens: int | None, max_model_len: int | None) -> BeamSearchParams:
     """The request's ``BeamSearchParams``; a 400 naming the field it cannot honour.
     ``max_tokens`` None: up to the context's end."""
     for name, off in _UNSUPPORTED.items():
@@ -98,7 +99,7 @@ def beam_search_params(req: "SamplingRequest", max_tokens: int | None, max_model
         raise BadRequestError(str(exc), param=field) from None
 
 
-def decoding_params(req: "SamplingRequest") -> "SamplingParams":
+def decoding_params(req: SamplingRequest) -> SamplingParams:
     """How the beams' tokens become text: the request's decoding options."""
     from halserve.sampling_params import SamplingParams
 
@@ -107,7 +108,7 @@ def decoding_params(req: "SamplingRequest") -> "SamplingParams":
 
 
 def request_output(out: BeamSearchOutput, request_id: str, prompt_text: str | None, tokenizer: Any,
-                   params: "SamplingParams") -> "RequestOutput":
+                   params: SamplingParams) -> RequestOutput:
     """A search's result as a finished ``RequestOutput`` whose outputs are the beams, best first:
     their generated tokens, decoded as the engine decodes a completion."""
     from halserve.detokenizer import IncrementalDetokenizer
@@ -159,13 +160,13 @@ async def _until_disconnect(work: Awaitable[Any], raw_request: Request) -> Any:
 class _Finished:
     """A finished request's output as a one-item stream, what the endpoints' stream code reads."""
 
-    def __init__(self, output: "RequestOutput") -> None:
+    def __init__(self, output: RequestOutput) -> None:
         self._output: RequestOutput | None = output
 
-    def __aiter__(self) -> "_Finished":
+    def __aiter__(self) -> _Finished:
         return self
 
-    async def __anext__(self) -> "RequestOutput":
+    async def __anext__(self) -> RequestOutput:
         output, self._output = self._output, None
         if output is None:
             raise StopAsyncIteration
@@ -176,7 +177,7 @@ class _Finished:
 
 
 # ---------------------------------------------------------------------- endpoints
-async def create_completion(handler: "OpenAIServingCompletion", req: "CompletionRequest", raw_request: Request,
+async def create_completion(handler: OpenAIServingCompletion, req: CompletionRequest, raw_request: Request,
                             model: str) -> Response:
     """/v1/completions with use_beam_search: each prompt's n best beams, choice index = prompt
     index * n + rank (a search may return fewer: a vocabulary under 2 * n tokens)."""
@@ -212,7 +213,7 @@ async def create_completion(handler: "OpenAIServingCompletion", req: "Completion
     return JSONResponse(response.model_dump())
 
 
-async def create_chat_completion(handler: "OpenAIServingChat", req: "ChatCompletionRequest", raw_request: Request,
+async def create_chat_completion(handler: OpenAIServingChat, req: ChatCompletionRequest, raw_request: Request,
                                  model: str) -> Response:
     """/v1/chat/completions with use_beam_search: the n best beams as the choices, each reply
     read as the endpoint reads any (a reasoning parser splits off the thinking)."""
@@ -235,7 +236,7 @@ async def create_chat_completion(handler: "OpenAIServingChat", req: "ChatComplet
     return JSONResponse(response.model_dump())
 
 
-def _chat_response(reply: Callable[..., Any], req: "ChatCompletionRequest", final: "RequestOutput", start: Any,
+def _chat_response(reply: Callable[..., Any], req: ChatCompletionRequest, final: RequestOutput, start: Any,
                    request_id: str, model: str, created: int) -> ChatCompletionResponse:
     choices = []
     for o in final.outputs:

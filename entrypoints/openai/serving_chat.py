@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halserve.engine.processor import check_text_length
 from halserve.entrypoints.openai import serving_beam_search
-from halserve.entrypoints.openai.constraints import constraint_messages, named_tool
-from halserve.entrypoints.openai.errors import BadRequestError
-from halserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs, token_decoder
 from halserve.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -27,12 +25,14 @@ from halserve.entrypoints.openai.chat_protocol import (
     ToolCall,
     ToolCallFunction,
 )
+from halserve.entrypoints.openai.constraints import constraint_messages, named_tool
+from halserve.entrypoints.openai.errors import BadRequestError
+from halserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs, token_decoder
 from halserve.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
 from halserve.entrypoints.openai.reasoning import ReplyStart
-from halserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from halserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ClientDisconnected,
@@ -41,6 +41,7 @@ from halserve.entrypoints.openai.serving_engine import (
     sendable_end,
     sse_event,
 )
+from halserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.async_llm import RequestStream
@@ -140,7 +141,7 @@ class OpenAIServingChat:
         images = await load_images(urls, serving.allowed_local_media_path, limit, serving.allowed_media_domains)
         return text, {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
-    def after_thinking(self, constraint: "StructuredOutputsParams", start: ReplyStart | None) -> None:
+    def after_thinking(self, constraint: StructuredOutputsParams, start: ReplyStart | None) -> None:
         """A thinking model's constraint applies after its thinking: from the end tag on (the
         tag's tokens). Where the reply may or may not open with the start tag (one token), the
         first token is that tag or one the constraint allows."""
@@ -151,7 +152,7 @@ class OpenAIServingChat:
             constraint.start_after = list(serving.reasoning_end_ids)
             constraint.opened_by = serving.reasoning_start_ids[0]
 
-    def reply_message(self, req: ChatCompletionRequest, output: "CompletionOutput", start: ReplyStart | None
+    def reply_message(self, req: ChatCompletionRequest, output: CompletionOutput, start: ReplyStart | None
                ) -> tuple[ChatResponseMessage, str | None]:
         """The assistant's message and finish reason. With a reasoning parser (``start`` set) the
         thinking goes to ``reasoning`` and what follows it is the reply. With a forced tool
@@ -186,7 +187,7 @@ class OpenAIServingChat:
                                       tool_calls=tool_calls)
         return message, finish
 
-    def _whole_reply(self, req: ChatCompletionRequest, output: "CompletionOutput", start: ReplyStart | None,
+    def _whole_reply(self, req: ChatCompletionRequest, output: CompletionOutput, start: ReplyStart | None,
                      top_n: int, decode: Any) -> ChatCompletionStreamChoice:
         """A streamed reply with tools, sent whole in its last delta: its text and its calls."""
         message, finish_reason = self.reply_message(req, output, start)
@@ -265,7 +266,7 @@ class OpenAIServingChat:
     async def stream_reply(
         self,
         req: ChatCompletionRequest,
-        stream: "RequestStream",
+        stream: RequestStream,
         request_id: str,
         model: str,
         created: int,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -53,7 +54,7 @@ def normalize_prompts(prompt: Any, field: str = "prompt") -> list[str | list[int
     return list(prompt)
 
 
-def prompt_only(output: "CompletionOutput") -> "CompletionOutput":
+def prompt_only(output: CompletionOutput) -> CompletionOutput:
     """A finished choice as echo with max_tokens 0 returns it: without the token generated."""
     return dataclasses.replace(output, text="", token_ids=[], logprobs=[] if output.logprobs is not None else None,
                                text_offsets=[], cumulative_logprob=None, finish_reason="length", stop_reason=None)
@@ -88,14 +89,14 @@ class OpenAIServingCompletion:
             return Response(status_code=499)
         return JSONResponse(self._response(req, params, finals, request_id, model, created).model_dump())
 
-    def _echoed(self, req: CompletionRequest, params: "SamplingParams", out: "RequestOutput"
-                ) -> tuple["RequestOutput | None", list[int] | None]:
+    def _echoed(self, req: CompletionRequest, params: SamplingParams, out: RequestOutput
+                ) -> tuple[RequestOutput | None, list[int] | None]:
         """The echoed prompt and its tokens' text offsets, for logprobs (None, None: no echo)."""
         if not req.echo or req.logprobs is None:
             return None, None
         return out, prompt_text_offsets(self.serving.tokenizer, out, params)
 
-    def _prompt_text(self, out: "RequestOutput") -> str:
+    def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
             return out.prompt
         return self.serving.tokenizer.decode(out.prompt_token_ids)
@@ -103,8 +104,8 @@ class OpenAIServingCompletion:
     def _response(
         self,
         req: CompletionRequest,
-        params: "SamplingParams",
-        finals: list["RequestOutput"],
+        params: SamplingParams,
+        finals: list[RequestOutput],
         request_id: str,
         model: str,
         created: int,
@@ -148,8 +149,8 @@ class OpenAIServingCompletion:
     async def stream_reply(
         self,
         req: CompletionRequest,
-        params: "SamplingParams",
-        streams: list["RequestStream"],
+        params: SamplingParams,
+        streams: list[RequestStream],
         request_id: str,
         model: str,
         created: int,

@@ -39,7 +39,7 @@ class LoRAModulePath:
     base_model_name: str | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "LoRAModulePath":
+    def parse(cls, text: str) -> LoRAModulePath:
         """``name=path`` or vLLM's JSON ``{"name": ..., "path": ..., "base_model_name": ...}``."""
         if text.lstrip().startswith("{"):
             try:
@@ -96,7 +96,7 @@ class UnloadLoRAAdapterRequest(OpenAIModel):
 class OpenAIServingLoRA:
     """The runtime endpoints (vLLM's names, bodies and plain-text answers)."""
 
-    def __init__(self, serving: "OpenAIServing") -> None:
+    def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
     def check_enabled(self) -> None:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -193,7 +194,7 @@ class OpenAIServingResponses:
         response = self._finished(head, final, items, message.reasoning)
         return JSONResponse(response.model_dump(mode="json", by_alias=True))
 
-    def _finished(self, head: ResponsesResponse, final: "RequestOutput",
+    def _finished(self, head: ResponsesResponse, final: RequestOutput,
                   items: list[ReasoningItem | OutputMessage], reasoning: str | None) -> ResponsesResponse:
         """The response once its output is whole: status, output items and usage."""
         (output,) = final.outputs
@@ -209,7 +210,7 @@ class OpenAIServingResponses:
         return head.model_copy(update={"status": status, "incomplete_details": incomplete, "output": items,
                                        "usage": usage, "completed_at": int(time.time())})
 
-    def _num_reasoning_tokens(self, output: "CompletionOutput", reasoning: str | None) -> int:
+    def _num_reasoning_tokens(self, output: CompletionOutput, reasoning: str | None) -> int:
         """Generated tokens up to the end of the thinking, its end tag included (all of them when
         the reply never left it)."""
         if reasoning is None:
@@ -222,8 +223,8 @@ class OpenAIServingResponses:
 
     async def stream_reply(
         self,
-        chat_req: "ChatCompletionRequest",
-        stream: "RequestStream",
+        chat_req: ChatCompletionRequest,
+        stream: RequestStream,
         head: ResponsesResponse,
         holdback: int,
         start: ReplyStart | None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 
 from halserve.entrypoints.openai.errors import BadRequestError
+from halserve.entrypoints.openai.serving_chat import render_chat
+from halserve.entrypoints.openai.serving_engine import OpenAIServing
 from halserve.entrypoints.openai.tokenize_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -12,8 +14,6 @@ from halserve.entrypoints.openai.tokenize_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from halserve.entrypoints.openai.serving_chat import render_chat
-from halserve.entrypoints.openai.serving_engine import OpenAIServing
 
 
 class OpenAIServingTokenization:

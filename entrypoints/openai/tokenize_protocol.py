@@ -38,7 +38,7 @@ class TokenizeRequest(OpenAIModel):
     tools: list[ChatTool] | None = None
 
     @model_validator(mode="after")
-    def _one_of(self) -> "TokenizeRequest":
+    def _one_of(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of 'prompt' or 'messages'")
         if self.continue_final_message and self.add_generation_prompt:

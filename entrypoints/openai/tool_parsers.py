@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
 # (content left for the message or None, [(function name, arguments as JSON text)])
 ParsedCalls = tuple[str | None, list[tuple[str, str]]]

@@ -10,13 +10,13 @@ import random
 from dataclasses import dataclass
 
 import pytest
+from scheduler_helpers import make_request
+from scheduler_helpers import run_to_completion as drive
 
 from halserve.request import Request, RequestStatus
 from halserve.sampling_params import SamplingParams
 from halserve.scheduler import Scheduler, SchedulerConfig
 from halserve.scheduler_output import ModelRunnerOutput, SampleLogprobs
-from scheduler_helpers import make_request
-from scheduler_helpers import run_to_completion as drive
 
 BS = 4
 
@@ -236,7 +236,7 @@ def test_preemption_by_recompute_and_resume_as_new_request():
     # The victim comes back as a new request carrying the tokens it had generated.
     resumed = [(i, n) for i, so in enumerate(outputs) for n in so.scheduled_new_reqs if n.output_token_ids]
     assert resumed and {n.req_id for _, n in resumed} <= victim_ids
-    for i, n in resumed:
+    for _, n in resumed:
         assert results[n.req_id][0][: len(n.output_token_ids)] == n.output_token_ids
     assert all(len(toks) == 8 and reason == "length" for toks, reason, _ in results.values())
     assert sched.kv_cache_usage == 0.0

@@ -5,8 +5,9 @@ from those diffs must know every token it is asked to compute, through chunked p
 preemption and resumption, and prefix-cache hits."""
 import random
 
-from halserve.scheduler import Scheduler, SchedulerConfig
 from scheduler_helpers import make_request
+
+from halserve.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
 

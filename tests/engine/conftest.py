@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from engine_helpers import ARCH_OVERRIDES
 
 

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import pytest
-
 from server_utils import VOCAB_SIZE, ServerProcess, server_args
+
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> str:

@@ -8,7 +8,6 @@ import random
 import time
 
 import pytest
-
 from engine_helpers import generate_ids, greedy_params, hf_greedy
 
 NEW_TOKENS = 12
@@ -136,8 +135,8 @@ def test_speculation_through_two_stages(tmp_path):
 def test_classifier_on_two_stages_matches_transformers(tmp_path):
     """A pooling model: the last stage pools and classifies."""
     import torch
-
     from classifier_factory import hf_logits, make_classifier
+
     from halserve import LLM
 
     path = make_classifier(tmp_path, "qwen2", num_labels=3)

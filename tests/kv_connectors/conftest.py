@@ -14,8 +14,9 @@ def tiny_llama(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    from halserve import LLM
     from test_kv_connectors_engine import generate
+
+    from halserve import LLM
 
     llm = LLM(tiny_llama, num_kv_blocks=64)
     try:

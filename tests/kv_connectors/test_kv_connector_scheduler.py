@@ -5,13 +5,13 @@ holds the right token, so a load into the wrong block, a missing load or a wrong
 from __future__ import annotations
 
 import pytest
+from scheduler_helpers import make_request
 
 from halserve.kv_connectors.base import ConnectorContext, KVTransferConfig, Role
 from halserve.kv_connectors.block_store import BlockStoreConnector
 from halserve.request import RequestStatus
 from halserve.scheduler import Scheduler, SchedulerConfig
 from halserve.scheduler_output import ModelRunnerOutput
-from scheduler_helpers import make_request
 
 BS = 4
 

@@ -7,7 +7,6 @@ import random
 from types import SimpleNamespace
 
 import pytest
-
 from lora_factory import ENGINE_KWARGS, PROMPT_LENGTHS, greedy, prompt_dicts, sampled_logprobs, token_ids
 
 

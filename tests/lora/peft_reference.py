@@ -15,7 +15,6 @@ import os
 import shutil
 
 import torch
-
 from lora_factory import ENGINE_KWARGS, NEW_TOKENS, greedy, prompt_dicts, sampled_logprobs, token_ids
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from lora_factory import ENGINE_KWARGS, greedy, prompt_dicts, token_ids
 
 

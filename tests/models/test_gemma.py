@@ -13,6 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from engine_helpers import hf_greedy
+from model_factory import make_tokenizer
+from test_llama_family import check_against_hf
+from test_tensor_parallel import assert_two_ranks_match_one
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.config import EngineConfig
@@ -20,10 +24,6 @@ from halserve.models.loader import get_model_info
 from halserve.platforms.cpu import CpuPlatform
 from halserve.plugins import Registry
 from halserve.worker.backend_selection import select_attention_backend
-from engine_helpers import hf_greedy
-from model_factory import make_tokenizer
-from test_llama_family import check_against_hf
-from test_tensor_parallel import assert_two_ranks_match_one
 
 VOCAB, HIDDEN = 512, 64
 CONFIGS = {

@@ -8,13 +8,13 @@ import shutil
 
 import pytest
 import torch
+from mm_factory import INTERNVL_IMAGE_TOKEN, internvl_processor, make_image, make_internvl_checkpoint
+from paged_harness import PagedHarness
 from safetensors.torch import load_file, save_file
+from staged import load
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.models.internvl import InternVLForConditionalGeneration as Model
-from mm_factory import INTERNVL_IMAGE_TOKEN, internvl_processor, make_image, make_internvl_checkpoint
-from paged_harness import PagedHarness
-from staged import load
 
 # (width, height) -> tiles (max 4 + a thumbnail): wide 3x1 + 1, tall 1x4 + 1, large 2x2 + 1, small 1 (no thumbnail)
 IMAGE_SIZES = [(200, 60), (50, 180), (150, 140), (40, 30)]

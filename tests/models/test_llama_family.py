@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_factory import make_checkpoint
+from paged_harness import PagedHarness
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.config import EngineConfig
 from halserve.models.loader import get_model_info, load_model
 from halserve.platforms.cpu import CpuPlatform
-from model_factory import make_checkpoint
-from paged_harness import PagedHarness
 
 TEXTS = [
     "Hello world, the quick brown fox jumps over the lazy dog.",

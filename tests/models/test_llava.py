@@ -6,17 +6,16 @@ from __future__ import annotations
 import copy
 import shutil
 
-
 import pytest
 import torch
+from mm_factory import IMAGE_TOKEN, make_image, make_llava_checkpoint
+from paged_harness import PagedHarness
 from safetensors.torch import load_file, save_file
+from staged import load
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.layers import ModelContext
 from halserve.models.llava import LlavaForConditionalGeneration
-from mm_factory import IMAGE_TOKEN, make_image, make_llava_checkpoint
-from paged_harness import PagedHarness
-from staged import load
 
 ATOL = 1e-4
 PROMPTS = [f"<|user|>\n{IMAGE_TOKEN}\nWhat is in this picture?", "Tell me a story"]

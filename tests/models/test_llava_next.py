@@ -8,13 +8,13 @@ import shutil
 
 import pytest
 import torch
+from mm_factory import IMAGE_TOKEN, make_image, make_llava_next_checkpoint
+from paged_harness import PagedHarness
 from safetensors.torch import load_file, save_file
+from staged import load
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.models.llava_next import LlavaNextForConditionalGeneration as Model
-from mm_factory import IMAGE_TOKEN, make_image, make_llava_next_checkpoint
-from paged_harness import PagedHarness
-from staged import load
 
 # (width, height): wide -> a 1x2 grid, tall -> 2x1, large -> 2x2; small -> 1x2 upscaled, padded left and right
 IMAGE_SIZES = [(200, 60), (50, 180), (150, 140), (40, 30)]

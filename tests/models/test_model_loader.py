@@ -6,12 +6,12 @@ import os
 
 import pytest
 import torch
+from model_factory import make_checkpoint
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.config import EngineConfig
 from halserve.models.loader import get_model_info, load_model, resolve_model_path
 from halserve.platforms.cpu import CpuPlatform
-from model_factory import make_checkpoint
 
 
 @pytest.fixture(scope="module")

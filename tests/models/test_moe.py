@@ -11,6 +11,9 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from model_factory import _randomize, make_tokenizer
+from test_llama_family import check_against_hf
+from test_tensor_parallel import PROMPTS, run_model
 
 import halserve.layers.fused_moe as fused_moe_mod
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
@@ -19,9 +22,6 @@ from halserve.layers.fused_moe import ExpertWeightLoader, select_experts
 from halserve.models.llama import LlamaMLP
 from halserve.models.mixtral import MixtralForCausalLM
 from halserve.models.qwen_moe import QwenMoeForCausalLM, QwenMoeSparseBlock
-from model_factory import _randomize, make_tokenizer
-from test_llama_family import check_against_hf
-from test_tensor_parallel import PROMPTS, run_model
 
 CTX = ModelContext("cpu", torch.float32, TorchAttentionBackend)
 VOCAB, HIDDEN = 512, 64

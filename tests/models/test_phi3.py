@@ -9,13 +9,13 @@ import os
 
 import pytest
 import torch
+from model_factory import _randomize, make_tokenizer
+from test_llama_family import check_against_hf, prompts_for
+from test_tensor_parallel import assert_two_ranks_match_one
 
 from halserve.config import EngineConfig
 from halserve.models.loader import get_model_info
 from halserve.platforms.cpu import CpuPlatform
-from model_factory import _randomize, make_tokenizer
-from test_llama_family import check_against_hf, prompts_for
-from test_tensor_parallel import assert_two_ranks_match_one
 
 HIDDEN, HEAD_SIZE = 64, 16  # 4 heads of 16 unless a test says otherwise
 ORIGINAL_MAX = 16  # original_max_position_embeddings of the LongRoPE checkpoints
@@ -35,7 +35,7 @@ def longrope(rotary_dim: int, **extra) -> dict:
             "long_factor": [1.5 + 2.0 * i for i in range(half)], **extra}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer(vocab_size: int, seed: int):
     return make_tokenizer(vocab_size, seed)  # training one takes a second or two: once per vocab
 
@@ -112,6 +112,7 @@ def test_two_ranks_match_one_with_fused_checkpoint_tensors(tmp_path):
 
 def test_llm_generate_matches_transformers(tmp_path):
     from engine_helpers import hf_greedy
+
     from halserve import LLM, SamplingParams
 
     path = make_phi3(tmp_path, rope=longrope(12), partial_rotary_factor=0.75)

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-
 from model_factory import _randomize, make_checkpoint, make_tokenizer
 from paged_harness import PagedHarness
 from staged import load

@@ -8,10 +8,12 @@ from __future__ import annotations
 import shutil
 from types import SimpleNamespace
 
-
 import pytest
 import torch
+from mm_factory import QWEN2_VL_IMAGE, make_image, make_qwen2_vl_checkpoint, qwen2_vl_processor
+from paged_harness import PagedHarness
 from safetensors.torch import load_file, save_file
+from staged import StagedModel, load
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.layers import ModelContext
@@ -19,9 +21,6 @@ from halserve.layers.rotary import MRotaryEmbedding, get_rope
 from halserve.models.pipeline import PPMissingLayer
 from halserve.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from halserve.models.qwen2_vl_vision import window_order
-from mm_factory import QWEN2_VL_IMAGE, make_image, make_qwen2_vl_checkpoint, qwen2_vl_processor
-from paged_harness import PagedHarness
-from staged import StagedModel, load
 
 ATOL = 1e-4
 PROMPT = f"<|user|>\n{QWEN2_VL_IMAGE}What is in this picture?{QWEN2_VL_IMAGE} And here"

@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-
 from classifier_factory import classifier_architecture, hf_logits, make_classifier
+
 from halserve import LLM, PoolingParams
 
 MAX_NUM_BATCHED_TOKENS = 32
@@ -85,8 +85,9 @@ def test_text_prompts_labels_and_activation_from_the_config(tmp_path):
 
 
 def test_requests_a_model_cannot_serve_are_refused(tmp_path):
-    from halserve.entrypoints.llm import embedding_params
     from model_factory import make_checkpoint
+
+    from halserve.entrypoints.llm import embedding_params
 
     path = make_classifier(tmp_path / "classifier", "llama", num_labels=1)
     llm = LLM(path, **ENGINE)

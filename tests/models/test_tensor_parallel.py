@@ -8,7 +8,6 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from model_factory import make_checkpoint
 
 PROMPTS = [[1, 45, 74, 299, 17, 273], [1, 300, 2, 9], [1, 100]]
@@ -16,11 +15,12 @@ PROMPTS = [[1, 45, 74, 299, 17, 273], [1, 300, 2, 9], [1, 100]]
 
 def run_model(path: str, block_size: int = 4) -> torch.Tensor:
     """Prefill PROMPTS in one step, then one decode step; logits of both steps."""
+    from paged_harness import PagedHarness
+
     from halserve.attention_backends.torch_ref import TorchAttentionBackend
     from halserve.config import EngineConfig
     from halserve.models.loader import get_model_info, load_model
     from halserve.platforms.cpu import CpuPlatform
-    from paged_harness import PagedHarness
 
     config = EngineConfig(model=path, dtype="float32")
     platform = CpuPlatform()

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import torch
+from scheduler_helpers import make_request
 
 from halserve.multimodal.budget import fit_encoder_budget
 from halserve.multimodal.processing import MultiModalFeature
 from halserve.scheduler import Scheduler, SchedulerConfig
-from scheduler_helpers import make_request
 
 IMG = 9
 

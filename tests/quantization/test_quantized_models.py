@@ -18,7 +18,6 @@ import sys
 
 import pytest
 import torch
-
 from quant_factory import (
     dequantized_hf_model,
     load_halserve,
@@ -210,6 +209,7 @@ def test_two_tensor_parallel_ranks_match_one(base, tmp_path, case, reference_4bi
     row-parallel rank) and per-part scales of fused layers: greedy tokens of two ranks (and, for AWQ,
     two pipeline stages) are one rank's (and, for the weight-only formats, the float model's)."""
     from engine_helpers import generate_ids, greedy_params, hf_greedy
+
     from halserve import LLM
 
     path, dequantized = CASES[case][0](base, str(tmp_path / case))

@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+from pydantic import ValidationError
 
 from halserve.config import EngineConfig
 from halserve.scheduler import make_spec_proposer
@@ -162,7 +163,7 @@ def test_off_by_default():
 
 def test_config_is_frozen():
     spec = SpeculativeConfig.parse(FULL)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         spec.num_speculative_tokens = 9
     assert spec.num_speculative_tokens == 3
 

@@ -18,13 +18,13 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+from scheduler_helpers import make_request as base_request
+from scheduler_helpers import run_to_completion as drive
 
 from halserve.request import RequestStatus
 from halserve.scheduler import Scheduler, SchedulerConfig
 from halserve.scheduler_output import ModelRunnerOutput, SampleLogprobs
 from halserve.spec_decode import NgramProposer, count_accepted
-from scheduler_helpers import make_request as base_request
-from scheduler_helpers import run_to_completion as drive
 
 BS = 4
 

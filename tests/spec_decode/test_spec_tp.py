@@ -18,8 +18,9 @@ def _run(llm, prompts, params):
 
 @pytest.mark.slow  # two spawned worker processes: ~15 s of CPU
 def test_two_ranks_with_drafts_match_one_rank_without(tmp_path):
-    from halserve import LLM, SamplingParams
     from model_factory import make_checkpoint
+
+    from halserve import LLM, SamplingParams
 
     path = make_checkpoint(str(tmp_path), "llama", num_layers=2, num_heads=4, num_kv_heads=2)
     rng = random.Random(5)

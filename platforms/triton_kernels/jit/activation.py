@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -135,7 +135,7 @@ def moe_tiles(rows_per_expert: float, dtype: torch.dtype) -> dict[str, int]:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _target(driver_id: int, device: int) -> tuple[str, int]:
     # once per (driver, device), not per launch: (backend, bytes of shared memory / LDS per block)
     driver = triton.runtime.driver.active

@@ -3,16 +3,15 @@ dense float64 reference, over multi-step mixed batches. Runs inside the ipex ven
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-
-from halserve.attention_backends.ipex import IpexAttentionBackend, IpexAttentionMetadata
-from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from paged_scenario import TOL, Scenario, mixed_scenario
+
+from halserve.attention_backends.ipex import IpexAttentionBackend
+from halserve.attention_backends.torch_ref import TorchAttentionBackend
 
 BLOCK = 16
 HEAD = 64
@@ -71,7 +70,8 @@ def test_cache_holds_every_position_in_ipex_layout():
 def test_fp8_e5m2_cache_matches_torch_reference():
     """bf16 model, fp8 e5m2 cache with scales: IPEX quantizes like the reference."""
     steps = list(_run("gqa", torch.bfloat16, kv_cache_dtype="fp8_e5m2", k_scale=0.5, v_scale=0.25))
-    for i, (step, out_ipex, out_ref, ipex_cache, ref_cache) in enumerate(steps):
+    # (the caches of the last step are checked after the loop)
+    for i, (step, out_ipex, out_ref, ipex_cache, ref_cache) in enumerate(steps):  # noqa: B007
         err_pair = (out_ipex.double() - out_ref.double()).abs().max().item()
         err_dense = (out_ipex.double() - step.expected).abs().max().item()
         print(f"fp8 step {i}: ipex-vs-ref {err_pair:.2e}, ipex-vs-unquantized {err_dense:.2e}")
@@ -213,8 +213,9 @@ def test_engine_greedy_matches_torch_backend_on_cpu(tmp_path):
     """LLM on the CPU platform with attention_backend="ipex" produces the same greedy tokens
     as the torch backend (float32, random-weight checkpoint, chunked prefill + prefix hits)."""
     try:
-        from halserve import LLM, SamplingParams
         from model_factory import make_checkpoint
+
+        from halserve import LLM, SamplingParams
     except ImportError as exc:
         pytest.skip(f"the engine or tests/model_factory.py is not there yet: {exc}")
     import random

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.debug.metrics as met
+from paged_scenario import TOL, Scenario, mixed_scenario
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.attention_backends.xla import XlaAttentionBackend, xla_device_kind
 from halserve.worker.xla_buckets import max_num_graphs, metadata_to_device, pad_step
-from paged_scenario import TOL, Scenario, mixed_scenario
 
 BLOCK = 16
 HEAD = 64

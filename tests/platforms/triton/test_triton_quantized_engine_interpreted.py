@@ -11,7 +11,6 @@ import random
 
 import pytest
 import torch
-
 from test_triton_engine_interpreted import _interpret_on_cpu
 
 pytestmark = pytest.mark.skipif(
@@ -38,6 +37,7 @@ def interpreted_cuda(monkeypatch):
 
 def _greedy(path, prompts, **kwargs):
     from engine_helpers import generate_ids, greedy_params
+
     from halserve import LLM
 
     llm = LLM(path, dtype="float32", max_num_batched_tokens=32, max_model_len=128, **kwargs)
