@@ -17,6 +17,13 @@ from typing import Any, Iterator
 
 import torch
 
+from halserve.models.interfaces import (
+    CLASSIFIER_SUFFIX,
+    ModelModule,
+    supports_multimodal,
+    supports_pipeline_parallel,
+    uses_mrope,
+)
 from halserve.pooler_config import resolve_pooler_config
 
 logger = logging.getLogger(__name__)
@@ -25,8 +32,6 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                            "presence_penalty", "frequency_penalty", "max_new_tokens", "do_sample")
 PROGRESS_BAR_MIN_BYTES = 1 << 30  # show a progress bar past ~1 GB or more than one shard
-# Architectures named so are classifiers (transformers' naming): a decoder plus a `score` head.
-CLASSIFIER_SUFFIX = "ForSequenceClassification"
 
 
 @dataclass
@@ -115,10 +120,10 @@ def resolve_dtype(requested: str, hf_config: Any, platform: Any) -> torch.dtype:
     return _DTYPE_NAMES[chosen]
 
 
-def supported_architectures() -> dict[str, str]:
-    from halserve.plugins import get_plugin_manager
+def supported_architectures() -> dict[str, str | type]:
+    from halserve.models import supported_architectures
 
-    return {r.name: r.obj for r in get_plugin_manager().models}
+    return supported_architectures()
 
 
 def get_model_info(config: Any, platform: Any) -> ModelInfo:
@@ -174,7 +179,7 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
     is_classifier = arch.endswith(CLASSIFIER_SUFFIX)
     id2label = getattr(hf_config, "id2label", None) or {}
     model_cls = model_class(arch)
-    multimodal = bool(getattr(model_cls, "supports_multimodal", False))
+    multimodal = supports_multimodal(model_cls)
     if config.kv_cache_dtype == "auto":
         elem_size = torch.empty((), dtype=dtype).element_size()
     else:
@@ -201,7 +206,7 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
         num_labels=hf_config.num_labels if is_classifier else None,
         id2label={int(k): str(v) for k, v in id2label.items()} if is_classifier else {},
         image_token_id=model_cls.image_token_id(hf_config) if multimodal else None,
-        uses_mrope=bool(getattr(model_cls, "uses_mrope", False)),
+        uses_mrope=uses_mrope(model_cls),
         max_images_per_prompt=_max_images(config) if multimodal else 0,
         image_processor_kwargs=dict(config.mm_processor_kwargs or {}) if multimodal else {},
         gguf_file=gguf_file,
@@ -240,7 +245,7 @@ def _check_pipeline_parallel(pp: int, arch: str, hf_config: Any) -> None:
     from halserve.models.pipeline import layer_partition
 
     model_cls = model_class(arch)
-    if not getattr(model_cls, "supports_pipeline_parallel", False):
+    if not supports_pipeline_parallel(model_cls):
         raise ValueError(f"{arch} does not support pipeline parallelism; use pipeline_parallel_size=1 "
                          "(tensor_parallel_size shards it instead)")
     layer_partition(hf_config.num_hidden_layers, pp)
@@ -326,19 +331,12 @@ def get_quant_method(config: Any, info: ModelInfo, platform: Any):
     return cls(platform.name, quant_config if checkpoint_method is not None else None)
 
 
-def model_class(architecture: str) -> type:
-    """The registered class of ``architecture`` (imported)."""
-    target = supported_architectures().get(architecture)
-    if target is None:
-        raise ValueError(f"architecture {architecture!r} is not registered")
-    return _import_architecture(target) if isinstance(target, str) else target
+def model_class(architecture: str) -> type[ModelModule]:
+    """The registered class of ``architecture``, imported and checked against the model protocols
+    (``halserve.models.architecture_class``)."""
+    from halserve.models import architecture_class
 
-
-def _import_architecture(dotted: str) -> type:
-    import importlib
-
-    module, _, attr = dotted.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return architecture_class(architecture)
 
 
 DUMMY_WEIGHT_RANGE = 1e-3  # vLLM's: small enough that activations stay finite through any depth
