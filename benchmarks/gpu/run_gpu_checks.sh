@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Run ON THE GPU MACHINE, in the repository root, in one call (device tool: carry [".whl"]):
 #
-#     bash benchmarks/gpu/run_gpu_checks.sh [all|tests|bench|moe]
+#     bash benchmarks/gpu/run_gpu_checks.sh [all|tests|bench|moe|e2e]
+#
+# ("e2e", about 6-7 minutes on one H100 or H200, is benchmarks/gpu/e2e.sh: the graph-vs-eager
+# GPU tests, decode/offline/serving figures of Llama-3.1-8B and Qwen2.5-0.5B configs with dummy
+# weights beside the roofline and transformers; DRY_RUN=1 runs its logic on a CPU, tiny configs)
 #
 # (a device command may run 10 minutes: "all" budgets about 3 for the attention benchmark and its
 # sweep, 4.5 for the tests (8 pytest-xdist workers where the image has xdist) and 1 for the GEMMs,
@@ -22,6 +26,7 @@ OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+if [ -z "${DRY_RUN:-}" ]; then
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -34,10 +39,16 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || rocm-smi 2>/dev/null
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 } | tee "$OUT/device.txt"
+else  # DRY_RUN=1 (CPU): the e2e steps on tiny configs, to check the script's logic; nothing installed
+    echo "dry run on $(uname -m) CPU: tiny configs" | tee "$OUT/device.txt"
+fi
 
 peak=3350  # H100 SXM HBM3, GB/s
 case "$(cat "$OUT/device.txt")" in *H200*) peak=4800 ;; *MI300X*) peak=5300 ;; esac
 kernels=benchmarks/kernels
+if [ "$what" = e2e ]; then
+    exec bash benchmarks/gpu/e2e.sh "$OUT" "$peak"
+fi
 if [ "$what" = moe ]; then
     timeout 200 python3 $kernels/bench_fused_moe.py 2>&1 | tee "$OUT/bench_fused_moe.log"
     timeout 200 python3 $kernels/bench_fused_moe.py -e 60 -k 4 --hidden 2048 --inter 1408 2>&1 \

@@ -1,0 +1,151 @@
+"""halserve end to end on one model folder (``--load-format dummy``): decode tokens/s with captured
+graphs and eagerly, beside the roofline, and offline throughput.
+
+    python benchmarks/gpu/e2e_halserve.py --model DIR --label llama-3.1-8b --peak-gbps 3350
+
+Decode: ``--batch`` requests with ``--context``-token random prompts are prefilled, then
+``--decode-steps`` engine steps are timed (every step: one token for each request). Each step
+reads every weight once and the K/V of every request's context, so the roofline is
+
+    step time >= (weight bytes + batch * context * KV bytes per token) / HBM bandwidth
+
+(the input embedding reads only ``batch`` rows: it is not counted). The same engine measures
+with graphs, then with its graphs dropped (what ``--enforce-eager`` runs: the same kernels,
+each launched from Python). Offline: ``--offline-prompts`` random prompts of ``--offline-in``
+tokens, ``--offline-out`` new tokens each (ignore_eos), all submitted at once, with graphs.
+Prints one line per figure and writes them all to ``--json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="a folder with config.json and a tokenizer")
+    p.add_argument("--label", default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--platform", default=None)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--peak-gbps", type=float, default=3350.0, help="HBM bandwidth, GB/s (H100 3350, H200 4800)")
+    p.add_argument("--offline-prompts", type=int, default=0, help="0: no offline run")
+    p.add_argument("--offline-in", type=int, default=512)
+    p.add_argument("--offline-out", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--no-eager", action="store_true", help="graphs only")
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[dict]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": row} for row in rng.integers(10, vocab, size=(num, length)).tolist()]
+
+
+def weight_bytes(model) -> int:
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    skip = {id(p) for p in embed.parameters()} if embed is not None else set()
+    lm_head = getattr(model, "lm_head", None)
+    tied = lm_head is not None and any(id(p) in skip for p in lm_head.parameters())
+    total = 0
+    for p in model.parameters():
+        if id(p) not in skip or tied:  # a tied table is read whole, by the LM head
+            total += p.numel() * p.element_size()
+    for b in model.buffers():  # repacked weights some kernels keep as buffers
+        if b.dtype.is_floating_point and b.numel() > (1 << 20):
+            total += b.numel() * b.element_size()
+    return total
+
+
+def decode(engine, batch: int, context: int, steps: int, vocab: int, seed: int) -> float:
+    """Seconds per decode step of ``batch`` requests at about ``context`` tokens."""
+    from halserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True, detokenize=False)
+    ids = [f"decode-{batch}-{seed}-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, random_prompts(batch, context, vocab, seed)):
+        engine.add_request(rid, prompt, params)
+    done: dict[str, int] = {}
+    deadline = time.monotonic() + 300
+    while len([n for n in done.values() if n >= 2]) < batch:  # prefilled, and one decode step behind them
+        for out in engine.step():
+            done[out.request_id] = len(out.outputs[0].token_ids)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"prefill of {batch} x {context} did not finish in 300 s")
+    start = time.perf_counter()
+    for _ in range(steps):
+        outs = engine.step()
+        assert len(outs) == batch, f"a decode step advanced {len(outs)} of {batch} requests"
+    elapsed = time.perf_counter() - start
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return elapsed / steps
+
+
+def main() -> int:
+    args = parse_args()
+    from halserve import LLM, SamplingParams
+
+    label = args.label or args.model
+    llm = LLM(args.model, load_format="dummy", dtype=args.dtype, platform=args.platform,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    runner = engine.core.executor.worker.model_runner
+    info = engine.model_info
+    weights = weight_bytes(runner.model)
+    print(f"[halserve] {label}: {weights / 1e9:.2f} GB of weights, KV {info.kv_cache_bytes_per_token} B/token, "
+          f"backend {runner.attn_backend_cls.name}, graphs {'captured: ' + str(runner.step_graphs.sizes[-1]) if runner.step_graphs else 'none'}",
+          flush=True)
+    results: dict = {"label": label, "weight_bytes": weights, "peak_gbps": args.peak_gbps, "decode": [], "offline": None}
+    graphs = runner.step_graphs
+    modes = ["graphs"] + ([] if args.no_eager else ["eager"])
+    for mode in modes:
+        runner.step_graphs = graphs if mode == "graphs" else None  # eager: what --enforce-eager runs
+        if mode == "graphs" and graphs is None:
+            print(f"[halserve] {label}: no graphs were captured on this platform; 'graphs' rows run eagerly")
+        for batch in args.batch:
+            step_s = decode(engine, batch, args.context, args.decode_steps, info.vocab_size, seed=batch)
+            kv = batch * (args.context + args.decode_steps // 2) * info.kv_cache_bytes_per_token
+            roof_s = (weights + kv) / (args.peak_gbps * 1e9)
+            row = {"mode": mode, "batch": batch, "context": args.context, "step_ms": step_s * 1e3,
+                   "tokens_per_s": batch / step_s, "roofline_tokens_per_s": batch / roof_s,
+                   "fraction_of_roofline": roof_s / step_s}
+            results["decode"].append(row)
+            print(f"[halserve] {label} decode batch {batch:3d} ctx {args.context} {mode:6s}: "
+                  f"{row['tokens_per_s']:9.1f} tok/s ({row['step_ms']:.2f} ms/step); roofline "
+                  f"{row['roofline_tokens_per_s']:9.1f} tok/s ({row['fraction_of_roofline']:.0%})", flush=True)
+    runner.step_graphs = graphs
+    if args.offline_prompts:
+        prompts = random_prompts(args.offline_prompts, args.offline_in, info.vocab_size, seed=1)
+        params = SamplingParams(temperature=0.0, max_tokens=args.offline_out, ignore_eos=True, detokenize=False)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+        results["offline"] = {"prompts": len(prompts), "input_len": args.offline_in, "output_len": args.offline_out,
+                              "elapsed_s": elapsed, "output_tokens_per_s": num_out / elapsed,
+                              "total_tokens_per_s": (num_out + len(prompts) * args.offline_in) / elapsed}
+        print(f"[halserve] {label} offline {len(prompts)} x {args.offline_in} in / {args.offline_out} out: "
+              f"{results['offline']['output_tokens_per_s']:.1f} output tok/s, "
+              f"{results['offline']['total_tokens_per_s']:.1f} total tok/s ({elapsed:.2f} s)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
