@@ -1,4 +1,6 @@
-"""Prometheus metrics at GET /metrics, with vLLM's names under ``halserve:``.
+"""Prometheus metrics at GET /metrics, with vLLM's names under ``halserve:`` (``--metrics-prefix
+vllm``: under ``vllm:``, plus the older names vLLM's stock Grafana dashboard still reads --
+``gpu_cache_usage_perc``, ``time_per_output_token_seconds`` -- so it works unchanged).
 
 Two sources, one registry (never the global one, so several servers or tests in one
 process do not collide):
@@ -24,43 +26,51 @@ from prometheus_client.registry import Collector
 
 from halserve.engine.types import EngineStats
 
-__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "METRICS_PREFIXES", "ServerMetrics"]
+
+METRICS_PREFIXES = ("halserve", "vllm")  # --metrics-prefix: the part of each metric name before the ':'
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 500000 tokens
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 
 class _EngineStatsCollector(Collector):
     """Gauges and engine counters, read from the latest stats snapshot at scrape time."""
 
-    def __init__(self, get_stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, get_stats: Callable[[], EngineStats], model_name: str, prefix: str) -> None:
         self._get_stats = get_stats
         self._model_name = model_name
+        self._prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
         stats = self._get_stats()
         labels = ["model_name"]
         values = [self._model_name]
-        for name, doc, value in (
-            ("halserve:num_requests_running", "Requests in the running batch.", stats.num_running),
-            ("halserve:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
-            ("halserve:kv_cache_usage_perc", "KV-cache usage (1 = full).", stats.kv_cache_usage),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=labels)
+        gauges = [
+            ("num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("kv_cache_usage_perc", "KV-cache usage (1 = full).", stats.kv_cache_usage),
+        ]
+        if self._prefix == "vllm":  # (the name vLLM's stock dashboard reads; vLLM renamed it kv_cache_usage_perc)
+            gauges.append(("gpu_cache_usage_perc", "KV-cache usage (1 = full); kv_cache_usage_perc's older name.",
+                           stats.kv_cache_usage))
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(f"{self._prefix}:{name}", doc, labels=labels)
             gauge.add_metric(values, float(value))
             yield gauge
         for name, doc, value in (
-            ("halserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
-            ("halserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
-            ("halserve:num_preemptions", "Requests preempted (recomputed later).", stats.num_preemptions),
-            ("halserve:kv_connector_hit_tokens", "Prompt tokens a KV connector loaded instead of computing.",
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            ("num_preemptions", "Requests preempted (recomputed later).", stats.num_preemptions),
+            ("kv_connector_hit_tokens", "Prompt tokens a KV connector loaded instead of computing.",
              stats.kv_connector_hit_tokens),
-            ("halserve:spec_decode_num_drafts", "Decode steps that checked draft tokens.", stats.spec_num_drafts),
-            ("halserve:spec_decode_num_draft_tokens", "Draft tokens checked.", stats.spec_num_draft_tokens),
-            ("halserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens),
+            ("spec_decode_num_drafts", "Decode steps that checked draft tokens.", stats.spec_num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens checked.", stats.spec_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens),
         ):
-            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter = CounterMetricFamily(f"{self._prefix}:{name}", doc, labels=labels)
             counter.add_metric(values, float(value))
             yield counter
 
@@ -68,40 +78,46 @@ class _EngineStatsCollector(Collector):
 class ServerMetrics:
     """The server's registry; an ``AsyncLLM`` stats observer."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats], prefix: str = "halserve") -> None:
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix {prefix!r} is not one of {', '.join(METRICS_PREFIXES)}")
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         # multiprocess mode: the values live in files every server's scrape sums, not in a registry
         r = None if multiprocess_dir else self.registry
-        self.prompt_tokens = Counter("halserve:prompt_tokens", "Prompt tokens processed.", labels, registry=r).labels(model_name)
-        self.generation_tokens = Counter(
-            "halserve:generation_tokens", "Tokens generated.", labels, registry=r
-        ).labels(model_name)
-        self._request_success = Counter(
-            "halserve:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=r
-        )
+
+        def counter(name: str, doc: str, extra_labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"{prefix}:{name}", doc, [*labels, *extra_labels], registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"{prefix}:{name}", doc, labels, buckets=buckets, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(model_name)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(model_name)
+        self._request_success = counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
         self._model_name = model_name
         for reason in ("stop", "length", "abort"):
             self._request_success.labels(model_name, reason)
-        self.ttft = Histogram(
-            "halserve:time_to_first_token_seconds", "Time to first token.", labels, buckets=_TTFT_BUCKETS, registry=r
-        ).labels(model_name)
-        self.itl = Histogram(
-            "halserve:inter_token_latency_seconds", "Time between tokens.", labels, buckets=_ITL_BUCKETS, registry=r
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "halserve:e2e_request_latency_seconds", "Request latency, arrival to finish.", labels, buckets=_E2E_BUCKETS, registry=r
-        ).labels(model_name)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS).labels(model_name)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS).labels(model_name)
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS).labels(model_name)
+        # vLLM's older name of the same figure, which its stock Grafana dashboard plots
+        self.tpot = histogram("time_per_output_token_seconds", "Time between tokens (inter_token_latency_seconds' "
+                              "older name).", _ITL_BUCKETS).labels(model_name) if prefix == "vllm" else None
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                             _E2E_BUCKETS).labels(model_name)
         if multiprocess_dir:
             from prometheus_client import multiprocess
 
             multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)
-        self.registry.register(_EngineStatsCollector(get_stats, model_name))
+        self.registry.register(_EngineStatsCollector(get_stats, model_name, prefix))
 
     # -- StatsObserver -------------------------------------------------------------
     def on_request_added(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
 
     def on_new_tokens(self, num_new_tokens: int, ttft: float | None, itl: float | None) -> None:
         self.generation_tokens.inc(num_new_tokens)
@@ -110,6 +126,8 @@ class ServerMetrics:
         if itl is not None:
             for _ in range(num_new_tokens):
                 self.itl.observe(itl)
+                if self.tpot is not None:
+                    self.tpot.observe(itl)
 
     def on_request_finished(self, finish_reason: str, e2e_latency: float) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()
