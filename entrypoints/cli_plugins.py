@@ -288,10 +288,11 @@ def render(report: dict[str, Any]) -> str:
     out += ["", "Platforms (* = selected)"]
     out.append(
         _table(
-            ["", "name", "available", "priority", "device", "dtypes", "plugin", "reason"],
+            ["", "name", "available", "priority", "device", "dtypes", "graphs", "plugin", "reason"],
             [
                 ["*" if r["selected"] else "", r["name"], "yes" if r["available"] else "no", r["priority"],
-                 r["device_type"], _list(r.get("supported_dtypes")), r["plugin"], r["reason"]]
+                 r["device_type"], _list(r.get("supported_dtypes")), r.get("graph_mode", "eager"), r["plugin"],
+                 r["reason"]]
                 for r in report["platforms"]
             ],
         )
