@@ -4,7 +4,9 @@ Routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embedding
 /v1/score), /rerank (and /v1/rerank, /v2/rerank), /tokenize, /detokenize, /v1/load_lora_adapter,
 /v1/unload_lora_adapter; GET /v1/models, /v1/models/{model}, /health (and HEAD), /version, /metrics.
 Request bodies are parsed here (not by FastAPI) so malformed JSON and wrong types are OpenAI-shaped
-400s, and a body over ``max_body_bytes`` is a 413 before it is all read.
+400s, and a body over ``max_body_bytes`` is a 413 before it is all read. Large bodies are parsed
+(and large /detokenize calls served) in a worker process (offload.py), so no single request
+stalls the event loop.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from halserve.entrypoints.openai.errors import (
     parse_body,
 )
 from halserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from halserve.entrypoints.openai.offload import RequestOffloader
 from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from halserve.entrypoints.openai.protocol import CompletionRequest
 from halserve.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -135,13 +138,16 @@ class APIKeyMiddleware:
 def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence[str] | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     engine = serving.engine
+    offloader = RequestOffloader(serving.tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        offloader.start()
         try:
             yield
         finally:
+            offloader.shutdown()
             await engine.shutdown()
 
     app = FastAPI(title="halserve OpenAI-compatible API", version=__version__, lifespan=lifespan)
@@ -156,7 +162,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     lora = OpenAIServingLoRA(serving)
 
     async def body(model: type, raw_request: Request) -> Any:
-        return parse_body(model, await read_body(raw_request, max_body_bytes))
+        return await offloader.parse(model, await read_body(raw_request, max_body_bytes))
 
     @app.post("/v1/completions")
     @guarded
@@ -231,8 +237,14 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
 
     @app.post("/detokenize")
     @guarded
-    async def detokenize(raw_request: Request) -> JSONResponse:
-        req = await body(DetokenizeRequest, raw_request)
+    async def detokenize(raw_request: Request) -> Response:
+        raw = await read_body(raw_request, max_body_bytes)
+        done = await offloader.detokenize(raw, serving.vocab_size)
+        if done is not None:  # (a large one: parsed, checked and decoded in the worker)
+            model, response_body = done
+            serving.check_model(model)
+            return Response(response_body, media_type="application/json")
+        req = parse_body(DetokenizeRequest, raw)
         return JSONResponse((await tokenization.detokenize(req)).model_dump())
 
     @app.api_route("/health", methods=["GET", "HEAD"])

@@ -156,6 +156,8 @@ class OpenAIServing:
                 prepared.append(await self.engine.prepare_request(prompt, params.clone(), rid, prompt_text=text,
                                                                   lora_request=lora_request))
                 done += 1
+                if len(prompts) > 1:
+                    await asyncio.sleep(0)  # (a batch of short prompts checked inline: let the loop breathe)
                 if watch is not None and watch.done():
                     raise ClientDisconnected
             done = 0
