@@ -422,7 +422,15 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], str, str | None]:
     """Validate everything cheap: (config, served names, model path, chat template)."""
     from halserve.platforms import PlatformUnavailableError, resolve_platform
 
+    from halserve.models.model_path import check_local_path
+
     model, served = resolve_model(args)
+    for what, value in (("model", model), ("--tokenizer", args.tokenizer), ("--hf-config-path", args.hf_config_path)):
+        if value is not None:  # (a missing local path fails here, not as a hub lookup after start-up)
+            try:
+                check_local_path(value, what)
+            except ValueError as exc:
+                raise StartupError(str(exc), EXIT_USAGE) from None
     if not 0 < args.port < 65536:
         raise StartupError(f"--port {args.port}: must be in 1..65535", EXIT_USAGE)
     if args.api_server_count < 1:

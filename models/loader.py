@@ -24,6 +24,7 @@ from halserve.models.interfaces import (
     supports_pipeline_parallel,
     uses_mrope,
 )
+from halserve.models.model_path import check_local_path
 from halserve.pooler_config import resolve_pooler_config
 
 logger = logging.getLogger(__name__)
@@ -75,9 +76,11 @@ class ModelInfo:
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> str:
-    """A local directory for ``model``: itself if it is one, else a Hugging Face snapshot."""
+    """A local directory for ``model``: itself if it is one, else a Hugging Face snapshot. A model that
+    looks like a local path and does not exist: ``ModelPathNotFoundError`` (no hub lookup)."""
     if os.path.isdir(model):
         return model
+    check_local_path(model)
     try:
         from huggingface_hub import snapshot_download
 
@@ -134,6 +137,7 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
     from halserve.models.gguf import find_gguf_file, load_gguf_config
     from halserve.models.llama import head_size_of, layer_sliding_windows
 
+    check_local_path(config.model)  # (a missing local path: "no such file or directory", not a hub error)
     gguf_file = find_gguf_file(config.model)  # a GGUF checkpoint (its first shard), else None
     if gguf_file is not None:
         path = os.path.dirname(os.path.abspath(gguf_file))
