@@ -12,7 +12,8 @@ it streams; keeping the blocks quantized with native kernels is not supported ye
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

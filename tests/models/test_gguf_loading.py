@@ -300,9 +300,12 @@ def test_truncated_file_fails_clearly(tmp_path, keep):
         _model_info(path)
 
 
-def test_missing_path_and_ambiguous_folder(tmp_path):
-    with pytest.raises(ValueError, match=r"GGUF file '.*nope\.gguf' does not exist"):
+def test_missing_path_and_ambiguous_folder(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"no such file or directory: .*nope\.gguf"):
         _model_info(str(tmp_path / "nope.gguf"))
+    monkeypatch.chdir(tmp_path)  # a bare file name is no hub id either
+    with pytest.raises(ValueError, match=r"GGUF file 'nope\.gguf' does not exist"):
+        _model_info("nope.gguf")
     write_gguf(str(tmp_path / "a.gguf"), "llama")
     write_gguf(str(tmp_path / "b.gguf"), "llama")
     with pytest.raises(ValueError, match=r"holds several GGUF models \(a\.gguf, b\.gguf\)"):

@@ -67,7 +67,6 @@ def test_greedy_chat_matches_transformers_dequantized_model(smollm2):
 
 def test_served_over_http_answers_paris(smollm2, tmp_path):
     from openai import OpenAI
-
     from server_utils import ServerProcess
 
     args = [smollm2, "--platform", "cpu", "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "64",
