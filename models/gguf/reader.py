@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 # GGUF ``general.architecture`` -> the model families halserve serves under it
 SUPPORTED_ARCHITECTURES = {
-    "gemma3": "Gemma 3 (text)",
+    "gemma3": "Gemma 3 text",
     "llama": "Llama, Mistral, SmolLM",
     "phi3": "Phi-3",
     "qwen2": "Qwen2, Qwen2.5",
