@@ -44,6 +44,7 @@ def why_eager(runner: ModelRunner) -> str | None:
     reasons = [
         (config.enforce_eager, "enforce_eager is set"),
         (runner.pp.size > 1, "pipeline parallelism (each stage receives its input from the one before)"),
+        (config.tensor_parallel_size > 1, "tensor parallelism (its collectives are not captured yet)"),
         (config.enable_lora, "LoRA (per-step adapter indices)"),
         (config.speculative_config is not None, "speculative decoding (several query tokens per request)"),
         (config.kv_transfer_config is not None, "a KV connector (per-layer loads and saves)"),
