@@ -106,7 +106,7 @@ def spawn_engine_core(config: Any, log_level: int = logging.WARNING) -> tuple[An
     socket_path = os.path.join(socket_dir, "core.sock")
     receiver, sender = ctx.Pipe(duplex=False)
     # (not a daemon: the core's executor may start worker processes of its own)
-    process = ctx.Process(target=run_engine_core, args=(config, socket_path, sender, log_level),
+    process = ctx.Process(target=run_engine_core, args=(config, socket_path, sender, os.getpid(), log_level),
                           name="halserve-engine-core")
     process.start()
     sender.close()
@@ -220,7 +220,7 @@ class MPEngineCoreClient(EngineCoreClient):
         if process is None:  # another process owns the engine: just leave it
             self.sock.close()
             return
-        process.join(timeout)
+        process.join(timeout if self._dead is None else 1.0)  # (a dead engine's process is only exiting)
         if process.is_alive():
             logger.warning("the engine-core process did not stop within %.0fs: terminating it", timeout)
             process.terminate()

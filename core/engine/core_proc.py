@@ -36,7 +36,8 @@ STATS_INTERVAL_S = 0.05  # a client that got no outputs hears the stats at most 
 IDLE_POLL_S = 1.0  # how long an idle loop blocks (then checks that its parent lives)
 
 
-def run_engine_core(config: Any, socket_path: str, ready: Any, log_level: int = logging.WARNING) -> None:
+def run_engine_core(config: Any, socket_path: str, ready: Any, parent_pid: int,
+                    log_level: int = logging.WARNING) -> None:
     """The process's entry point (multiprocessing spawn): build the core, bind ``socket_path``,
     report ``("ready", model_info)`` or ``("error", message, is_bad_config)`` on the pipe
     ``ready``, then serve until told to stop."""
@@ -44,7 +45,6 @@ def run_engine_core(config: Any, socket_path: str, ready: Any, log_level: int = 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    parent = os.getppid()
     from halserve.engine.core import EngineCore
 
     try:
@@ -53,14 +53,19 @@ def run_engine_core(config: Any, socket_path: str, ready: Any, log_level: int = 
         ready.send(("error", f"{type(exc).__name__}: {exc}", isinstance(exc, ValueError)))
         ready.close()
         raise SystemExit(1) from None
+    if os.getppid() != parent_pid:  # (the parent died while the model loaded)
+        core.shutdown()
+        raise SystemExit(1)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(64)
     ready.send(("ready", core.model_info))
     ready.close()
-    proc = EngineCoreProc(core, listener, parent, stopping)
+    proc = EngineCoreProc(core, listener, parent_pid, stopping)
     code = proc.run()
-    raise SystemExit(code)
+    logging.shutdown()
+    # (the core is shut down and the sockets closed: skip the interpreter's slow teardown of torch)
+    os._exit(code)
 
 
 @dataclass(eq=False)
@@ -82,6 +87,16 @@ class EngineCoreProc:
         self.stopping = stopping if stopping is not None else []
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ)
+        # a signal (SIGTERM) wakes an idle select at once: its handler's byte lands on this pair
+        self._wakeup, wakeup_writer = socket.socketpair()
+        self._wakeup.setblocking(False)
+        wakeup_writer.setblocking(False)
+        self._wakeup_writer = wakeup_writer
+        self.selector.register(self._wakeup, selectors.EVENT_READ)
+        try:
+            signal.set_wakeup_fd(wakeup_writer.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main thread (tests): the idle poll's timeout bounds the delay
+            pass
         self.clients: dict[socket.socket, _Client] = {}
         self.owner: dict[str, _Client] = {}  # core request id -> the client that added it
         self.had_client = False
@@ -120,6 +135,12 @@ class EngineCoreProc:
     def _poll(self, timeout: float) -> None:
         for key, _ in self.selector.select(timeout):
             sock = key.fileobj
+            if sock is self._wakeup:
+                try:
+                    sock.recv(4096)
+                except BlockingIOError:
+                    pass
+                continue
             if sock is self.listener:
                 conn, _ = self.listener.accept()
                 self.clients[conn] = _Client(conn, FrameReader(conn))

@@ -147,8 +147,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
         try:
             yield
         finally:
-            offloader.shutdown()
-            await engine.shutdown()
+            await asyncio.gather(engine.shutdown(), asyncio.to_thread(offloader.shutdown))
 
     app = FastAPI(title="halserve OpenAI-compatible API", version=__version__, lifespan=lifespan)
     install_error_handlers(app)

@@ -47,12 +47,14 @@ class RequestOffloader:
         if self._pool is not None:
             return
         self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_init_worker, initargs=(pickle.dumps(self.tokenizer),))
+                                         initializer=_init_worker, initargs=(pickle.dumps(self.tokenizer), os.getpid()))
         self._pool.submit(int)  # (start it now, not under the first large request)
 
     def shutdown(self) -> None:
+        """Stop the worker and wait for it (blocking: call it from a thread). Not waiting would race
+        the interpreter's exit, which can close the pool's queue before the stop reaches the worker."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
     async def parse(self, model: type, raw: bytes) -> Any:
@@ -73,10 +75,10 @@ class RequestOffloader:
 
 
 # ---------------------------------------------------------------------- worker process
-def _init_worker(tokenizer: bytes) -> None:
+def _init_worker(tokenizer: bytes, parent_pid: int) -> None:
     global _worker_tokenizer
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="halserve-parent-watch", daemon=True).start()
     _worker_tokenizer = pickle.loads(tokenizer)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="halserve-parent-watch", daemon=True).start()
 
 
 def _exit_with_parent(parent_pid: int) -> None:
