@@ -158,12 +158,12 @@ def test_vllm_env_var_allows_runtime_updates(monkeypatch):
     from halserve.entrypoints.cli import build_parser
     from halserve.entrypoints.cli_serve import load_lora_modules
 
-    class Core:
-        def add_lora(self, lora):
-            pass
+    class Client:  # (the engine core's client: load_lora_modules calls the core through it)
+        def call_sync(self, method, *args):
+            assert method == "add_lora"
 
     class Engine:
-        engine_core = Core()
+        client = Client()
 
     def modules(flags, env):
         monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)

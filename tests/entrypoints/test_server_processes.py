@@ -184,3 +184,30 @@ def test_api_server_count_shares_the_port_and_one_engine(checkpoint, tmp_path):
         assert srv.stop() == 0
     gone, alive = psutil.wait_procs(family, timeout=10)
     assert not alive, [p.cmdline() for p in alive]
+
+
+def test_worker_death_fails_streams_and_exits_nonzero(slow_checkpoint, tmp_path):
+    """With two pipeline stages (the mp executor), killing a worker ends the engine core, and the
+    server reports it as the engine's death."""
+    srv = ServerProcess(_args(slow_checkpoint, "--pipeline-parallel-size", "2"),
+                        str(tmp_path / "worker.log")).wait_ready()
+    try:
+        engine = _engine_process(srv)
+        workers = [c for c in engine.children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) == 2, [c.cmdline() for c in engine.children()]
+        events: list[str] = []
+        started = threading.Event()
+        reader = threading.Thread(target=_stream, args=(srv.url, 1900, events, started))
+        reader.start()
+        assert started.wait(60)
+        killed = time.monotonic()
+        workers[1].kill()
+        assert srv.proc.wait(10) != 0
+        assert time.monotonic() - killed < 6
+        reader.join(10)
+        assert events[-1] == "data: [DONE]", events[-3:]
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "engine_dead"
+        gone, alive = psutil.wait_procs([engine, *workers], timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        srv.stop()
