@@ -21,8 +21,8 @@ import socket
 import tempfile
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from halserve.engine.request_stream import EngineDeadError
 from halserve.engine.serial import FrameReader, decode_outputs, decode_stats, encode_request, pack
@@ -85,9 +85,10 @@ class EngineCoreClient(ABC):
 
     def close_sync(self) -> None:
         """(optional) Release the core without an event loop (a failed start-up). Default: nothing."""
+        return None
 
 
-def start_engine_core_process(config: Any, log_level: int = logging.WARNING) -> "MPEngineCoreClient":
+def start_engine_core_process(config: Any, log_level: int = logging.WARNING) -> MPEngineCoreClient:
     """Spawn the engine-core process for ``config`` (it loads the model) and connect to it.
     ``EngineCoreStartError`` when it cannot start (its message says why)."""
     process, socket_path, model_info = spawn_engine_core(config, log_level)

@@ -10,7 +10,11 @@ by what is pickled: token ids travel as ``array('i')`` (one bytes copy, not one 
 token), and a step's outputs travel as one batch (``encode_outputs``): the request ids, one flat
 array of new token ids with per-request counts, and the rare fields (finish and stop reasons,
 logprobs, prompt logprobs, pooled results, prefix-cache hits) only for the requests that have
-them. Measured (tests/engine/test_core_proc.py prints it): see ``encode_outputs``.
+them. Measured here (encode, send over a Unix socket pair, receive, decode; one shared CPU core):
+a 256-request decode step 0.30 ms and 12 KB (pickled ``EngineCoreOutput``s: 0.69 ms, 21 KB), a
+64-request step 0.09 ms, a 1-request step 0.05 ms. A stdlib Unix socket rather than ZeroMQ: the
+same kernel transport as zmq's ipc://, no new dependency, and several API servers are simply
+several accepted connections.
 
 Messages, client -> engine: ``("add", ack_id, [request tuple, ...])``, ``("abort", [id, ...])``,
 ``("call", ack_id, method, args)``, ``("shutdown",)``.
@@ -109,7 +113,7 @@ def encode_outputs(outputs: list) -> tuple:
     ``rare`` maps an output's index to its non-default fields after the token ids
     (new_logprobs, finish_reason, stop_reason, num_cached_tokens, prompt_logprobs, pooled).
     A 256-request decode step encodes, round-trips a socket and decodes in about 0.3 ms on
-    one CPU core (tests/engine/test_core_proc.py::test_output_batch_round_trip_cost).
+    one CPU core (tests/engine/test_core_proc.py::test_output_batch_round_trip_cost prints it).
     """
     request_ids = [o.request_id for o in outputs]
     counts = array(_TOKEN_TYPECODE, [len(o.new_token_ids) for o in outputs])

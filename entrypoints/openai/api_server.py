@@ -324,7 +324,7 @@ def run_server(
     api_keys: Sequence[str] | None = None,
     log_level: str = "info",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    sock: "socket.socket | None" = None,
+    sock: socket.socket | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0) or the engine's death (1); returns the exit
     code. ``sock``: an already bound listening socket to serve on (``--api-server-count``)."""

@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-
 from server_utils import SERVED_NAME, VOCAB_SIZE, ServerProcess, server_args
 
 HEALTH_LIMIT_S = 0.1
@@ -82,12 +81,12 @@ def test_big_requests_do_not_stall_health_or_streams(long_context_server):
     url = long_context_server.url
     rng = random.Random(0)
     # 5,000,000 one-digit ids: a 10 MB body
-    detok_body = ('{"model": "%s", "tokens": [' % SERVED_NAME + ",".join(["7"] * 5_000_000) + "]}").encode()
+    detok_body = (f'{{"model": "{SERVED_NAME}", "tokens": [' + ",".join(["7"] * 5_000_000) + "]}").encode()
     # 3,000 prompts of 2,048 three-digit ids: a 24 MB body; the last id is past the vocabulary, so
     # every prompt is parsed and checked, then the batch is refused (a 400) without running any
     prompts = [[rng.randrange(100, VOCAB_SIZE) for _ in range(2048)] for _ in range(3000)]
     prompts[-1][-1] = VOCAB_SIZE
-    batch_body = ('{"model": "%s", "max_tokens": 1, "prompt": [' % SERVED_NAME
+    batch_body = (f'{{"model": "{SERVED_NAME}", "max_tokens": 1, "prompt": ['
                   + ",".join("[" + ",".join(map(str, p)) + "]" for p in prompts) + "]}").encode()
     assert len(detok_body) > 10_000_000 and len(batch_body) > 24_000_000
 

@@ -13,7 +13,6 @@ import time
 import httpx
 import psutil
 import pytest
-
 from server_utils import SERVED_NAME, ServerProcess, server_args
 
 
@@ -156,7 +155,7 @@ def test_killed_api_server_takes_the_engine_with_it(checkpoint, tmp_path):
 def _metric(text: str, name: str) -> float:
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
