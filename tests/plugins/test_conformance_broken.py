@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from plugin_test_utils import clean_env, run_python
 
+pytestmark = pytest.mark.slow  # the conformance kit in subprocesses, ~2 min (inner loop: -m 'not slow')
+
 BROKEN_SRC = Path(__file__).parent / "broken_plugin"
 
 

@@ -6,7 +6,10 @@ and ``resolve_platform`` in that one process.
 """
 from __future__ import annotations
 
+import pytest
 from plugin_test_utils import auto_detected, clean_env, run_halserve, run_scenario
+
+pytestmark = pytest.mark.slow  # builds and installs a plugin wheel, ~1 min (inner loop: -m 'not slow')
 
 
 def _plugin(report: dict, name: str) -> dict:

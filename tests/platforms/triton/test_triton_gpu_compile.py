@@ -17,6 +17,8 @@ import pytest
 
 from halserve.platforms.triton_kernels.compile_check import TARGETS
 
+pytestmark = pytest.mark.slow  # real Triton compiler per GPU, minutes (inner loop: -m 'not slow')
+
 # A few bytes of spill (one register on one path) is noise; a real spill is hundreds.
 MAX_SPILL_BYTES = 16
 DOT_KERNELS = ("unified_attention_kernel", "scaled_gemm_kernel", "wo4_gemm_kernel")
