@@ -16,6 +16,7 @@ import importlib
 import json
 import os
 import pickle
+import signal
 import threading
 import time
 from array import array
@@ -77,6 +78,7 @@ class RequestOffloader:
 # ---------------------------------------------------------------------- worker process
 def _init_worker(tokenizer: bytes, parent_pid: int) -> None:
     global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the whole group: the API server stops it)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="halserve-parent-watch", daemon=True).start()
     _worker_tokenizer = pickle.loads(tokenizer)
 
