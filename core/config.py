@@ -1,6 +1,8 @@
 """User-facing engine configuration (what `LLM(...)` and `halserve serve` flags set)."""
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -8,11 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from halserve.attention_backends.base import KV_CACHE_DTYPES
 from halserve.kv_connectors.base import KVTransferConfig
 from halserve.pooler_config import PoolerConfig
+from halserve.sampling_params import MAX_LOGPROBS
 from halserve.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_CPU_LORAS = 8
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+logger = logging.getLogger(__name__)
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -44,6 +48,22 @@ class EngineConfig(BaseModel):
     """Bytes for the KV cache; None sizes it from free device memory."""
     kv_cache_memory_fraction: float = Field(default=0.9, gt=0, le=1)
     """Fraction of free memory the KV cache may take when sized automatically."""
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    """vLLM's ``--gpu-memory-utilization``: the fraction of the device's *total* memory this engine may
+    use -- weights, activations and KV cache together; the KV cache gets that share less what this
+    process holds once the model is loaded (``Platform.kv_cache_budget_of_total``; on the CPU the
+    device memory is the host's RAM). None: ``kv_cache_memory_fraction`` of free memory instead."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts into chunks of the step's token budget (vLLM's ``--enable-chunked-prefill``).
+    False: a prompt is prefilled in one step, so ``max_num_batched_tokens`` is raised to at least
+    ``max_model_len`` once the model's length is known (``fit_unchunked_prefill``)."""
+    generation_config: str = "auto"
+    """Sampling defaults for fields a request leaves unset (vLLM's ``--generation-config``): ``auto``
+    the checkpoint's generation_config.json; ``vllm`` none (halserve's own defaults); a folder: the
+    generation_config.json in it."""
+    max_logprobs: int = Field(default=MAX_LOGPROBS, ge=-1, le=MAX_LOGPROBS)
+    """Most ``logprobs``/``prompt_logprobs`` a request may ask for (vLLM's ``--max-logprobs``); -1: as
+    many as halserve returns (``MAX_LOGPROBS``). A request over it gets a ValueError (HTTP 400)."""
     enable_prefix_caching: bool = True
     seed: int = 0
     tensor_parallel_size: int = Field(default=1, ge=1)
@@ -179,6 +199,41 @@ class EngineConfig(BaseModel):
                 kv_connector="OffloadingConnector", kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes})
             self.__dict__["kv_offloading_size"] = None
         return self
+
+    @field_validator("max_logprobs")
+    @classmethod
+    def _max_logprobs(cls, value: int) -> int:
+        return MAX_LOGPROBS if value == -1 else value
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, value: str) -> str:
+        if value in ("auto", "vllm"):
+            return value
+        if not os.path.isfile(os.path.join(os.path.expanduser(value), "generation_config.json")):
+            raise ValueError(f"generation_config {value!r}: not 'auto', 'vllm' or a folder holding "
+                             "generation_config.json")
+        return value
+
+    @model_validator(mode="after")
+    def _memory_share(self) -> EngineConfig:
+        if self.gpu_memory_utilization is None:
+            return self
+        if "kv_cache_memory_fraction" in self.model_fields_set:
+            raise ValueError("gpu_memory_utilization (vLLM's: a share of total device memory for everything) and "
+                             "kv_cache_memory_fraction (halserve's: a share of free memory for the KV cache) both "
+                             "size the KV cache; give one")
+        if self.kv_cache_memory is not None:
+            raise ValueError("gpu_memory_utilization and kv_cache_memory both size the KV cache; give one")
+        return self
+
+    def fit_unchunked_prefill(self, max_model_len: int) -> None:
+        """With ``enable_chunked_prefill`` off, raise ``max_num_batched_tokens`` to ``max_model_len`` (the
+        longest prompt must fit one step, as vLLM requires); called once the model's length is known."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            logger.info("chunked prefill is off: max_num_batched_tokens %d -> %d (max_model_len), so a whole "
+                        "prompt fits one step", self.max_num_batched_tokens, max_model_len)
+            self.max_num_batched_tokens = max_model_len
 
     @model_validator(mode="after")
     def _lora_limits(self) -> EngineConfig:

@@ -287,6 +287,8 @@ class Scheduler:
                                                               self.max_num_batched_tokens, fresh=True)
             if not num_new_tokens:  # (FCFS: no overtaking) its image waits for a step with room to encode it
                 break
+            if not self.config.enable_chunked_prefill and num_computed + num_new_tokens < request.num_tokens:
+                break  # (chunked prefill off) the whole prompt waits for a step with room for all of it
             lookahead = drafter.lookahead(request, num_computed + num_new_tokens)
             num_slots = num_new_tokens + num_external
             new_block_ids = kv.allocate_slots(request, num_slots, computed_blocks, num_lookahead_tokens=lookahead)

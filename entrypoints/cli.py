@@ -19,8 +19,9 @@ SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     from halserve import __version__
+    from halserve.entrypoints.vllm_flags import SuggestingArgumentParser
 
-    parser = argparse.ArgumentParser(
+    parser = SuggestingArgumentParser(
         prog="halserve",
         description="LLM serving on any accelerator through plugins.",
     )

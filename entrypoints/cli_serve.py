@@ -234,7 +234,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16, help="KV-cache block size (tokens, a power of two)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache at this many blocks")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help="KV-cache size, e.g. 2GiB (default: sized from free memory)")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9, help="share of free memory the KV cache may take when sized automatically")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="share of free memory the KV cache may take when sized automatically (default 0.9; "
+                   "vLLM's --gpu-memory-utilization is a share of total memory instead)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES), help="KV-cache storage dtype")
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -272,6 +274,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
         "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
     )
+    from halserve.entrypoints.vllm_flags import add_vllm_flags
+
+    add_vllm_flags(p)
     p.set_defaults(func=run)
     return p
 
@@ -295,6 +300,7 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
     from pydantic import ValidationError
 
     from halserve.config import EngineConfig
+    from halserve.entrypoints import vllm_flags
 
     try:
         return EngineConfig(
@@ -310,7 +316,6 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory,
-            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
             enable_prefix_caching=args.enable_prefix_caching,
             seed=args.seed,
             tensor_parallel_size=args.tensor_parallel_size,
@@ -333,6 +338,7 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             kv_offloading_size=args.kv_offloading_size,
             limit_mm_per_prompt=args.limit_mm_per_prompt,
             mm_processor_kwargs=args.mm_processor_kwargs,
+            **vllm_flags.config_kwargs(args),
         )
     except ValidationError as exc:
         lines = []
@@ -420,10 +426,14 @@ def load_chat_template(value: str | None) -> str | None:
 
 def prepare(args: argparse.Namespace) -> tuple[Any, list[str], str, str | None]:
     """Validate everything cheap: (config, served names, model path, chat template)."""
+    from halserve.entrypoints.vllm_flags import apply_vllm_flags
+    from halserve.models.model_path import check_local_path
     from halserve.platforms import PlatformUnavailableError, resolve_platform
 
-    from halserve.models.model_path import check_local_path
-
+    try:
+        apply_vllm_flags(args)  # (--model into MODEL; a line for each flag that changes nothing here)
+    except ValueError as exc:
+        raise StartupError(str(exc), EXIT_USAGE) from None
     model, served = resolve_model(args)
     for what, value in (("model", model), ("--tokenizer", args.tokenizer), ("--hf-config-path", args.hf_config_path)):
         if value is not None:  # (a missing local path fails here, not as a hub lookup after start-up)
@@ -520,7 +530,7 @@ def serve_http(args: argparse.Namespace, engine: Any, served: list[str], model: 
 
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    metrics = ServerMetrics(served[0], engine.get_stats)
+    metrics = ServerMetrics(served[0], engine.get_stats, prefix=args.metrics_prefix)
     engine.stat_observers.append(metrics)
     serving = OpenAIServing(
         engine, served, model_path=getattr(engine.model_info, "model_path", None) or model,

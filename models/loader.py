@@ -26,6 +26,7 @@ from halserve.models.interfaces import (
 )
 from halserve.models.model_path import check_local_path
 from halserve.pooler_config import resolve_pooler_config
+from halserve.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class ModelInfo:
     logits_soft_cap: float | None = None  # cap * tanh(score / cap) on attention scores (Gemma 2); None: off
     eos_token_ids: list[int] = field(default_factory=list)
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
+    max_logprobs: int = MAX_LOGPROBS  # most logprobs/prompt_logprobs a request may ask for (config.max_logprobs)
     kv_cache_bytes_per_token: int = 0  # K and V of every layer, all ranks together
     pooler_config: Any = None  # PoolerConfig, both fields set: the embedding defaults (halserve.pooler_config)
     # "generate": an LM head (generate, embed); "pooling": a classifier (*ForSequenceClassification,
@@ -92,6 +94,18 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
             "config.json and *.safetensors, or download it first (huggingface-cli download) and set "
             "HF_HUB_OFFLINE=1 so the cached snapshot is used."
         ) from exc
+
+
+def generation_defaults(config: Any, checkpoint_gen: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults ``config.generation_config`` names (vLLM's ``--generation-config``):
+    ``auto`` the checkpoint's generation_config.json, ``vllm`` none, a folder its generation_config.json."""
+    source = getattr(config, "generation_config", "auto")
+    if source == "vllm":
+        return {}
+    gen = checkpoint_gen
+    if source != "auto":
+        gen = _read_json(os.path.join(os.path.expanduser(source), "generation_config.json"))
+    return {k: gen[k] for k in GENERATION_DEFAULT_KEYS if k in gen}
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -203,7 +217,8 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
         sliding_window=max(windows) if windows else None,
         logits_soft_cap=attention_logits_soft_cap(text_config),
         eos_token_ids=eos,
-        generation_defaults={k: gen[k] for k in GENERATION_DEFAULT_KEYS if k in gen},
+        generation_defaults=generation_defaults(config, gen),
+        max_logprobs=getattr(config, "max_logprobs", MAX_LOGPROBS),
         kv_cache_bytes_per_token=2 * text_config.num_hidden_layers * num_kv_heads * head_size * elem_size,
         pooler_config=pooler_config,
         runner="pooling" if is_classifier else "generate",

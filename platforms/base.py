@@ -122,6 +122,27 @@ class Platform:
         free, _total = self.memory_info()
         return int(free * fraction)
 
+    def memory_in_use(self, index: int = 0) -> int:
+        """Bytes of device ``index`` this process holds, read after the model loaded (optional)
+        default: total - free, which counts other processes' memory too (exact on a device of its own)."""
+        free, total = self.memory_info(index)
+        return total - free
+
+    def kv_cache_budget_of_total(self, utilization: float) -> int:
+        """vLLM's ``--gpu-memory-utilization``: this engine may use ``utilization`` of the device's total
+        memory for everything; the KV cache gets that less ``memory_in_use()`` (weights loaded). Called
+        by the model runner after loading; a ValueError says how much is missing."""
+        _free, total = self.memory_info()
+        in_use = self.memory_in_use()
+        budget = int(total * utilization) - in_use
+        if budget <= 0:
+            gib = 1 << 30
+            raise ValueError(
+                f"--gpu-memory-utilization {utilization}: {utilization} x {total / gib:.1f} GiB of {self.name} "
+                f"memory = {total * utilization / gib:.1f} GiB, but this process already holds "
+                f"{in_use / gib:.1f} GiB with the model loaded, leaving nothing for the KV cache; raise it")
+        return budget
+
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """One layer's zeroed KV-cache tensor (optional) default: ``torch.zeros`` on
         ``self.device()``. A platform overrides it to place the cache specially."""

@@ -1,11 +1,14 @@
 """The CPU platform: always available, the reference every other platform is checked against."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import ClassVar
 
 from halserve.platforms.base import Platform, ProbeResult
 from halserve.plugins import PluginManifest, hookimpl
+
+logger = logging.getLogger(__name__)
 
 
 def keep_freed_memory() -> bool:
@@ -148,6 +151,23 @@ class CpuPlatform(Platform):
         # VLLM_CPU_KVCACHE_SPACE default, take at most 4 GiB unless told otherwise.
         free, _total = self.memory_info()
         return int(min(free * fraction * 0.5, 4 << 30))
+
+    def memory_in_use(self, index: int = 0) -> int:
+        """The process's resident set: on the CPU the "device memory" of --gpu-memory-utilization is the
+        host's RAM, and the weights live in this process's RSS."""
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def kv_cache_budget_of_total(self, utilization: float) -> int:
+        # The share of total RAM, capped at what is available now (RAM other programs hold is not ours).
+        budget = super().kv_cache_budget_of_total(utilization)
+        available, total = self.memory_info()
+        logger.info("--gpu-memory-utilization %s on the CPU: %.1f GiB of host RAM x %s less this process's "
+                    "%.1f GiB = %.1f GiB for the KV cache%s", utilization, total / (1 << 30), utilization,
+                    self.memory_in_use() / (1 << 30), budget / (1 << 30),
+                    f" (capped at the {available / (1 << 30):.1f} GiB available)" if budget > available else "")
+        return min(budget, available)
 
 
 @hookimpl

@@ -147,6 +147,8 @@ class ModelRunner:
         per_block = self.bytes_per_block()
         if self.config.kv_cache_memory is not None:
             budget = self.config.kv_cache_memory
+        elif self.config.gpu_memory_utilization is not None:  # (vLLM's: a share of total memory)
+            budget = self.platform.kv_cache_budget_of_total(self.config.gpu_memory_utilization)
         else:
             budget = self.platform.kv_cache_budget(self.config.kv_cache_memory_fraction)
         num_blocks = budget // per_block

@@ -38,6 +38,7 @@ class EngineCore:
         self.platform.check_and_update_config(config)
         self.config = config
         self.model_info = get_model_info(config, self.platform)
+        config.fit_unchunked_prefill(self.model_info.max_model_len)  # (before the workers size their buffers)
 
         from halserve.kv_connectors import check_kv_transfer
 

@@ -177,6 +177,12 @@ class InputProcessor:
             if not isinstance(lora_request, LoRARequest):
                 raise ValueError(f"lora_request must be a halserve.LoRARequest, got {type(lora_request).__name__}")
         params.check_token_ids(self.vocab_size)
+        max_logprobs = getattr(self.info, "max_logprobs", None)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if max_logprobs is not None and asked is not None and asked > max_logprobs:
+                raise ValueError(f"{name}={asked} is more than this server allows (--max-logprobs {max_logprobs}); "
+                                 f"ask for at most {max_logprobs}")
         check_task(params, self.info)  # (a classification model only classifies)
         if params.pooling is not None:
             params.pooling.check(self.info.hidden_size)

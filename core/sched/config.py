@@ -25,6 +25,7 @@ class SchedulerConfig:
     max_loras: int | None = None  # distinct LoRA adapters among running requests; None: LoRA off
     pipeline_parallel: bool = False  # cached requests carry their new output tokens (stages but the last)
     max_concurrent_batches: int = 1  # batches in flight at once (one per pipeline stage)
+    enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step, never split over steps
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -32,6 +33,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked prefill a whole prompt is one step: max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1 (or None: LoRA off), got {self.max_loras}")
 
@@ -50,4 +54,5 @@ class SchedulerConfig:
             max_loras=config.max_loras if config.enable_lora else None,
             pipeline_parallel=config.pipeline_parallel_size > 1,
             max_concurrent_batches=max_concurrent_batches,
+            enable_chunked_prefill=config.enable_chunked_prefill,
         )
