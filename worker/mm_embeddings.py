@@ -105,7 +105,7 @@ def step_positions(step: "StepInputs") -> torch.Tensor:
     return out
 
 
-def model_kwargs(model: torch.nn.Module, step: StepInputs, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+def model_kwargs(model: SupportsMultiModal, step: StepInputs, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The model's extra forward arguments for the step on a vision-language model's first stage:
     ``inputs_embeds`` when the step feeds any image's placeholder, else none."""
     embeds = step_inputs_embeds(model, step, input_ids)
