@@ -65,6 +65,10 @@ class EngineConfig(BaseModel):
     """Most ``logprobs``/``prompt_logprobs`` a request may ask for (vLLM's ``--max-logprobs``); -1: as
     many as halserve returns (``MAX_LOGPROBS``). A request over it gets a ValueError (HTTP 400)."""
     enable_prefix_caching: bool = True
+    async_scheduling: bool = False
+    """Schedule step N+1 while step N runs (vLLM's ``--async-scheduling``); the worker fills in step N's
+    sampled tokens. Outputs are the same as without it. A feature that cannot run asynchronously yet
+    (``halserve.sched.async_steps.async_refusal``) turns it off at start-up with a warning."""
     seed: int = 0
     tensor_parallel_size: int = Field(default=1, ge=1)
     pipeline_parallel_size: int = Field(default=1, ge=1)

@@ -95,6 +95,9 @@ class Request:
     num_output_tokens_sent: int = 0
     """Pipeline parallelism: its output tokens the workers were sent so far (stages before the last
     do not sample, so the scheduler sends them the new ones)."""
+    num_output_placeholders: int = 0
+    """Async scheduling: tokens sampled in steps still in flight (their ids are not known here yet;
+    the worker has them). Always 0 without async scheduling."""
     _all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

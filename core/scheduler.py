@@ -24,6 +24,7 @@ from halserve.request import Request, RequestId, RequestStatus
 from halserve.sched import (
     Admission,
     AdmissionPolicy,
+    AsyncSteps,
     ConnectorLoads,
     DraftRule,
     GrammarGate,
@@ -97,6 +98,7 @@ class Scheduler:
         self.grammars = None if structured_outputs is None else GrammarGate(structured_outputs)
         self.drafter = DraftRule(spec_proposer, config.max_model_len)
         self.kv_loads = None if kv_connector is None else ConnectorLoads(kv_connector, self.kv_cache_manager)
+        self.async_steps = AsyncSteps() if config.async_scheduling else None  # (placeholders for steps in flight)
         lora = None if config.max_loras is None else LoRAAdmission(config.max_loras, max_overtakes=config.max_num_seqs)
         self.policies: list[AdmissionPolicy] = [
             p for p in (UnservedFeatures(has_structured_outputs=structured_outputs is not None, has_lora=lora is not None),
@@ -216,7 +218,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         num_preempted = 0
         encoder_left = self.max_num_batched_tokens  # image tokens the step may encode (multimodal/budget.py)
-        drafter, stages, kv_loads = self.drafter, self.stages, self.kv_loads
+        drafter, stages, kv_loads, async_steps = self.drafter, self.stages, self.kv_loads, self.async_steps
 
         # 1. running requests
         in_flight = stages.in_flight
@@ -224,10 +226,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and token_budget > 0 and len(cached_reqs) < share:
             request = self.running[index]
-            if request.request_id in in_flight:
+            if request.request_id in in_flight or (
+                    async_steps is not None and not async_steps.can_schedule(request, self.max_model_len)):
                 index += 1
                 continue
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_pending = (request.num_tokens - request.num_computed_tokens if async_steps is None
+                           else async_steps.num_pending_tokens(request))
+            num_new_tokens = min(num_pending, token_budget)
             assert num_new_tokens > 0, f"running request {request.request_id} has nothing to compute"
             num_new_tokens, encoder_used = fit_encoder_budget(request, request.num_computed_tokens, num_new_tokens,
                                                               encoder_left, self.max_num_batched_tokens, fresh=False)
@@ -341,6 +346,8 @@ class Scheduler:
             self.grammars.fill_bitmask(output, self.requests)
         if kv_loads is not None:
             kv_loads.fill_metadata(output, self.requests)
+        if async_steps is not None:
+            async_steps.scheduled(output, self.requests)
         return output
 
     def _propose_drafts(self, request: Request, token_budget: int) -> list[int]:
@@ -396,6 +403,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        if self.async_steps is not None:
+            self.async_steps.preempted(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -415,17 +424,25 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         in_flight = self.stages.in_flight if self.stages.overlapping else None
+        batch = None if self.async_steps is None else self.async_steps.returned()
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(RequestId(req_id))
             if in_flight is not None and in_flight.pop(req_id, None) is not request:
                 continue  # aborted while the step ran, and its id reused since
-            if request is None or request.status != RequestStatus.RUNNING:
+            if batch is not None:  # (async scheduling: num_computed_tokens advanced when scheduled)
+                scheduled_request, samples = batch[req_id]
+                if request is not scheduled_request or not samples or request.is_finished:
+                    continue  # finished (or aborted) since, or a partial prefill chunk
+                request.num_output_placeholders = max(0, request.num_output_placeholders - 1)  # (0: preempted)
+            elif request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            preempted_meanwhile = request.status == RequestStatus.PREEMPTED  # (async scheduling: it waits)
             drafts = spec_tokens.get(req_id, ())
-            # drafts are not the request's tokens until accepted (added below)
-            request.num_computed_tokens += num_tokens - len(drafts)
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a partial prefill chunk samples nothing (anything sampled is discarded)
+            if batch is None:
+                # drafts are not the request's tokens until accepted (added below)
+                request.num_computed_tokens += num_tokens - len(drafts)
+                if request.num_computed_tokens < request.num_tokens:
+                    continue  # a partial prefill chunk samples nothing (anything sampled is discarded)
             i = position.get(req_id)
             sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
             pooled = model_runner_output.pooled
@@ -470,7 +487,7 @@ class Scheduler:
                 )
             )
             if request.is_finished:
-                self.running.remove(request)
+                (self.waiting if preempted_meanwhile else self.running).remove(request)
                 self._release(request)
         return outputs
 

@@ -42,6 +42,10 @@ class Executor:
     name: ClassVar[str]
     """What ``--distributed-executor-backend`` takes."""
     supports_multiple_ranks: ClassVar[bool] = False
+    supports_async_scheduling: ClassVar[bool] = False
+    """(optional) default False: with ``config.async_scheduling``, ``submit_model`` returns before the
+    step has run and the ranks fill in the sampled tokens of the step before (halserve.sched.async_steps);
+    False: the engine warns and schedules synchronously."""
     description: ClassVar[str] = ""
 
     def __init__(self, config: EngineConfig, platform_name: str, model_info: ModelInfo) -> None:

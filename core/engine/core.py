@@ -50,6 +50,13 @@ class EngineCore:
                 f"executor {executor_name!r} is not available; registered executors: "
                 f"{', '.join(manager.executors.names()) or 'none'}"
             )
+        if config.async_scheduling:
+            from halserve.sched.async_steps import async_refusal
+
+            if (refused := async_refusal(config, self.model_info, reg.obj)) is not None:
+                logger.warning("async scheduling is off: %s cannot run asynchronously yet; scheduling "
+                               "synchronously", refused)
+                config.async_scheduling = False
         self.executor = reg.obj(config, self.platform.name, self.model_info)
         try:
             self.num_blocks = self.executor.initialize()
@@ -145,6 +152,8 @@ class EngineCore:
         """Schedule, run the model once, and return what each request produced."""
         if self.max_concurrent_batches > 1:
             return self._step_overlapped()
+        if self.scheduler.async_steps is not None:
+            return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
@@ -170,6 +179,32 @@ class EngineCore:
             else:  # nothing in flight, nothing to run: every request waits for its grammar
                 self.executor.execute_model(scheduler_output)  # (an empty step drops finished requests)
                 self.scheduler.wait_for_grammars(timeout=self.GRAMMAR_POLL_S)
+                return []
+        if not batches:
+            return []
+        scheduler_output, handle = batches.popleft()
+        return self._finish_step(scheduler_output, self.executor.collect_model(handle))
+
+    def _step_async(self) -> list:
+        """Async scheduling: schedule and submit step N+1, then collect step N (one step in flight
+        while the engine schedules and processes outputs; halserve.sched.async_steps). Returns []
+        right after the first submission. Steps that must see every output first (a request under
+        a grammar) wait for the steps in flight and run one at a time."""
+        batches, scheduler = self._batches, self.scheduler
+        if batches and scheduler.async_steps.needs_sync_step(scheduler.requests):
+            scheduler_output, handle = batches.popleft()
+            return self._finish_step(scheduler_output, self.executor.collect_model(handle))
+        if scheduler.has_unfinished_requests():
+            scheduler_output = scheduler.schedule()
+            if not scheduler_output.is_empty:
+                batches.append((scheduler_output, self.executor.submit_model(scheduler_output)))
+                if len(batches) == 1 and not scheduler.async_steps.needs_sync_step(scheduler.requests):
+                    return []  # (the caller steps again: it schedules the next step before waiting)
+            elif batches:  # what is left is in flight (or has all its tokens in flight): wait for it
+                scheduler.unschedule_empty(scheduler_output)
+            else:  # nothing in flight, nothing to run: every request waits for its grammar
+                self.executor.execute_model(scheduler_output)  # (an empty step drops finished requests)
+                scheduler.wait_for_grammars(timeout=self.GRAMMAR_POLL_S)
                 return []
         if not batches:
             return []

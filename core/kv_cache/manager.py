@@ -127,9 +127,10 @@ class KVCacheManager:
         assert is_first or not new_computed_blocks, "prefix hits only on a request's first allocation"
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
-        assert num_total <= request.num_tokens, (
+        assert num_total <= request.num_tokens + request.num_output_placeholders, (
             f"{req_id}: scheduling up to token {num_total} but only {request.num_tokens} exist"
         )
+        num_known = min(num_total, request.num_tokens)  # (async scheduling: the last may be placeholders)
         assert self.max_model_len is None or num_total + num_lookahead_tokens <= self.max_model_len
 
         num_have = (0 if req_blocks is None else len(req_blocks)) + len(new_computed_blocks)
@@ -153,8 +154,8 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
 
         if self.enable_prefix_caching:
-            num_full = num_total // self.block_size
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_total,
+            num_full = num_known // self.block_size
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_known,
                                 request.block_hash_extra_keys)
             self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, self.num_cached_block[req_id], num_full)
             self.num_cached_block[req_id] = max(num_full, self.num_cached_block[req_id])

@@ -4,8 +4,10 @@
 rule (``base.py``); the rules: ``GrammarGate`` (structured outputs), ``PipelineStages`` (batches
 in flight), ``UnservedFeatures`` (refusals), and LoRA's ``halserve.lora.admission.LoRAAdmission``.
 Helpers the steps call: ``DraftRule`` (speculative decoding), ``ConnectorLoads`` (KV connector),
-and ``halserve.multimodal.budget.fit_encoder_budget`` (image budget).
+and ``halserve.multimodal.budget.fit_encoder_budget`` (image budget); ``AsyncSteps`` (async
+scheduling's placeholders).
 """
+from halserve.sched.async_steps import AsyncSteps
 from halserve.sched.base import Admission, AdmissionPolicy, UnservedFeatures
 from halserve.sched.config import SchedulerConfig
 from halserve.sched.drafts import DraftRule, make_spec_proposer
@@ -16,6 +18,7 @@ from halserve.sched.stages import PipelineStages
 __all__ = [
     "Admission",
     "AdmissionPolicy",
+    "AsyncSteps",
     "ConnectorLoads",
     "DraftRule",
     "GrammarGate",

@@ -26,6 +26,7 @@ class SchedulerConfig:
     pipeline_parallel: bool = False  # cached requests carry their new output tokens (stages but the last)
     max_concurrent_batches: int = 1  # batches in flight at once (one per pipeline stage)
     enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step, never split over steps
+    async_scheduling: bool = False  # step N+1 is scheduled before step N's output is back (sched/async_steps.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -55,4 +56,5 @@ class SchedulerConfig:
             pipeline_parallel=config.pipeline_parallel_size > 1,
             max_concurrent_batches=max_concurrent_batches,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            async_scheduling=config.async_scheduling,
         )
