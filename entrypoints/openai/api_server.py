@@ -20,7 +20,7 @@ import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from halserve import __version__
@@ -33,7 +33,7 @@ from halserve.entrypoints.openai.errors import (
     parse_body,
 )
 from halserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from halserve.entrypoints.openai.offload import RequestOffloader
+from halserve.entrypoints.openai.offload import RequestOffloader, release_request_in_thread
 from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from halserve.entrypoints.openai.protocol import CompletionRequest
 from halserve.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -166,7 +166,15 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     @app.post("/v1/completions")
     @guarded
     async def create_completion(raw_request: Request) -> Response:
-        return await completion.create(await body(CompletionRequest, raw_request), raw_request)
+        req = await body(CompletionRequest, raw_request)
+        try:
+            response = await completion.create(req, raw_request)
+        except BaseException:
+            release_request_in_thread(req)  # (a big batch's prompts: freed off the event loop)
+            raise
+        if not isinstance(response, StreamingResponse):
+            release_request_in_thread(req)
+        return response
 
     @app.post("/v1/chat/completions")
     @guarded

@@ -78,6 +78,8 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig, served: list
         alive = {server.sentinel: server for server in servers}
         while alive:
             ready = wait([*alive, engine.sentinel], timeout=1.0)
+            for sentinel in ready:  # (a closed sentinel comes a moment before the exit status)
+                (alive.get(sentinel) or engine).join(5)
             if engine.sentinel in ready and not stopping:
                 logger.error("the engine-core process exited with code %s", engine.exitcode)
                 failed = True

@@ -25,11 +25,12 @@ from typing import Any
 
 from halserve.entrypoints.openai.errors import OpenAIError, parse_body
 
-__all__ = ["RequestOffloader"]
+__all__ = ["RequestOffloader", "release_in_thread", "release_request_in_thread"]
 
 INLINE_BYTES = 256 * 1024  # bodies up to this size are parsed on the event loop
 _PACK_MIN_IDS = 256  # token-id lists this long travel as arrays
 _UNPACK_SLICE = 65536  # ids turned back into a list per GIL-holding call
+_RELEASE_DELAY_S = 0.2
 
 _worker_tokenizer: Any = None  # (in the worker process) the model's tokenizer
 
@@ -79,6 +80,7 @@ class RequestOffloader:
 def _init_worker(tokenizer: bytes, parent_pid: int) -> None:
     global _worker_tokenizer
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the whole group: the API server stops it)
+    os.nice(10)  # parsing a big body may wait; the engine's steps and the event loop may not
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="halserve-parent-watch", daemon=True).start()
     _worker_tokenizer = pickle.loads(tokenizer)
 
@@ -169,3 +171,26 @@ def _raise_error(result: tuple) -> Any:
         _, message, param, code, status = result
         raise OpenAIError(message, param=param, code=code, status_code=status)
     return result[1]
+
+
+def release_in_thread(values: list) -> None:
+    """Empty ``values``, freeing what only it held (e.g. a big batch's token-id lists) in a thread:
+    freeing millions of ints takes tens of milliseconds the event loop should not spend."""
+    box = list(values)
+    values.clear()
+    if box:
+        threading.Thread(target=_release, args=(box,), name="halserve-release", daemon=True).start()
+
+
+def _release(box: list) -> None:
+    time.sleep(_RELEASE_DELAY_S)  # (the loop drops its other references first, e.g. a traceback's frames)
+    box.clear()
+
+
+def release_request_in_thread(request: Any) -> None:
+    """``release_in_thread`` for a parsed request's long list fields (set to None: call it once the
+    response no longer needs them)."""
+    fields = [name for name, value in request.__dict__.items() if isinstance(value, list) and len(value) >= 64]
+    release_in_thread([request.__dict__.pop(name) for name in fields])
+    for name in fields:
+        request.__dict__[name] = None

@@ -148,8 +148,8 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         done = 0  # prompts prepared, then prompts queued
         watch = asyncio.ensure_future(wait_disconnect(raw_request)) if raw_request and len(prompts) > 1 else None
+        prepared: list = []
         try:
-            prepared = []
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 text = prompt_texts[i] if prompt_texts is not None else None
@@ -175,6 +175,10 @@ class OpenAIServing:
                 watch.cancel()
             for stream in streams:
                 stream.close()
+            if len(prepared) > 64:  # (a big batch refused: its token ids are freed off the event loop)
+                from halserve.entrypoints.openai.offload import release_in_thread
+
+                release_in_thread(prepared)
             if isinstance(exc, ValueError):
                 from halserve.sampling_params import FIELD_NAMES
 
