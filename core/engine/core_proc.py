@@ -11,7 +11,8 @@
 Outputs go to the client that added the request; every client gets the stats (``/metrics`` of
 each API server reports the one engine). The process exits when told to (``shutdown``), on
 SIGTERM, once its last client has gone, or when its parent dies; a step that raises tells
-every client ``dead`` and exits 1. SIGINT is ignored: the API server drains first, then stops it.
+every client ``dead`` and exits 1, as does a worker found dead while idle (``check_health`` each
+poll). SIGINT is ignored: the API server drains first, then stops it.
 """
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ class EngineCoreProc:
         self.clients: dict[socket.socket, _Client] = {}
         self.owner: dict[str, _Client] = {}  # core request id -> the client that added it
         self.had_client = False
+        self.executor = getattr(core, "executor", None)  # (its check_health raises once a worker died)
 
     def run(self) -> int:
         core = self.core
@@ -113,6 +115,8 @@ class EngineCoreProc:
                 if not busy and self.parent_pid is not None and os.getppid() != self.parent_pid:
                     logger.warning("the parent process is gone: exiting")
                     break
+                if not busy and self.executor is not None:  # (a worker that died while idle: known within a poll)
+                    self.executor.check_health()
                 if core.has_unfinished_requests():
                     self._send_outputs(core.step())
                 elif busy:  # just went idle: everyone hears the final stats

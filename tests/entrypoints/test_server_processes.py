@@ -210,3 +210,29 @@ def test_worker_death_fails_streams_and_exits_nonzero(slow_checkpoint, tmp_path)
         assert not alive, [p.cmdline() for p in alive]
     finally:
         srv.stop()
+
+
+def test_idle_worker_death_is_noticed(checkpoint, tmp_path):
+    srv = ServerProcess(server_args(checkpoint, "--pipeline-parallel-size", "2"),
+                        str(tmp_path / "idle.log")).wait_ready()
+    try:
+        engine = _engine_process(srv)
+        worker = next(c for c in engine.children() if "spawn_main" in " ".join(c.cmdline()))
+        killed = time.monotonic()
+        worker.kill()
+        assert srv.proc.wait(10) != 0
+        assert time.monotonic() - killed < 5
+        assert "is not running" in srv.log()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--api-server-count", "0"], "--api-server-count 0: must be at least 1"),
+    (["--api-server-count", "2", "--disable-frontend-multiprocessing"], "drop --disable-frontend-multiprocessing"),
+])
+def test_process_flags_are_checked(flags, message, capsys):
+    from halserve.entrypoints.cli import main
+
+    assert main(["serve", "--platform", "cpu", *flags]) == 2
+    assert message in capsys.readouterr().err
