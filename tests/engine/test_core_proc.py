@@ -25,6 +25,8 @@ from halserve.engine.types import EngineCoreRequest, EngineStats
 from halserve.engine_core_output import EngineCoreOutput
 from halserve.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # starts engine processes (inner loop: -m 'not slow')
+
 
 def test_request_round_trips_with_prompt_as_int32_array():
     req = EngineCoreRequest("r1", "r1", 0, [5, 6, 7, 2**31 - 1], SamplingParams(max_tokens=3, temperature=0.5),

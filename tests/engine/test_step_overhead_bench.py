@@ -6,6 +6,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a step-overhead benchmark, ~20 s (inner loop: -m 'not slow')
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

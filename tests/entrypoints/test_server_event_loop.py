@@ -12,6 +12,8 @@ import httpx
 import pytest
 from server_utils import SERVED_NAME, VOCAB_SIZE, ServerProcess, server_args
 
+pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
+
 HEALTH_LIMIT_S = 0.1
 STREAM_GAP_LIMIT_S = 0.2
 
