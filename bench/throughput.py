@@ -49,6 +49,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="dummy: random weights of the checkpoint's shapes (needs only config.json and a "
                         "tokenizer in --model)")
     parser.add_argument("--enforce-eager", action="store_true", help="no captured graphs (every step eager)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="schedule the next step while this one runs (EngineConfig.async_scheduling)")
     parser.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                         help="largest decode batch captured as a graph (default: min(max-num-seqs, 512))")
     parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
@@ -121,6 +123,7 @@ def _make_llm(llm_class: Any, args: argparse.Namespace) -> Any:
         distributed_executor_backend=args.distributed_executor_backend,
         load_format=args.load_format,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
     )

@@ -223,6 +223,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--attention-backend", default=None, help="force an attention backend by name (default: the platform's choice)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no graphs captured even where the platform offers them")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule the next step while this one runs (same outputs; features that cannot yet "
+                   "say so at start-up and run synchronously)")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
                    help="largest decode batch captured as a graph (default: min(max-num-seqs, 512))")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
@@ -325,6 +328,7 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             kv_cache_dtype=args.kv_cache_dtype,
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            async_scheduling=args.async_scheduling,
             max_cudagraph_capture_size=args.max_cudagraph_capture_size,
             load_format=args.load_format,
             trust_remote_code=args.trust_remote_code,

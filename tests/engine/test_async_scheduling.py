@@ -152,3 +152,12 @@ def test_off_by_default(llama_path):
         assert llm.llm_engine.core.scheduler.async_steps is None
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_serve_flag_sets_the_config():
+    from halserve.entrypoints.cli import build_parser
+    from halserve.entrypoints.cli_serve import build_config
+
+    for argv, expected in ((["serve", "m"], False), (["serve", "m", "--async-scheduling"], True)):
+        args = build_parser().parse_args(argv)
+        assert build_config(args, "m").async_scheduling is expected
