@@ -121,7 +121,8 @@ def test_engine_death_fails_streams_turns_health_503_and_exits_nonzero(slow_chec
         srv.stop()
 
 
-def test_sigterm_mid_stream_exits_zero_and_leaves_no_process(slow_checkpoint, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_mid_stream_exits_zero_and_leaves_no_process(slow_checkpoint, tmp_path, sig):
     srv = ServerProcess(_args(slow_checkpoint), str(tmp_path / "term.log")).wait_ready()
     engine = _engine_process(srv)
     family = [engine, *psutil.Process(srv.proc.pid).children(recursive=True)]
@@ -131,8 +132,10 @@ def test_sigterm_mid_stream_exits_zero_and_leaves_no_process(slow_checkpoint, tm
     reader.start()
     assert started.wait(60)
     start = time.monotonic()
-    assert srv.stop(timeout=15) == 0
+    srv.proc.send_signal(sig)
+    assert srv.proc.wait(15) == 0
     assert time.monotonic() - start < 10
+    srv.stop()
     reader.join(10)
     assert events[-1] == "data: [DONE]"
     assert '"finish_reason":"abort"' in events[-2].replace(" ", "")
