@@ -10,6 +10,8 @@ import time
 import pytest
 from engine_helpers import generate_ids, greedy_params, hf_greedy
 
+pytestmark = pytest.mark.slow  # engines with a process per pipeline stage (inner loop: -m 'not slow')
+
 NEW_TOKENS = 12
 PROMPT_LENGTHS = [1, 7, 16, 37, 70, 5, 23, 48]  # 70 > the step budget: chunked prefill
 # 12 blocks of 16 hold 192 tokens, less than the 8 requests need together: some are preempted and
