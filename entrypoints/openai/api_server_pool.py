@@ -1,10 +1,11 @@
 """``halserve serve --api-server-count N``: N API-server processes on one port, one engine core.
 
     launcher (this process)
-      |- binds the port once; its listening socket is handed to every API server
+      |- binds the port N times (SO_REUSEPORT): one listening socket per API server, so the
+      |  kernel spreads new connections over them (one shared socket would hand a burst of
+      |  connections to whichever server woke first)
       |- engine-core process (core_proc.py): one Unix socket, one connection per API server
-      '- API server 0..N-1: uvicorn on the shared socket (the kernel spreads connections),
-                           each an ``AsyncLLM`` over an ``MPEngineCoreClient``
+      '- API server 0..N-1: uvicorn on its socket, each an ``AsyncLLM`` over an ``MPEngineCoreClient``
 
 Metrics: the per-request counters and histograms are in Prometheus multiprocess mode
 (``PROMETHEUS_MULTIPROC_DIR``, a temporary directory), so whichever server a scrape reaches sums
@@ -47,7 +48,7 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig, served: list
     metrics_dir = tempfile.mkdtemp(prefix="halserve-prometheus-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # (inherited by the API servers)
     try:
-        listener = _bind(args.host, args.port)
+        listeners = [_bind(args.host, args.port) for _ in range(args.api_server_count)]
     except OSError as exc:
         print(f"halserve serve: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
@@ -58,12 +59,13 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig, served: list
     ctx = multiprocessing.get_context("spawn")
     servers = [
         ctx.Process(target=_api_server_main, name=f"halserve-api-server-{i}",
-                    args=(args, config, served, model, chat_template, socket_path, model_info, listener))
+                    args=(args, config, served, model, chat_template, socket_path, model_info, listeners[i]))
         for i in range(args.api_server_count)
     ]
     for server in servers:
         server.start()
-    listener.close()
+    for listener in listeners:
+        listener.close()
     stopping: list[int] = []
 
     def forward(sig: int, _: Any) -> None:
@@ -114,6 +116,7 @@ def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -123,6 +126,9 @@ def _bind(host: str, port: int) -> socket.socket:
 def _api_server_main(args: argparse.Namespace, config: EngineConfig, served: list[str], model: str,
                      chat_template: str | None, socket_path: str, model_info: ModelInfo, listener: socket.socket) -> None:
     """One API server (a spawned process): connect to the engine, serve HTTP on ``listener``."""
+    # A stop asked for before uvicorn takes the signals over (it restores this one after) is a clean exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
     from halserve.engine.async_llm import AsyncLLM

@@ -155,6 +155,15 @@ def test_killed_api_server_takes_the_engine_with_it(checkpoint, tmp_path):
     srv.stop()
 
 
+def _requests_finished_by(api_server: psutil.Process) -> float:
+    """halserve:request_success_total as one API server's own multiprocess file holds it."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    path = os.path.join(api_server.environ()["PROMETHEUS_MULTIPROC_DIR"], f"counter_{api_server.pid}.db")
+    return sum(value for key, value, *_ in MmapedDict.read_all_values_from_file(path)
+               if '"halserve:request_success"' in key)
+
+
 def _metric(text: str, name: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -169,12 +178,21 @@ def test_api_server_count_shares_the_port_and_one_engine(checkpoint, tmp_path):
         children = [c for c in psutil.Process(srv.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
         engines = [c for c in children if _spawned_target(c) == "engine"]
         assert len(engines) == 1 and len(children) == 3, [c.cmdline() for c in children]  # engine, 2 API servers
-        num_requests = 12
+        num_requests = 24
+
+        def complete(i: int) -> None:  # (a connection each, several at once: both servers take some)
+            out = httpx.post(srv.url + "/v1/completions", headers={"Connection": "close"}, timeout=60,
+                             json={"model": SERVED_NAME, "prompt": f"hi {i}", "max_tokens": 2}).json()
+            assert out["usage"]["completion_tokens"] == 2
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(complete, range(num_requests)))
+        api_servers = [c for c in children if c not in engines]
+        served = [_requests_finished_by(p) for p in api_servers]
+        assert sum(served) == num_requests and all(served), served
         with httpx.Client(timeout=60) as client:
-            for i in range(num_requests):  # (a fresh connection each: the kernel spreads them)
-                out = client.post(srv.url + "/v1/completions", headers={"Connection": "close"},
-                                  json={"model": SERVED_NAME, "prompt": f"hi {i}", "max_tokens": 2}).json()
-                assert out["usage"]["completion_tokens"] == 2
             for _ in range(4):  # whichever server answers, the sums are the same
                 text = client.get(srv.url + "/metrics", headers={"Connection": "close"}).text
                 assert _metric(text, "halserve:generation_tokens_total") == 2 * num_requests
