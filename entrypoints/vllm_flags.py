@@ -143,7 +143,15 @@ def unrecognized_message(extras: list[str], parser: argparse.ArgumentParser) -> 
 
 class SuggestingArgumentParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose "unrecognized arguments" error names the nearest known flag, reported
-    by the subcommand's parser (its usage line) when a subcommand was chosen."""
+    by the subcommand's parser (its usage line) when a subcommand was chosen.
+
+    Flags must be spelt out: argparse's prefix matching is off (``allow_abbrev=False``), so a
+    misspelt vLLM flag such as ``--max-num-seq`` is an error naming ``--max-num-seqs`` instead of
+    silently meaning it (subcommand parsers are made with this class, so they inherit it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         parsed, extras = self.parse_known_args(args, namespace)

@@ -69,6 +69,7 @@ def test_vllm_doc_launch_line_starts_the_server(tmp_path):
     ("--kv-cache-memory-bytes", "--kv-cache-memory"),
     ("--num-gpu-blocks-override", "--num-kv-blocks"),
     ("--max-num-sequences", "--max-num-seqs"),
+    ("--max-num-seq", "--max-num-seqs"),  # a prefix of a real flag is not taken for it
 ])
 def test_unknown_flag_names_the_nearest_halserve_flag(flag, nearest, capsys):
     with pytest.raises(SystemExit) as info:
