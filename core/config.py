@@ -68,7 +68,8 @@ class EngineConfig(BaseModel):
     async_scheduling: bool = False
     """Schedule step N+1 while step N runs (vLLM's ``--async-scheduling``); the worker fills in step N's
     sampled tokens. Outputs are the same as without it. A feature that cannot run asynchronously yet
-    (``halserve.sched.async_steps.async_refusal``) turns it off at start-up with a warning."""
+    (``halserve.sched.async_steps.async_refusal``) turns it off at start-up with a warning. With no
+    ``distributed_executor_backend`` named, the worker runs in a process of its own (``mp``)."""
     seed: int = 0
     tensor_parallel_size: int = Field(default=1, ge=1)
     pipeline_parallel_size: int = Field(default=1, ge=1)

@@ -131,6 +131,7 @@ def _worker_main(conn: Any, config: EngineConfig, platform_name: str, model_info
 class MultiprocExecutor(Executor):
     name = "mp"
     supports_multiple_ranks = True
+    supports_async_scheduling = True  # (submit_model returns at once; each rank keeps its sampled tokens)
     description = "one worker process per rank on this machine, torch.distributed with the platform's backend"
 
     def __init__(self, config: EngineConfig, platform_name: str, model_info: ModelInfo) -> None:

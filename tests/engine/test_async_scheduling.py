@@ -23,6 +23,8 @@ VARIANTS = {
     # 11 usable blocks (176 tokens) for 8 requests of up to ~125 tokens: forces preemption
     "preempt": dict(num_kv_blocks=12),
     "no_prefix_cache_two_seqs": dict(enable_prefix_caching=False, max_num_seqs=2),
+    # the in-process worker on a thread of its own (async scheduling's default is the mp executor)
+    "uni_executor_preempt": dict(distributed_executor_backend="uni", num_kv_blocks=12),
 }
 
 
@@ -47,6 +49,8 @@ def _run(path, prompts, params, **kwargs):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         stats = llm.llm_engine.get_stats()
         async_on = llm.llm_engine.core.scheduler.async_steps is not None
+        if async_on and "distributed_executor_backend" not in kwargs:
+            assert llm.llm_engine.config.executor_name == "mp", "async scheduling puts the worker in its own process"
     finally:
         llm.llm_engine.shutdown()
     tokens = [[c.token_ids for c in o.outputs] for o in outputs]
@@ -82,7 +86,7 @@ def test_greedy_identical(llama_path, prompts, variant, monkeypatch):
     monkeypatch.setattr(Scheduler, "_preempt", spy)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     sync, async_ = _assert_same(llama_path, prompts, params, **VARIANTS[variant])
-    if variant == "preempt":
+    if variant.endswith("preempt"):
         assert sync[3].num_preemptions > 0 and async_[3].num_preemptions > 0, "the tiny cache should preempt"
         assert preempted_in_flight, "some request should be preempted while its sampling step is in flight"
     if variant == "default":
