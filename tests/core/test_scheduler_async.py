@@ -88,7 +88,7 @@ def test_async_matches_sync(seed, num_blocks):
         outcomes.append(run(sched, FakeWorker()))
         preemptions.append(sched.num_preemptions)
     assert outcomes[1] == outcomes[0]
-    for req_id, prompt, max_tokens, _ in _workload(seed):
+    for req_id, _prompt, max_tokens, _ in _workload(seed):
         assert len(outcomes[1][req_id][0]) <= max_tokens
     if num_blocks == 16:
         assert min(preemptions) > 0
