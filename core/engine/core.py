@@ -62,9 +62,12 @@ class EngineCore:
                 logger.warning("async scheduling is off: %s cannot run asynchronously yet; scheduling "
                                "synchronously", refused)
                 config.async_scheduling = False
-            elif not named and async_reg is not reg:
-                config.distributed_executor_backend = executor_name = async_reg.name
-                reg = async_reg
+            else:
+                if not named and async_reg is not reg:
+                    config.distributed_executor_backend = executor_name = async_reg.name
+                    reg = async_reg
+                logger.info("async scheduling on (executor %s); steps while a request with structured outputs "
+                            "runs are synchronous (its grammar needs each token before the next mask)", executor_name)
         self.executor = reg.obj(config, self.platform.name, self.model_info)
         try:
             self.num_blocks = self.executor.initialize()
