@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from halserve.outputs import FinishReason
 from halserve.scheduler_output import SampleLogprobs
 
 
@@ -15,7 +16,7 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]  # sampled this step, in order (0 or 1 today); the eos/stop token is included
     new_logprobs: list[SampleLogprobs] | None  # one per new token when the request asked for logprobs
-    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while it runs on
+    finish_reason: FinishReason | None = None  # "stop" | "length" | "abort"; None while it runs on
     stop_reason: int | str | None = None  # the stop token id, or why no token could be sampled; None for eos / length
     num_cached_tokens: int = 0  # prefix-cache hit (tokens) found when first scheduled
     prompt_logprobs: list[SampleLogprobs] | None = None  # prompt tokens 1.. (prompt_logprobs), with the first token

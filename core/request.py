@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from halserve.lora.request import LoRARequest
     from halserve.multimodal.processing import MRopePositions, MultiModalFeature
+    from halserve.outputs import FinishReason
     from halserve.sampling_params import SamplingParams
     from halserve.structured_output import RequestGrammar
 
@@ -47,7 +48,7 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
-_FINISH_REASONS = {
+_FINISH_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -142,7 +143,7 @@ class Request:
         return self.status.is_finished
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         """OpenAI's finish_reason: "stop" | "length" | "abort", None while unfinished."""
         return _FINISH_REASONS.get(self.status)
 

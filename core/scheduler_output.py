@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from halserve.kv_cache.block import BlockId
     from halserve.kv_connectors.base import KVConnectorMetadata
     from halserve.lora.request import LoRARequest
     from halserve.multimodal.processing import MRopePositions, MultiModalFeature
@@ -27,7 +28,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens generated before a preemption (recomputed now); [] when new
     sampling_params: SamplingParams
-    block_ids: list[int]  # the request's whole block table so far
+    block_ids: list[BlockId]  # the request's whole block table so far
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit), before this step
     lora_request: LoRARequest | None = None  # its LoRA adapter; None: the base model
     mm_features: list[MultiModalFeature] | None = None  # its images; None: none
@@ -39,7 +40,7 @@ class CachedRequestData:
     """A request the worker already holds, scheduled again this step."""
 
     req_id: str
-    new_block_ids: list[int]  # blocks appended to its table since the last step (often [])
+    new_block_ids: list[BlockId]  # blocks appended to its table since the last step (often [])
     num_computed_tokens: int  # tokens in the KV cache before this step
     # pipeline parallelism only: its output tokens sampled since the workers last heard of it (the
     # stages before the last do not sample); [] otherwise

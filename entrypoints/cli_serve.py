@@ -518,13 +518,13 @@ def serve_http(args: argparse.Namespace, engine: Any, served: list[str], model: 
                lora_modules: Any, sock: Any = None) -> int:
     """Run the HTTP server over ``engine`` until a signal or the engine's death; the exit code.
     ``sock``: an already bound listening socket (one of several API servers)."""
-    from halserve.entrypoints.openai.api_server import run_server
-    from halserve.entrypoints.openai.metrics import ServerMetrics
-    from halserve.entrypoints.openai.serving_engine import OpenAIServing
-
     # Everything loaded so far lives until exit: keep it out of the garbage collector's
     # scans (shorter GC pauses while serving, and a quick exit), as vLLM does.
     import gc
+
+    from halserve.entrypoints.openai.api_server import run_server
+    from halserve.entrypoints.openai.metrics import ServerMetrics
+    from halserve.entrypoints.openai.serving_engine import OpenAIServing
 
     gc.collect()
     gc.freeze()

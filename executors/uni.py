@@ -44,6 +44,7 @@ class UniExecutor(Executor):
         return self._call(self._execute, scheduler_output)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.worker is not None, "execute_model before initialize"
         output = self.worker.execute_model(scheduler_output)
         assert output is not None, "the only rank is the last pipeline stage: it samples"
         return output

@@ -23,6 +23,7 @@ rank's layers and heads (``KVCacheAccess``).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -200,7 +201,7 @@ class KVConnector:
         connector can load this step (a whole number of blocks; 0: none)."""
         return 0
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[int], num_local_tokens: int,
                                  num_external_tokens: int) -> None:
         """The request got its blocks (``block_ids``: its whole table); the ``num_external_tokens``
         after its ``num_local_tokens`` are to be loaded into them."""

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.worker.runner_state import StepInputs
 
 
-def step_inputs_embeds(model: SupportsMultiModal, step: "StepInputs", input_ids: torch.Tensor) -> torch.Tensor | None:
+def step_inputs_embeds(model: SupportsMultiModal, step: StepInputs, input_ids: torch.Tensor) -> torch.Tensor | None:
     """``inputs_embeds`` [T, H] for ``input_ids`` (on the device) when the step feeds any image's
     placeholder; None otherwise (the model embeds the token ids itself)."""
     qsl = step.common.query_start_loc_cpu.tolist()
@@ -85,7 +85,7 @@ def _encode_missing(model: SupportsMultiModal, needed: list) -> None:
             state.mm_embeddings[k] = rows
 
 
-def step_positions(step: "StepInputs") -> torch.Tensor:
+def step_positions(step: StepInputs) -> torch.Tensor:
     """The step's positions for an M-RoPE model: [3, T] when a request has M-RoPE positions (its
     prompt's, then i + delta), else the plain [T] ones (the model uses them on all three axes)."""
     positions = step.positions

@@ -58,7 +58,7 @@ class ModelRunner:
     # Whether it runs a KV connector's loads and saves (kv_transfer_config; worker/kv_transfer.py).
     supports_kv_connector: bool = True
 
-    def __init__(self, config: "EngineConfig", platform: "Platform", model_info: "ModelInfo") -> None:
+    def __init__(self, config: EngineConfig, platform: Platform, model_info: ModelInfo) -> None:
         self.config = config
         self.platform = platform
         self.info = model_info
@@ -234,13 +234,13 @@ class ModelRunner:
                 self.drafter.propose_after_step(step, output, len(self.requests), self.info.max_model_len)
             return output
 
-    def _prepare_inputs(self, out: SchedulerOutput) -> "StepInputs":
+    def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """Host-side (numpy/CPU tensors) flattened inputs of one step."""
         from halserve.worker.step_inputs import prepare_inputs
 
         return prepare_inputs(out, self.requests, self.block_size, self.supports_pooling)
 
-    def _forward(self, step: "StepInputs") -> torch.Tensor | None:
+    def _forward(self, step: StepInputs) -> torch.Tensor | None:
         """Run the model on the step (writing its K/V); logits [len(sample_rows), vocab]
         float32, or None when no request samples this step. A pipeline stage runs its layers on
         what the stage before sent, and sends its output on (None before the last stage)."""
@@ -294,7 +294,7 @@ class ModelRunner:
 
         return pp_recv(tensors)
 
-    def _score_prompt(self, step: "StepInputs", hidden: torch.Tensor) -> None:
+    def _score_prompt(self, step: StepInputs, hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens this step's chunks cover, for requests that asked for
         prompt_logprobs; kept on their state until their first token."""
         from halserve.sampling.logprobs import score_tokens
@@ -306,7 +306,7 @@ class ModelRunner:
             step.states[r].prompt_logprobs.extend(entries[start : start + count])
             start += count
 
-    def _sample(self, step: "StepInputs", logits: torch.Tensor | None,
+    def _sample(self, step: StepInputs, logits: torch.Tensor | None,
                 scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         num_reqs = len(step.states)
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]

@@ -24,12 +24,12 @@ __all__ = ["run_beam_searches"]
 
 
 async def run_beam_searches(
-    llm: "AsyncLLM",
-    searches: "Sequence[BeamSearch]",
-    params: "BeamSearchParams",
+    llm: AsyncLLM,
+    searches: Sequence[BeamSearch],
+    params: BeamSearchParams,
     request_id: str,
-    lora_request: "LoRARequest | None",
-) -> list["BeamSearchOutput"]:
+    lora_request: LoRARequest | None,
+) -> list[BeamSearchOutput]:
     """Run ``searches`` to the end; called by ``AsyncLLM.beam_search``. The step requests are
     named ``{request_id}-{k}`` and use the adapter ``lora_request``, if given (held loaded until
     the end). A prompt the engine refuses raises ``ValueError`` at the first step; cancelling the
@@ -44,7 +44,7 @@ async def run_beam_searches(
                                        lora_request=lora_request)
         try:
             final = None
-            async for final in stream:
+            async for final in stream:  # noqa: B007
                 pass
         finally:
             stream.close()

@@ -25,8 +25,9 @@ import functools
 import itertools
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 from halserve.engine.core_client import EngineCoreClient
 from halserve.engine.engine_thread import EngineThread
@@ -98,7 +99,7 @@ class AsyncLLM:
 
     @classmethod
     def from_config(cls, config: Any, stat_observers: list[StatsObserver] | None = None,
-                    multiprocess: bool = False, log_level: int = logging.WARNING) -> "AsyncLLM":
+                    multiprocess: bool = False, log_level: int = logging.WARNING) -> AsyncLLM:
         """Load the model (EngineCore, in this process or with ``multiprocess`` in an engine-core
         process of its own), the tokenizer and the processors."""
         from halserve.engine.core import EngineCore
@@ -110,7 +111,7 @@ class AsyncLLM:
 
     @classmethod
     def from_client(cls, config: Any, client: EngineCoreClient,
-                    stat_observers: list[StatsObserver] | None = None) -> "AsyncLLM":
+                    stat_observers: list[StatsObserver] | None = None) -> AsyncLLM:
         """The front of a started core: load the tokenizer and the processors (``client`` is
         released if that fails)."""
         from halserve.engine.llm_engine import load_tokenizer
@@ -167,11 +168,11 @@ class AsyncLLM:
     # ------------------------------------------------------------------ requests
     async def add_request(
         self,
-        prompt: "str | list[int] | dict",
-        params: "SamplingParams",
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
         request_id: str | None = None,
         prompt_text: str | None = None,
-        lora_request: "LoRARequest | None" = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate, tokenize and queue one request; returns its stream.
 
@@ -182,12 +183,12 @@ class AsyncLLM:
 
     async def prepare_request(
         self,
-        prompt: "str | list[int] | dict",
-        params: "SamplingParams",
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
         request_id: str | None = None,
         prompt_text: str | None = None,
-        lora_request: "LoRARequest | None" = None,
-    ) -> "PreparedRequest":
+        lora_request: LoRARequest | None = None,
+    ) -> PreparedRequest:
         """``add_request``'s first half: validate and tokenize, queue nothing (a batch checks
         every prompt before it queues any)."""
         self._check_alive()
@@ -208,7 +209,7 @@ class AsyncLLM:
             text, core_requests = process(request_id, prompt, params, arrival)
         return PreparedRequest(request_id, prompt_text if prompt_text is not None else text, core_requests, arrival)
 
-    async def submit(self, prepared: "PreparedRequest") -> RequestStream:
+    async def submit(self, prepared: PreparedRequest) -> RequestStream:
         """``add_request``'s second half: queue a prepared request; returns its stream."""
         request_id, prompt_text, core_requests, arrival = (
             prepared.request_id, prepared.prompt_text, prepared.core_requests, prepared.arrival_time
@@ -246,11 +247,11 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: "str | list[int] | dict",
-        params: "SamplingParams",
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
         request_id: str | None = None,
-        lora_request: "LoRARequest | None" = None,
-    ) -> AsyncIterator["RequestOutput"]:
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream cumulative ``RequestOutput``s of one request until it finishes (with the LoRA
         adapter ``lora_request``, if given).
 
@@ -266,11 +267,11 @@ class AsyncLLM:
 
     async def beam_search(
         self,
-        prompts: "Sequence[str | list[int] | dict]",
-        params: "BeamSearchParams",
+        prompts: Sequence[str | list[int] | dict],
+        params: BeamSearchParams,
         request_id: str | None = None,
-        lora_request: "LoRARequest | None" = None,
-    ) -> list["BeamSearchOutput"]:
+        lora_request: LoRARequest | None = None,
+    ) -> list[BeamSearchOutput]:
         """vLLM's beam search (``halserve.beam_search``) over ``prompts`` (with the adapter
         ``lora_request``, if given), in lockstep: each step submits one one-token request per
         live beam of every prompt, all at once. Bad input raises ``ValueError`` (a prompt the
@@ -310,7 +311,7 @@ class AsyncLLM:
         self.start()
         return await self.client.call(method, *args)
 
-    async def add_lora(self, lora_request: "LoRARequest") -> bool:
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load and validate a LoRA adapter on the workers (ValueError if it cannot be served)."""
         return await self.call_core("add_lora", lora_request)
 
@@ -388,7 +389,7 @@ class AsyncLLM:
                 reason = next((o.finish_reason for o in out.outputs if o.finish_reason), "stop")
                 self._record_finished(state, reason)
 
-    def _record_tokens(self, state: RequestState, out: "RequestOutput", now: float) -> None:
+    def _record_tokens(self, state: RequestState, out: RequestOutput, now: float) -> None:
         total = sum(len(o.token_ids) for o in out.outputs)
         new = total - state.num_tokens
         if new <= 0:
@@ -437,7 +438,7 @@ def _prompt_size(prompt: Any) -> int:
     return 0
 
 
-def _aborted_output(state: RequestState) -> "RequestOutput":
+def _aborted_output(state: RequestState) -> RequestOutput:
     """The request's last output (or an empty one), finished with reason "abort"."""
     from halserve.outputs import CompletionOutput, RequestOutput
 

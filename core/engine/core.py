@@ -112,13 +112,13 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request; raises ValueError if it can never fit in the KV cache."""
-        from halserve.request import Request
+        from halserve.request import Request, RequestId
 
         if req.lora_request is not None:
             self.add_lora(req.lora_request)
         self.scheduler.add_request(
             Request(
-                request_id=req.request_id,
+                request_id=RequestId(req.request_id),
                 prompt_token_ids=req.prompt_token_ids,
                 sampling_params=req.sampling_params,
                 eos_token_ids=req.eos_token_ids,
@@ -131,7 +131,7 @@ class EngineCore:
         )
 
     # -- LoRA adapters ---------------------------------------------------------------
-    def add_lora(self, lora: "LoRARequest") -> bool:
+    def add_lora(self, lora: LoRARequest) -> bool:
         """Have every worker load and validate ``lora`` (once per adapter); ValueError, with the
         engine unharmed, when it cannot be served. True if it was loaded now."""
         if self.lora_registry is None:
@@ -143,7 +143,7 @@ class EngineCore:
         """Forget an adapter (the workers drop it once no unfinished request uses it)."""
         return self.lora_registry is not None and self.lora_registry.remove(lora_id)
 
-    def hold_lora(self, lora: "LoRARequest", held: bool) -> None:
+    def hold_lora(self, lora: LoRARequest, held: bool) -> None:
         """Keep ``lora`` loaded (``held``, loading it first: ValueError if it cannot be served)
         while a caller submits requests with it one after another (a beam search), or let go."""
         if self.lora_registry is None or not held:
@@ -201,15 +201,16 @@ class EngineCore:
         while the engine schedules and processes outputs; halserve.sched.async_steps). Returns []
         right after the first submission. Steps that must see every output first (a request under
         a grammar) wait for the steps in flight and run one at a time."""
-        batches, scheduler = self._batches, self.scheduler
-        if batches and scheduler.async_steps.needs_sync_step(scheduler.requests):
+        batches, scheduler, async_steps = self._batches, self.scheduler, self.scheduler.async_steps
+        assert async_steps is not None, "step() takes this path only with async scheduling on"
+        if batches and async_steps.needs_sync_step(scheduler.requests):
             scheduler_output, handle = batches.popleft()
             return self._finish_step(scheduler_output, self.executor.collect_model(handle))
         if scheduler.has_unfinished_requests():
             scheduler_output = scheduler.schedule()
             if not scheduler_output.is_empty:
                 batches.append((scheduler_output, self.executor.submit_model(scheduler_output)))
-                if len(batches) == 1 and not scheduler.async_steps.needs_sync_step(scheduler.requests):
+                if len(batches) == 1 and not async_steps.needs_sync_step(scheduler.requests):
                     return []  # (the caller steps again: it schedules the next step before waiting)
             elif batches:  # what is left is in flight (or has all its tokens in flight): wait for it
                 scheduler.unschedule_empty(scheduler_output)

@@ -151,7 +151,7 @@ class EngineCoreProc:
                 self.selector.register(conn, selectors.EVENT_READ)
                 self.had_client = True
                 continue
-            client = self.clients.get(sock)
+            client = self.clients.get(sock) if isinstance(sock, socket.socket) else None
             if client is None:
                 continue
             messages = client.reader.read()

@@ -22,8 +22,8 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from halserve.engine.core_client import EngineCoreClient
 from halserve.engine.types import EngineStats
@@ -186,9 +186,9 @@ class EngineThread(EngineCoreClient):
                         core.abort_requests(added)
                 self._call_in_loop(_resolve, ack, error)
 
-    def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
+    def _call_in_loop(self, fn: Callable[..., None] | None, *args: Any) -> None:
         loop = self.loop
-        if loop is None or loop.is_closed():
+        if fn is None or loop is None or loop.is_closed():
             return
         try:
             loop.call_soon_threadsafe(fn, *args)

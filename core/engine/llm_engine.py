@@ -1,7 +1,8 @@
 """LLMEngine: the synchronous engine (vLLM's shape): add_request, step, abort_request."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from halserve.config import EngineConfig
 from halserve.engine.core import EngineCore
@@ -34,7 +35,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(config)
 
     def get_tokenizer(self) -> Any:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from halserve.engine.types import EngineCoreRequest
-from halserve.outputs import CompletionOutput, Logprob, RequestOutput
+from halserve.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
 from halserve.sampling_params import SamplingParams
 
 
@@ -21,7 +21,7 @@ class _SampleState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
     @property
@@ -121,7 +121,8 @@ class OutputProcessor:
             if out.prompt_logprobs is not None and parent.prompt_logprobs is None:  # (n > 1: each child sends it)
                 # vLLM's shape: None for the first prompt token (nothing scores it), then one dict per token
                 parent.prompt_logprobs = [None] + [self._logprob_dict(entry) for entry in out.prompt_logprobs]
-            if out.pooled is not None and parent.params.pooling.task == "classify":
+            pooling = parent.params.pooling
+            if out.pooled is not None and pooling is not None and pooling.task == "classify":
                 parent.probs = out.pooled
             elif out.pooled is not None:
                 parent.embedding = out.pooled

@@ -7,11 +7,14 @@ the asyncio side while the core steps in its engine thread.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from halserve.engine.types import EngineCoreRequest
 from halserve.pooling_params import check_task
 from halserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from halserve.multimodal.processing import MultiModalProcessor
 
 PromptType = str | list[int] | dict
 
@@ -70,9 +73,9 @@ class InputProcessor:
         self.info = model_info
         self.tokenizer = tokenizer
         self.vocab_size = model_info.vocab_size
-        self._mm_processor = None
+        self._mm_processor: MultiModalProcessor | None = None
         if getattr(model_info, "image_processor_kwargs", None):
-            self.mm_processor.image_processor  # (bad mm_processor_kwargs: an error at start-up, not per request)
+            _ = self.mm_processor.image_processor  # (bad mm_processor_kwargs: an error at start-up, not per request)
 
     @property
     def mm_processor(self):
@@ -192,9 +195,9 @@ class InputProcessor:
             from halserve.structured_output import validate
 
             validate(params.structured_outputs)
-        if params.bad_words:
+        if bad_words := params.bad_words:
             params = params.clone()  # (the caller's params stay as given)
-            params.bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words, self.vocab_size)
+            params.bad_words_token_ids = tokenize_bad_words(self.tokenizer, bad_words, self.vocab_size)
         keep = self._num_tokens_to_keep(params)
         if prompt_token_ids is None:
             text, ids = self.tokenize(prompt, check_length=keep is None, allow_images=True)
@@ -222,7 +225,7 @@ class InputProcessor:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = set() if params.ignore_eos else set(self.info.eos_token_ids)
         if params.min_tokens and params.allowed_token_ids is not None:
-            if set(params.allowed_token_ids) <= eos | set(params.stop_token_ids):
+            if set(params.allowed_token_ids) <= eos | set(params.stop_token_ids or ()):
                 raise ValueError(
                     f"allowed_token_ids={params.allowed_token_ids} holds only stop tokens (EOS or stop_token_ids), "
                     f"which min_tokens={params.min_tokens} forbids at first: no token could be sampled; "

@@ -37,13 +37,13 @@ class RequestState:
 
     request_id: str
     child_ids: list[str]
-    stream: "RequestStream"
+    stream: RequestStream
     arrival_time: float
     num_outputs: int  # n
     num_tokens: int = 0  # generated so far, all samples
     first_token_time: float | None = None
     last_token_time: float | None = None
-    last_output: "RequestOutput | None" = None
+    last_output: RequestOutput | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_text: str | None = None
 
@@ -54,7 +54,7 @@ class PreparedRequest:
 
     request_id: str
     prompt_text: str | None
-    core_requests: list["EngineCoreRequest"]
+    core_requests: list[EngineCoreRequest]
     arrival_time: float
 
 
@@ -66,19 +66,19 @@ class RequestStream:
     (``aclose``, or cancelling the task that iterates it) aborts the request.
     """
 
-    def __init__(self, request_id: str, engine: "AsyncLLM") -> None:
+    def __init__(self, request_id: str, engine: AsyncLLM) -> None:
         self.request_id = request_id
         self._engine = engine
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self.finished = False
 
-    def _put(self, item: "RequestOutput | BaseException") -> None:
+    def _put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> "RequestOutput":
+    async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
         item = await self._queue.get()

@@ -95,8 +95,8 @@ def encode_request(req: EngineCoreRequest) -> tuple:
     return tuple(fields)
 
 
-def decode_request(fields: tuple) -> EngineCoreRequest:
-    fields = list(fields)
+def decode_request(packed: tuple) -> EngineCoreRequest:
+    fields = list(packed)
     fields[3] = fields[3].tolist()
     return EngineCoreRequest(*fields)
 

@@ -23,9 +23,9 @@ class EngineCoreRequest:
     eos_token_ids: set[int]  # model eos ids; empty when ignore_eos
     max_tokens: int  # resolved: params.max_tokens or up to max_model_len
     arrival_time: float
-    lora_request: "LoRARequest | None" = None  # its LoRA adapter; None: the base model
-    mm_features: "list[MultiModalFeature] | None" = None  # its images (halserve.multimodal); None: none
-    mrope_positions: "MRopePositions | None" = None  # an M-RoPE model's prompt positions with images
+    lora_request: LoRARequest | None = None  # its LoRA adapter; None: the base model
+    mm_features: list[MultiModalFeature] | None = None  # its images (halserve.multimodal); None: none
+    mrope_positions: MRopePositions | None = None  # an M-RoPE model's prompt positions with images
 
 
 @dataclass(slots=True)

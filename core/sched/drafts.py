@@ -6,7 +6,7 @@ draft model proposed after the last step; ``request.spec_token_ids``); None: spe
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Union, cast
 
 from halserve.spec_decode.verify import count_accepted
 
@@ -46,10 +46,10 @@ class DraftRule:
                          self.max_model_len - request.num_tokens)
         if max_drafts <= 0:
             return []
-        if proposer.from_worker:
+        if proposer.from_worker:  # (a WorkerDrafts: the drafts came with the last step)
             drafts = worker_drafts[:max_drafts]
         else:
-            drafts = proposer.propose(request.all_token_ids, max_drafts, key=request.request_id)
+            drafts = cast("NgramProposer", proposer).propose(request.all_token_ids, max_drafts, key=request.request_id)
         return drafts if grammar is None else grammar.valid_prefix(drafts)
 
     def lookahead(self, request: Request, end: int) -> int:

@@ -17,13 +17,15 @@ import hmac
 import logging
 import signal
 import threading
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from halserve import __version__
+from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from halserve.entrypoints.openai.errors import (
     NotFoundError,
     OpenAIError,
@@ -34,11 +36,9 @@ from halserve.entrypoints.openai.errors import (
 )
 from halserve.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from halserve.entrypoints.openai.offload import RequestOffloader, release_request_in_thread
-from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from halserve.entrypoints.openai.protocol import CompletionRequest
 from halserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from halserve.entrypoints.openai.score_protocol import RerankRequest, ScoreRequest
-from halserve.entrypoints.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from halserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from halserve.entrypoints.openai.serving_classification import ClassificationRequest, OpenAIServingClassification
 from halserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
@@ -48,6 +48,7 @@ from halserve.entrypoints.openai.serving_lora import LoadLoRAAdapterRequest, Ope
 from halserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from halserve.entrypoints.openai.serving_score import OpenAIServingScore
 from halserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from halserve.entrypoints.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 
 if TYPE_CHECKING:  # pragma: no cover
     import socket
@@ -279,7 +280,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
 ENGINE_DEATH_EXIT_DELAY_S = 1.0
 
 
-def _make_server(config: Any, engine: "AsyncLLM", url: str, served: str) -> Any:
+def _make_server(config: Any, engine: AsyncLLM, url: str, served: str) -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):

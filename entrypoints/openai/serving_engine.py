@@ -7,8 +7,9 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Sequence
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -48,13 +49,13 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: "AsyncLLM",
+        engine: AsyncLLM,
         served_model_names: Sequence[str],
         model_path: str,
         chat_template: str | None = None,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
-        lora_modules: "LoRAModules | None" = None,
+        lora_modules: LoRAModules | None = None,
         allowed_local_media_path: str | None = None,
         allowed_media_domains: list[str] | None = None,
         enable_prompt_tokens_details: bool = False,
@@ -111,11 +112,11 @@ class OpenAIServing:
             code="model_not_found",
         )
 
-    def lora_request(self, model: str) -> "LoRARequest | None":
+    def lora_request(self, model: str) -> LoRARequest | None:
         """The adapter a (checked) model name selects; None for the base model."""
         return self.lora_modules.get(model)
 
-    def sampling_params(self, kwargs: dict[str, Any]) -> "SamplingParams":
+    def sampling_params(self, kwargs: dict[str, Any]) -> SamplingParams:
         from halserve.sampling_params import SamplingParams
 
         try:
@@ -128,10 +129,10 @@ class OpenAIServing:
     async def add_requests(
         self,
         prompts: Sequence[Any],
-        params: "SamplingParams",
+        params: SamplingParams,
         request_id: str,
         prompt_texts: Sequence[str | None] | None = None,
-        lora_request: "LoRARequest | None" = None,
+        lora_request: LoRARequest | None = None,
         message_params: dict[str, str | None] | None = None,
         prompt_params: Sequence[str] | None = None,
         raw_request: Request | None = None,
@@ -198,17 +199,17 @@ class OpenAIServing:
             raise
         return streams
 
-    def prompt_tokens_details(self, finals: Sequence["RequestOutput"]) -> dict[str, int] | None:
+    def prompt_tokens_details(self, finals: Sequence[RequestOutput]) -> dict[str, int] | None:
         """``{"cached_tokens": n}`` of these prompts' outputs with --enable-prompt-tokens-details; else None."""
         if not self.enable_prompt_tokens_details:
             return None
         return {"cached_tokens": sum(final.num_cached_tokens or 0 for final in finals)}
 
-    async def collect(self, streams: list[RequestStream], raw_request: Request | None) -> list["RequestOutput"]:
+    async def collect(self, streams: list[RequestStream], raw_request: Request | None) -> list[RequestOutput]:
         """Wait for every stream's final output. If the client disconnects first, abort
         them all and raise ``ClientDisconnected``."""
 
-        async def last(stream: RequestStream) -> "RequestOutput":
+        async def last(stream: RequestStream) -> RequestOutput:
             final = None
             async for out in stream:
                 final = out
@@ -236,7 +237,7 @@ class OpenAIServing:
             for stream in streams:
                 stream.close()
 
-    async def merge(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, "RequestOutput"]]:
+    async def merge(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several streams as they come: ``(stream index, output)``."""
         if len(streams) == 1:
             async for out in streams[0]:

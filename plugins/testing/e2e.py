@@ -26,7 +26,7 @@ PROMPTS = [
 ]
 PREFIX_HIT_PROMPT = "the quick brown fox jumps over the lazy dog but not"  # shares 2+ blocks with PROMPTS[0]
 MAX_TOKENS = 8
-ENGINE = dict(max_model_len=128, num_kv_blocks=96, max_num_batched_tokens=16, max_num_seqs=4)
+ENGINE: dict[str, Any] = dict(max_model_len=128, num_kv_blocks=96, max_num_batched_tokens=16, max_num_seqs=4)
 
 
 class _E2E:

@@ -94,7 +94,7 @@ def _held_to_compute_dtype(case: KernelCase, cls: type[Kernel]) -> KernelCase:
     from halserve.plugins.testing.kernel_cases import TOLERANCE
 
     compute = cls.capabilities().get("compute_dtype")
-    tol = TOLERANCE.get(compute, 0.0) * 2
+    tol = TOLERANCE.get(str(compute), 0.0) * 2
     return dataclasses.replace(case, tol=tol) if tol > case.tol else case
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from halserve.plugins.testing.results import ConformanceReport
+from halserve.plugins.testing.results import ConformanceReport, Status
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.platforms.base import Platform
@@ -102,7 +102,7 @@ def _check_config_idempotent(report: ConformanceReport, name: str, cls: type[Pla
         platform = cls()
     except Exception as exc:  # noqa: BLE001
         available = cls.probe()
-        status = "declined" if not available.available else "failed"
+        status: Status = "declined" if not available.available else "failed"
         report.add("platform", name, "check_and_update_config idempotent", status,
                    f"could not instantiate {cls.__name__}: {type(exc).__name__}: {exc}"
                    + ("" if available.available else f" (platform unavailable here: {available.reason})"))
@@ -144,7 +144,7 @@ def check_update_config_hook(report: ConformanceReport, manager: Any, platform: 
         except Exception as exc:  # noqa: BLE001
             report.add("plugin", report.plugin, case, "failed", f"raised {type(exc).__name__}: {exc}")
             continue
-        status = "passed" if first == second else "failed"
+        status: Status = "passed" if first == second else "failed"
         detail = "same config after one and two calls" if first == second else f"second call changed {_diff(first, second)}"
         report.add("plugin", report.plugin, case, status, detail)
 

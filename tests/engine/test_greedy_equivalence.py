@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from engine_helpers import ARCHS, hf_greedy, prompt_lengths
 
 pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')

@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from fake_core import FakeCore, make_async_llm
+
 from halserve.engine.async_llm import EngineDeadError
 from halserve.sampling_params import SamplingParams
 

@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-
 from server_utils import SERVED_NAME, ServerProcess, server_args
+
 from halserve.bench import serve as bench_serve
 from halserve.bench.random_images import ImageSize, parse_image_size, random_image_urls, warmup_image_urls
 from halserve.bench.serve import RequestResult, build_payload, compute_metrics, format_table

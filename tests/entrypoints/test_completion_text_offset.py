@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from server_utils import SERVED_NAME
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')

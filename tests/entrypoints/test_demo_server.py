@@ -6,8 +6,8 @@ import asyncio
 import random
 
 import pytest
-
 from server_utils import ServerProcess
+
 from halserve.demo import DEMO_MODEL_NAME, is_correct, make_problem
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')

@@ -5,7 +5,6 @@ import json
 
 import httpx
 import pytest
-
 from server_utils import MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
@@ -330,9 +329,10 @@ def test_hermes_parser():
 
 
 def test_tools_reach_the_chat_template():
+    from model_factory import make_tokenizer
+
     from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
     from halserve.entrypoints.openai.serving_chat import render_chat
-    from model_factory import make_tokenizer
 
     template = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
                 "{% for m in messages %}{{ m.role }}:{{ m.content }}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
 from server_utils import SERVED_NAME, ServerProcess, server_args
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')

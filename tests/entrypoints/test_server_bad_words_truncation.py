@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
+from server_utils import MAX_MODEL_LEN, SERVED_NAME
 
 from halserve.engine.processor import tokenize_bad_words
-from server_utils import MAX_MODEL_LEN, SERVED_NAME
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
 

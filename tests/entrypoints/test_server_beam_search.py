@@ -9,13 +9,13 @@ import time
 import httpx
 import openai
 import pytest
+from server_utils import MAX_MODEL_LEN, SERVED_NAME
+from test_server_load import scrape, wait_idle
 
 from halserve import LLM
 from halserve.beam_search import BeamSearchParams
 from halserve.detokenizer import IncrementalDetokenizer
 from halserve.sampling_params import SamplingParams
-from server_utils import MAX_MODEL_LEN, SERVED_NAME
-from test_server_load import scrape, wait_idle
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
 

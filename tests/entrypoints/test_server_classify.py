@@ -10,7 +10,6 @@ import concurrent.futures
 import httpx
 import pytest
 import torch
-
 from classifier_factory import hf_logits, make_classifier
 from server_utils import MAX_MODEL_LEN, VOCAB_SIZE, ServerProcess
 

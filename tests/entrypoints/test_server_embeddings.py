@@ -9,7 +9,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-
 from server_utils import SERVED_NAME, VOCAB_SIZE, ServerProcess, server_args
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')

@@ -2,11 +2,9 @@
 serving."""
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
-
-import httpx
-
 from server_utils import MAX_MODEL_LEN, SERVED_NAME, VOCAB_SIZE
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')

@@ -7,7 +7,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
 from mm_factory import image_data_url, make_image, make_llava_checkpoint
 from server_utils import SERVED_NAME, ServerProcess, server_args
 
@@ -150,9 +149,10 @@ def test_allowed_local_media_path_must_be_a_directory(llava_checkpoint, tmp_path
 def test_qwen2_vl_chat_with_images_of_two_sizes(tmp_path_factory):
     """Qwen2-VL over HTTP: two images of different sizes (their own placeholder counts and M-RoPE
     positions) in one message; the reply equals ``LLM.chat``'s offline, streamed or not."""
+    from mm_factory import make_qwen2_vl_checkpoint
+
     from halserve.entrypoints.llm import LLM
     from halserve.sampling_params import SamplingParams
-    from mm_factory import make_qwen2_vl_checkpoint
 
     path = make_qwen2_vl_checkpoint(tmp_path_factory.mktemp("tiny_qwen2_vl"))
     parts = [{"type": "image_url", "image_url": {"url": image_data_url(make_image(5, size=(120, 70)))}},

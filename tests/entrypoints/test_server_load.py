@@ -9,7 +9,6 @@ import time
 import httpx
 import psutil
 import pytest
-
 from server_utils import SERVED_NAME, VOCAB_SIZE, ServerProcess, server_args
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')

@@ -12,7 +12,6 @@ import sys
 import httpx
 import openai
 import pytest
-
 from server_utils import MAX_MODEL_LEN, SERVED_NAME, ServerProcess, server_args
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
@@ -37,8 +36,9 @@ def adapters(checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(checkpoint, adapters, tmp_path_factory):
     """{model name: (completion text, chat text)} from offline engines on the merged checkpoints."""
-    from halserve import LLM, SamplingParams
     from lora_factory import merge_adapter
+
+    from halserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     paths = {SERVED_NAME: checkpoint}

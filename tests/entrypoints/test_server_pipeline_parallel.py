@@ -3,7 +3,6 @@ client) give what the one-rank session server gives on the same checkpoint, stre
 from __future__ import annotations
 
 import pytest
-
 from server_utils import SERVED_NAME, ServerProcess, server_args
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')

@@ -13,7 +13,6 @@ import re
 
 import httpx
 import pytest
-
 from server_utils import SERVED_NAME, ServerProcess, server_args
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')

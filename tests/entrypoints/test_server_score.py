@@ -11,7 +11,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-
 from server_utils import MAX_MODEL_LEN, SERVED_NAME, ServerProcess, server_args
 from test_server_load import scrape, wait_idle
 

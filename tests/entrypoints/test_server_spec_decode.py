@@ -8,7 +8,6 @@ import re
 
 import httpx
 import pytest
-
 from server_utils import SERVED_NAME, VOCAB_SIZE, ServerProcess, server_args
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')

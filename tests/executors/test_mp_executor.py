@@ -10,7 +10,6 @@ import time
 
 import psutil
 import pytest
-
 from engine_helpers import (
     assert_greedy_matches_one_rank,
     assert_seeded_sampling_is_reproducible,
@@ -109,8 +108,9 @@ def test_tp2_per_request_state_matches_tp1(llama, tp2_llm):
 def test_tp2_replicated_kv_head_tied_odd_vocab(tmp_path):
     """More ranks than kv heads (one kv head, replicated on both ranks), qkv bias (Qwen2),
     tied embeddings and a vocabulary that does not split evenly (padded vocab shards)."""
-    from halserve import LLM
     from model_factory import make_checkpoint
+
+    from halserve import LLM
 
     path = make_checkpoint(str(tmp_path), "qwen2", num_layers=2, num_heads=4, num_kv_heads=1, vocab_size=515,
                            tie_word_embeddings=True)

@@ -12,7 +12,6 @@ import time
 
 import psutil
 import pytest
-
 from engine_helpers import (
     assert_greedy_matches_one_rank,
     assert_seeded_sampling_is_reproducible,
@@ -113,6 +112,7 @@ def test_bad_settings_are_clear_errors(llama, monkeypatch, name, value):
 
 def test_actors_fill_a_placement_group(ray_llm):
     import ray
+
     from halserve.executors.ray import RayExecutor
 
     executor = _executor_of(ray_llm)
@@ -159,6 +159,7 @@ def test_worker_error_names_the_rank_and_leaves_the_engine_usable(llama, ray_llm
 def test_unplaceable_ranks_are_a_clear_error(llama, ray_llm, monkeypatch):
     """4 ranks of 2 CPUs each on a Ray instance of 2 CPUs (both held by the shared engine)."""
     import ray
+
     from halserve import LLM
 
     path, _ = llama
@@ -178,6 +179,7 @@ def test_unplaceable_ranks_are_a_clear_error(llama, ray_llm, monkeypatch):
 def test_actor_death_raises_and_shutdown_leaves_no_workers(llama, ray_llm):
     """Runs last: it kills one of the shared engine's actors."""
     import ray
+
     from halserve.executors.base import WorkerDiedError
 
     _, prompts = llama
@@ -208,6 +210,7 @@ def test_pipeline_stages_as_ray_actors(llama):
     """Two pipeline stages as two actors (after the shared engine is gone: its bundles held both CPUs);
     the second stage's actor answers for the engine."""
     import ray
+
     from halserve import LLM
 
     path, prompts = llama

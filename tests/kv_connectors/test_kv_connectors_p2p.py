@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-
-from halserve import LLM
 from server_utils import free_port
 from test_kv_connectors_engine import PROMPTS, first_logprobs, generate, tokens
+
+from halserve import LLM
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
 

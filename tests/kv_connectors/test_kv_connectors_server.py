@@ -4,6 +4,7 @@
 prompt's K/V (its usage reports the cached tokens) and answer what a plain server answers."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,6 @@ import time
 
 import httpx
 import pytest
-
 from server_utils import SERVED_NAME, ServerProcess, free_port, server_args
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
@@ -22,14 +22,14 @@ PROMPT = [(11 * j) % 500 + 3 for j in range(70)]  # 4 full blocks of 16, and 6 t
 def connector_configs(kind, store):
     """(the prefill server's --kv-transfer-config, the decode server's)."""
     if kind == "storage":
-        return tuple('{"kv_connector": "SharedStorageConnector", "kv_role": "%s", '
-                     '"kv_connector_extra_config": {"shared_storage_path": "%s"}}' % (role, store)
+        return tuple(json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": role,
+                                 "kv_connector_extra_config": {"shared_storage_path": str(store)}})
                      for role in ("kv_producer", "kv_consumer"))
     port = free_port()
-    return ('{"kv_connector": "P2pConnector", "kv_role": "kv_producer", "kv_port": %d, '
-            '"kv_connector_extra_config": {"num_cpu_blocks": 256}}' % port,
-            '{"kv_connector": "P2pConnector", "kv_role": "kv_consumer", '
-            '"kv_connector_extra_config": {"peer": "127.0.0.1:%d"}}' % port)
+    return (json.dumps({"kv_connector": "P2pConnector", "kv_role": "kv_producer", "kv_port": port,
+                        "kv_connector_extra_config": {"num_cpu_blocks": 256}}),
+            json.dumps({"kv_connector": "P2pConnector", "kv_role": "kv_consumer",
+                        "kv_connector_extra_config": {"peer": f"127.0.0.1:{port}"}}))
 
 
 @pytest.fixture(scope="module", params=["storage", "p2p"])

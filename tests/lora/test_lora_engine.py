@@ -8,10 +8,11 @@ import os
 import shutil
 
 import pytest
-
 from engine_helpers import hf_greedy
-from lora_factory import ENGINE_KWARGS, NEW_TOKENS, greedy as _greedy, prompt_dicts as _prompts
-from lora_factory import sampled_logprobs, token_ids as _tokens
+from lora_factory import ENGINE_KWARGS, NEW_TOKENS, sampled_logprobs
+from lora_factory import greedy as _greedy
+from lora_factory import prompt_dicts as _prompts
+from lora_factory import token_ids as _tokens
 
 pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
 
@@ -181,8 +182,9 @@ def test_bad_adapter_fails_its_request_and_the_engine_keeps_serving(kind, tmp_pa
 
 
 def test_adapter_rank_mismatch_between_config_and_weights(tmp_path, lora_llm, lora_models):
-    from halserve import LoRARequest
     from lora_factory import make_adapter
+
+    from halserve import LoRARequest
 
     path = make_adapter(tmp_path / "r", lora_models.base, r=4)
     with open(os.path.join(path, "adapter_config.json")) as f:
@@ -243,7 +245,7 @@ def test_async_llm_takes_a_lora_request_per_request(lora_models, loras, merged_o
     async def run() -> list[list[int]]:
         async def one(i: int, lora) -> list[int]:
             final = None
-            async for final in engine.generate({"prompt_token_ids": lora_models.prompts[i]}, _greedy(),
+            async for final in engine.generate({"prompt_token_ids": lora_models.prompts[i]}, _greedy(),  # noqa: B007
                                                request_id=f"r{i}", lora_request=lora):
                 pass
             return final.outputs[0].token_ids

@@ -69,7 +69,7 @@ def test_gemma2_attention_and_mlp_adapter_equals_merged(tmp_path):
     _check_against_merged(base, adapter, merged, _prompts(6)).llm_engine.shutdown()
 
 
-def test_qwen2_moe_dense_and_shared_expert_adapter_equals_merged(checkpoint, tmp_path):
+def test_qwen2_moe_dense_and_shared_expert_adapter_equals_merged(checkpoint, tmp_path):  # noqa: F811
     from halserve import LoRARequest
 
     base = checkpoint("qwen2_moe", decoder_sparse_step=2)  # layer 0 dense, layer 1 sparse with a shared expert
@@ -123,7 +123,7 @@ def _write_adapter(path, modules: dict[str, tuple[int, int]], target_modules, r:
     return path
 
 
-def test_mixtral_attention_adapter_works_and_expert_or_router_adapters_are_refused(checkpoint, tmp_path):
+def test_mixtral_attention_adapter_works_and_expert_or_router_adapters_are_refused(checkpoint, tmp_path):  # noqa: F811
     from halserve import LoRARequest
     from halserve.layers import ReplicatedLinear
 

@@ -58,11 +58,12 @@ def test_peft_adapter_on_fused_modules_equals_merged(phi3):
 def test_adapter_names_checked_against_phi3_checkpoint_names(phi3, tmp_path):
     """Phi-3 checkpoints have no q_proj / gate_proj: an adapter naming them is refused, and the
     message lists the names Phi-3 does have."""
+    from lora_factory import make_adapter
+    from test_llama_family import load
+
     from halserve import LoRARequest
     from halserve.config import EngineConfig
     from halserve.lora.manager import LoRAManager
-    from lora_factory import make_adapter
-    from test_llama_family import load
 
     model, _ = load(phi3.base)
     manager = LoRAManager(model, EngineConfig(model=phi3.base, enable_lora=True), model.lm_head.weight.device,

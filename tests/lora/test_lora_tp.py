@@ -5,7 +5,6 @@ row-parallel term is summed by the layer's own all-reduce."""
 from __future__ import annotations
 
 import pytest
-
 from lora_factory import ENGINE_KWARGS, greedy, make_adapter, prompt_dicts, token_ids
 
 pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')

@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from engine_helpers import hf_greedy, prompt_lengths
 from test_gemma import make_gemma_checkpoint
-from test_moe import ARCHS as MOE_ARCHS, hf_config as moe_config
+from test_moe import ARCHS as MOE_ARCHS
+from test_moe import hf_config as moe_config
 from test_phi3 import make_phi3
 
 pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
@@ -27,9 +27,8 @@ VARIANTS = {
 def _moe(tmp_dir, arch: str, **overrides) -> str:
     import torch
     import transformers
-    from transformers import GenerationConfig
-
     from model_factory import _randomize, make_tokenizer
+    from transformers import GenerationConfig
 
     config = moe_config(arch, **overrides)
     torch.manual_seed(0)

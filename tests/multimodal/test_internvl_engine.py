@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from mm_factory import internvl_processor, make_image, make_internvl_checkpoint
 
 pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from mm_factory import make_image, make_llava_checkpoint
 
 pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')

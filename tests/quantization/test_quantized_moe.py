@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-
 from model_factory import _randomize, make_tokenizer
 from quant_factory import (
     dequantized_hf_model,
@@ -87,9 +86,8 @@ def test_quantized_moe_checkpoint_matches_its_float_model(moe_base, tmp_path, ar
 
 
 def test_a_format_without_moe_support_is_refused_at_load(moe_base, tmp_path):
-    from halserve.quant_methods.base import QuantMethod
-
     from halserve.quant_methods import gptq
+    from halserve.quant_methods.base import QuantMethod
 
     path, _ = make_gptq_checkpoint(moe_base["qwen3_moe"], str(tmp_path / "gptq"))
     saved = gptq.GptqLinearMethod.expert_weight_names

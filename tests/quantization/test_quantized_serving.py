@@ -5,7 +5,6 @@ import json
 import os
 
 import pytest
-
 from engine_helpers import generate_ids, greedy_params, hf_greedy
 from model_factory import make_checkpoint
 from quant_factory import (
@@ -132,8 +131,9 @@ def test_plugins_lists_the_quantization_methods():
 def test_lora_on_a_quantized_base(gptq, tmp_path, reference_4bit_kernels):
     """A PEFT adapter (trained on the float model) served on the GPTQ base gives the tokens of the
     float model the checkpoint stands for with the adapter merged in."""
-    from halserve import LLM, LoRARequest
     from lora_factory import make_adapter, merge_adapter
+
+    from halserve import LLM, LoRARequest
 
     path, float_path = gptq
     adapter = make_adapter(tmp_path / "adapter", path, r=8, lora_alpha=16, seed=1)
