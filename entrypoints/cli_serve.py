@@ -12,7 +12,12 @@ import logging
 import os
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
+    from halserve.engine.async_llm import AsyncLLM
+    from halserve.platforms.base import Platform
 
 logger = logging.getLogger("halserve.serve")
 
@@ -89,7 +94,7 @@ class _CoreCalls:
         return self.client.call_sync("add_lora", lora)
 
 
-def load_lora_modules(args: argparse.Namespace, engine: Any, served: list[str]) -> Any:
+def load_lora_modules(args: argparse.Namespace, engine: AsyncLLM, served: list[str]) -> Any:
     """The served adapters, each loaded and validated now (ValueError: the engine is shut down)."""
     from halserve.entrypoints.openai.serving_lora import LoRAModules, register_static_loras, runtime_updating_from_env
 
@@ -355,7 +360,7 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
         raise StartupError("invalid flags:\n  " + "\n  ".join(lines), EXIT_USAGE) from None
 
 
-def check_features(config: Any, platform: Any) -> list[str]:
+def check_features(config: EngineConfig, platform: Platform) -> list[str]:
     """Reasons why flags ask for something not available here (empty: all fine)."""
     from halserve.plugins import get_plugin_manager
 
@@ -514,7 +519,7 @@ def report_load_failure(exc: Exception, model: str) -> int:
     return EXIT_FAILURE
 
 
-def serve_http(args: argparse.Namespace, engine: Any, served: list[str], model: str, chat_template: str | None,
+def serve_http(args: argparse.Namespace, engine: AsyncLLM, served: list[str], model: str, chat_template: str | None,
                lora_modules: Any, sock: Any = None) -> int:
     """Run the HTTP server over ``engine`` until a signal or the engine's death; the exit code.
     ``sock``: an already bound listening socket (one of several API servers)."""

@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,10 @@ from halserve.models.interfaces import (
 from halserve.models.model_path import check_local_path
 from halserve.pooler_config import resolve_pooler_config
 from halserve.sampling_params import MAX_LOGPROBS
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
+    from halserve.platforms.base import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +101,7 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
         ) from exc
 
 
-def generation_defaults(config: Any, checkpoint_gen: dict[str, Any]) -> dict[str, Any]:
+def generation_defaults(config: EngineConfig, checkpoint_gen: dict[str, Any]) -> dict[str, Any]:
     """The sampling defaults ``config.generation_config`` names (vLLM's ``--generation-config``):
     ``auto`` the checkpoint's generation_config.json, ``vllm`` none, a folder its generation_config.json."""
     source = getattr(config, "generation_config", "auto")
@@ -126,7 +130,7 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
                 "float": torch.float32, "half": torch.float16}
 
 
-def resolve_dtype(requested: str, hf_config: Any, platform: Any) -> torch.dtype:
+def resolve_dtype(requested: str, hf_config: Any, platform: Platform | type[Platform]) -> torch.dtype:
     """``auto`` -> the checkpoint's dtype if the platform supports it, else the platform default."""
     if requested != "auto":
         return _DTYPE_NAMES[requested]
@@ -144,7 +148,7 @@ def supported_architectures() -> dict[str, str | type]:
     return supported_architectures()
 
 
-def get_model_info(config: Any, platform: Any) -> ModelInfo:
+def get_model_info(config: EngineConfig, platform: Platform) -> ModelInfo:
     """Read the checkpoint's config files (no weights) and validate them against ``config``."""
     from transformers import AutoConfig
 
@@ -233,7 +237,7 @@ def get_model_info(config: Any, platform: Any) -> ModelInfo:
     )
 
 
-def _max_images(config: Any) -> int:
+def _max_images(config: EngineConfig) -> int:
     from halserve.multimodal.processing import MAX_IMAGES_PER_PROMPT
 
     return (config.limit_mm_per_prompt or {}).get("image", MAX_IMAGES_PER_PROMPT)
@@ -319,7 +323,7 @@ QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_
 ONLINE_QUANTIZATION = ("fp8",)
 
 
-def get_quant_method(config: Any, info: ModelInfo, platform: Any):
+def get_quant_method(config: EngineConfig, info: ModelInfo, platform: Platform):
     """The QuantMethod instance for this checkpoint (``--quantization`` or its quantization_config)."""
     from halserve.plugins import get_plugin_manager
 
@@ -394,7 +398,7 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int) -> set[str]:
     return filled
 
 
-def load_model(config: Any, info: ModelInfo, platform: Any, attn_backend_cls: type,
+def load_model(config: EngineConfig, info: ModelInfo, platform: Platform, attn_backend_cls: type,
                progress: bool | None = None) -> torch.nn.Module:
     """Build ``info.architecture`` on the platform's device in ``info.dtype`` and load its weights.
 

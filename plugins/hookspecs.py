@@ -18,11 +18,12 @@ returns the objects the plugin contributes, or an empty list / ``None`` for "not
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
     from halserve.plugins.manifest import PluginManifest
 
 PROJECT = "halserve"
@@ -92,7 +93,7 @@ def halserve_model_architectures() -> dict[str, str]:
 
 
 @hookspec
-def halserve_update_config(config: Any, platform: str) -> None:
+def halserve_update_config(config: EngineConfig, platform: str) -> None:
     """Adjust an ``EngineConfig`` in place before it is validated.
 
     Called for every loaded plugin, after the platform is selected and before the

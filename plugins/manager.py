@@ -20,11 +20,14 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from halserve.plugins.hookimpls import FoundHook, HookManager, check_hookimpls, find_hookimpls
 from halserve.plugins.manifest import PluginManifest
 from halserve.plugins.registry import PluginConflictError, Registry
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +216,7 @@ class PluginManager:
         caller = getattr(self.pm.hook, hook, None)
         return caller is not None and any(impl.plugin_name == plugin for impl in caller.get_hookimpls())
 
-    def call_update_config(self, config: Any, platform: str) -> None:
+    def call_update_config(self, config: EngineConfig, platform: str) -> None:
         """Every loaded plugin's ``halserve_update_config``, in pluggy's order."""
         self.pm.hook.halserve_update_config(config=config, platform=platform)
 

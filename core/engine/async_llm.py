@@ -44,6 +44,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Sequence
 
     from halserve.beam_search import BeamSearchOutput, BeamSearchParams
+    from halserve.config import EngineConfig
+    from halserve.engine.core import EngineCore
+    from halserve.engine.output_processor import OutputProcessor
+    from halserve.engine.processor import InputProcessor
     from halserve.lora.request import LoRARequest
     from halserve.outputs import RequestOutput
     from halserve.sampling_params import SamplingParams
@@ -67,9 +71,9 @@ class AsyncLLM:
 
     def __init__(
         self,
-        engine_core: Any,
-        input_processor: Any,
-        output_processor: Any,
+        engine_core: EngineCore | None,
+        input_processor: InputProcessor,
+        output_processor: OutputProcessor,
         tokenizer: Any = None,
         stat_observers: list[StatsObserver] | None = None,
         client: EngineCoreClient | None = None,
@@ -98,7 +102,7 @@ class AsyncLLM:
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="halserve-tokenizer")
 
     @classmethod
-    def from_config(cls, config: Any, stat_observers: list[StatsObserver] | None = None,
+    def from_config(cls, config: EngineConfig, stat_observers: list[StatsObserver] | None = None,
                     multiprocess: bool = False, log_level: int = logging.WARNING) -> AsyncLLM:
         """Load the model (EngineCore, in this process or with ``multiprocess`` in an engine-core
         process of its own), the tokenizer and the processors."""
@@ -110,7 +114,7 @@ class AsyncLLM:
         return cls.from_client(config, EngineThread(EngineCore(config)), stat_observers)
 
     @classmethod
-    def from_client(cls, config: Any, client: EngineCoreClient,
+    def from_client(cls, config: EngineConfig, client: EngineCoreClient,
                     stat_observers: list[StatsObserver] | None = None) -> AsyncLLM:
         """The front of a started core: load the tokenizer and the processors (``client`` is
         released if that fails)."""
@@ -119,10 +123,13 @@ class AsyncLLM:
         from halserve.engine.processor import InputProcessor
 
         try:
-            tokenizer = load_tokenizer(config, client.model_info)
+            info = client.model_info
+            if info is None:
+                raise RuntimeError("the engine core started without reporting its model")
+            tokenizer = load_tokenizer(config, info)
             return cls(
                 None,
-                InputProcessor(client.model_info, tokenizer),
+                InputProcessor(info, tokenizer),
                 OutputProcessor(tokenizer),
                 tokenizer,
                 stat_observers,
@@ -283,6 +290,7 @@ class AsyncLLM:
         self.start()
         request_id = request_id or f"beam-{next(self._ids)}"
         info = self.model_info
+        assert info is not None, "beam search needs the engine's model info"
         searches = []
         for prompt in prompts:
             if _prompt_size(prompt) > _INLINE_PROMPT_LIMIT:

@@ -22,11 +22,15 @@ import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from halserve.engine.request_stream import EngineDeadError
 from halserve.engine.serial import FrameReader, decode_outputs, decode_stats, encode_request, pack
 from halserve.engine.types import EngineStats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
+    from halserve.models.loader import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ class EngineCoreClient(ABC):
     ``add_requests`` / ``abort`` / ``call`` until ``stop``. ``stats`` is the latest snapshot.
     """
 
-    model_info: Any = None  # the core's ModelInfo
+    model_info: ModelInfo | None = None  # the core's
     stats: EngineStats
 
     @abstractmethod
@@ -88,14 +92,14 @@ class EngineCoreClient(ABC):
         return None
 
 
-def start_engine_core_process(config: Any, log_level: int = logging.WARNING) -> MPEngineCoreClient:
+def start_engine_core_process(config: EngineConfig, log_level: int = logging.WARNING) -> MPEngineCoreClient:
     """Spawn the engine-core process for ``config`` (it loads the model) and connect to it.
     ``EngineCoreStartError`` when it cannot start (its message says why)."""
     process, socket_path, model_info = spawn_engine_core(config, log_level)
     return MPEngineCoreClient(socket_path, model_info, process)
 
 
-def spawn_engine_core(config: Any, log_level: int = logging.WARNING) -> tuple[Any, str, Any]:
+def spawn_engine_core(config: EngineConfig, log_level: int = logging.WARNING) -> tuple[Any, str, Any]:
     """Spawn the engine-core process; (process, its socket path, its ModelInfo) once it is ready."""
     import multiprocessing
     from multiprocessing.connection import wait
@@ -138,7 +142,7 @@ class MPEngineCoreClient(EngineCoreClient):
     engine's ``multiprocessing.Process`` when this client owns it (stops and reaps it), None
     when another process does (``--api-server-count``)."""
 
-    def __init__(self, socket_path: str, model_info: Any, process: Any = None) -> None:
+    def __init__(self, socket_path: str, model_info: ModelInfo, process: Any = None) -> None:
         self.socket_path = socket_path
         self.model_info = model_info
         self.process = process

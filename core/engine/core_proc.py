@@ -23,9 +23,13 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from halserve.engine.serial import FrameReader, decode_request, encode_outputs, encode_stats, pack
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.config import EngineConfig
+    from halserve.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ STATS_INTERVAL_S = 0.05  # a client that got no outputs hears the stats at most 
 IDLE_POLL_S = 1.0  # how long an idle loop blocks (then checks that its parent lives)
 
 
-def run_engine_core(config: Any, socket_path: str, ready: Any, parent_pid: int,
+def run_engine_core(config: EngineConfig, socket_path: str, ready: Any, parent_pid: int,
                     log_level: int = logging.WARNING) -> None:
     """The process's entry point (multiprocessing spawn): build the core, bind ``socket_path``,
     report ``("ready", model_info)`` or ``("error", message, is_bad_config)`` on the pipe
@@ -80,7 +84,7 @@ class _Client:
 class EngineCoreProc:
     """The busy loop (see the module docstring). ``run`` returns the process's exit code."""
 
-    def __init__(self, core: Any, listener: socket.socket, parent_pid: int | None = None,
+    def __init__(self, core: EngineCore, listener: socket.socket, parent_pid: int | None = None,
                  stopping: list | None = None) -> None:
         self.core = core
         self.listener = listener

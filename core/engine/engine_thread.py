@@ -23,10 +23,13 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from halserve.engine.core_client import EngineCoreClient
 from halserve.engine.types import EngineStats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ class EngineThread(EngineCoreClient):
 
     def __init__(
         self,
-        engine_core: Any,
+        engine_core: EngineCore,
         on_outputs: Callable[[list[Any]], None] | None = None,
         on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from halserve.config import EngineConfig
 from halserve.engine.core import EngineCore
@@ -11,8 +11,11 @@ from halserve.engine.processor import InputProcessor, PromptType
 from halserve.outputs import RequestOutput
 from halserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.models.loader import ModelInfo
 
-def load_tokenizer(config: EngineConfig, model_info: Any) -> Any:
+
+def load_tokenizer(config: EngineConfig, model_info: ModelInfo) -> Any:
     from transformers import AutoTokenizer
 
     from halserve.models.gguf import find_gguf_file, load_gguf_tokenizer
@@ -106,7 +109,7 @@ class LLMEngine:
         self.core.shutdown()
 
 
-def apply_model_defaults(params: SamplingParams, model_info: Any) -> SamplingParams:
+def apply_model_defaults(params: SamplingParams, model_info: ModelInfo | None) -> SamplingParams:
     """The checkpoint's generation_config defaults for fields the user left unset (vLLM's
     ``generation_config="auto"``), and for an embedding request the model's pooling defaults
     (``halserve.pooler_config``) for the pooling params it left unset."""

@@ -14,6 +14,7 @@ from halserve.pooling_params import check_task
 from halserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from halserve.models.loader import ModelInfo
     from halserve.multimodal.processing import MultiModalProcessor
 
 PromptType = str | list[int] | dict
@@ -69,7 +70,7 @@ def child_request_id(parent_id: str, index: int, n: int) -> str:
 
 
 class InputProcessor:
-    def __init__(self, model_info: Any, tokenizer: Any) -> None:
+    def __init__(self, model_info: ModelInfo, tokenizer: Any) -> None:
         self.info = model_info
         self.tokenizer = tokenizer
         self.vocab_size = model_info.vocab_size

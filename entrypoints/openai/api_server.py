@@ -53,6 +53,7 @@ from halserve.entrypoints.openai.tokenize_protocol import DetokenizeRequest, Tok
 if TYPE_CHECKING:  # pragma: no cover
     import socket
 
+    from halserve.config import EngineConfig
     from halserve.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger("halserve.server")
@@ -280,7 +281,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
 ENGINE_DEATH_EXIT_DELAY_S = 1.0
 
 
-def _make_server(config: Any, engine: AsyncLLM, url: str, served: str) -> Any:
+def _make_server(config: EngineConfig, engine: AsyncLLM, url: str, served: str) -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
