@@ -54,6 +54,7 @@ class EngineCoreClient(ABC):
 
     model_info: ModelInfo | None = None  # the core's
     stats: EngineStats
+    loop: asyncio.AbstractEventLoop | None = None  # the event loop ``start`` bound (callbacks run there)
 
     @abstractmethod
     def bind(self, on_outputs: Callable[[list[Any]], None], on_dead: Callable[[BaseException], None]) -> None:
@@ -90,6 +91,17 @@ class EngineCoreClient(ABC):
     def close_sync(self) -> None:
         """(optional) Release the core without an event loop (a failed start-up). Default: nothing."""
         return None
+
+    def _call_in_loop(self, fn: Callable[..., None] | None, *args: Any) -> None:
+        """Run ``fn(*args)`` on the bound event loop from another thread (dropped when there is no
+        callback, or no loop any more: nobody is left to tell)."""
+        loop = self.loop
+        if fn is None or loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed between the check and the call
+            pass
 
 
 def start_engine_core_process(config: EngineConfig, log_level: int = logging.WARNING) -> MPEngineCoreClient:
@@ -290,14 +302,6 @@ class MPEngineCoreClient(EngineCoreClient):
         self.fail_pending(EngineDeadError(f"the engine died: {error}"))
         self._call_in_loop(self._on_dead, error)
 
-    def _call_in_loop(self, fn: Callable[..., None] | None, *args: Any) -> None:
-        loop = self.loop
-        if fn is None or loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # loop closed between the check and the call
-            pass
 
 
 def _raise_or_return(result: Any) -> Any:

@@ -189,15 +189,6 @@ class EngineThread(EngineCoreClient):
                         core.abort_requests(added)
                 self._call_in_loop(_resolve, ack, error)
 
-    def _call_in_loop(self, fn: Callable[..., None] | None, *args: Any) -> None:
-        loop = self.loop
-        if fn is None or loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # loop closed between the check and the call
-            pass
-
     def _shutdown_core(self) -> None:
         try:
             self.engine_core.shutdown()
