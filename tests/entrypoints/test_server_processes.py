@@ -15,6 +15,8 @@ import psutil
 import pytest
 from server_utils import SERVED_NAME, ServerProcess, server_args
 
+pytestmark = pytest.mark.slow  # starts servers and kills their processes (inner loop: -m 'not slow')
+
 
 @pytest.fixture(scope="module")
 def slow_checkpoint(tmp_path_factory) -> str:
