@@ -16,6 +16,7 @@ from halserve.spec_decode.config import SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_CPU_LORAS = 8
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+MODEL_IMPLS = ("auto", "halserve", "transformers")
 logger = logging.getLogger(__name__)
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -115,6 +116,11 @@ class EngineConfig(BaseModel):
     load_format: str = "auto"
     """``auto``/``safetensors``: read the checkpoint; ``dummy``: random weights of the right shapes
     and dtypes made on the device from ``seed`` (benchmarks without a download; vLLM's)."""
+    model_impl: str = "auto"
+    """Which code runs the model (vLLM's ``--model-impl``): ``halserve`` its native implementation;
+    ``transformers`` transformers' own modeling code with halserve's paged attention plugged in
+    (``halserve.models.transformers_backend``); ``auto`` the native one when the architecture is
+    registered, else transformers' (logged as a warning)."""
     kv_offloading_size: float | None = Field(default=None, gt=0)
     """GiB of host memory for a second prefix-cache tier (vLLM's ``--kv-offloading-size``): shorthand
     for the ``OffloadingConnector`` with that ``cpu_bytes_to_use``. None: off."""
@@ -133,6 +139,13 @@ class EngineConfig(BaseModel):
     def _load_format(cls, value: str) -> str:
         if value not in LOAD_FORMATS:
             raise ValueError(f"load_format {value!r} is not supported; use one of {', '.join(LOAD_FORMATS)}")
+        return value
+
+    @field_validator("model_impl")
+    @classmethod
+    def _model_impl(cls, value: str) -> str:
+        if value not in MODEL_IMPLS:
+            raise ValueError(f"model_impl {value!r} is not supported; use one of {', '.join(MODEL_IMPLS)}")
         return value
 
     @field_validator("kv_cache_dtype")

@@ -235,6 +235,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="largest decode batch captured as a graph (default: min(max-num-seqs, 512))")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights of the model's shapes, no checkpoint read (benchmarks)")
+    g.add_argument("--model-impl", default="auto", choices=["auto", "halserve", "transformers"],
+                   help="which code runs the model: halserve (native), transformers (transformers' modeling "
+                   "code with halserve's paged attention), auto (native when registered, else transformers)")
 
     g = p.add_argument_group("scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in a batch")
@@ -336,6 +339,7 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             async_scheduling=args.async_scheduling,
             max_cudagraph_capture_size=args.max_cudagraph_capture_size,
             load_format=args.load_format,
+            model_impl=args.model_impl,
             trust_remote_code=args.trust_remote_code,
             pooler_config=args.pooler_config,
             enable_lora=args.enable_lora,
