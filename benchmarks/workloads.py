@@ -5,6 +5,13 @@
     W2: hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 512 (~6.5M params);
         256 prompts x 32 tokens, 64 output tokens each.
 
+the real-model workload (``REAL_WORKLOADS``):
+
+    SmolLM2: SmolLM2-135M-Instruct (a real chat model, Apache-2.0), from the Q4_1 GGUF that
+        ``scripts/get_smollm2.sh`` fetches, dequantized by transformers and saved as a float32
+        HF folder (so that every server reads the same float weights);
+        128 prompts x 128 random tokens, 128 output tokens each.
+
 and the image workload (``MM_WORKLOADS``, run by ``benchmarks/mm_throughput.py``):
 
     V1: LLaVA (transformers' ``LlavaForConditionalGeneration``): W1's decoder (vocabulary 8192, the
@@ -35,6 +42,9 @@ WORKLOADS = {
                    intermediate_size=512),
         num_prompts=256, input_len=32, output_len=64,
     ),
+}
+REAL_WORKLOADS = {
+    "SmolLM2": dict(gguf_script="scripts/get_smollm2.sh", num_prompts=128, input_len=128, output_len=128),
 }
 VOCAB = 8192
 MM_WORKLOADS = {
@@ -72,6 +82,8 @@ def ensure_checkpoint(name: str, root: str) -> str:
         return path
     if name in MM_WORKLOADS:
         return _write_llava_checkpoint(name, path)
+    if name in REAL_WORKLOADS:
+        return _write_dequantized_gguf(REAL_WORKLOADS[name]["gguf_script"], path)
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -85,6 +97,29 @@ def ensure_checkpoint(name: str, root: str) -> str:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
+    return path
+
+
+def _write_dequantized_gguf(script: str, path: str) -> str:
+    """The GGUF that ``script`` prints the path of, dequantized by transformers, as a float32 HF folder."""
+    import subprocess
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    gguf = subprocess.run(["bash", os.path.join(repo, script)], check=True, capture_output=True,
+                          text=True).stdout.strip().splitlines()[-1]
+    folder, file = os.path.split(gguf)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    # (a model loaded from a GGUF is marked quantized and refuses save_pretrained: copy it into a plain one)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(path, safe_serialization=True)
+    AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(path)
     return path
 
 
