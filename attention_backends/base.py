@@ -124,6 +124,13 @@ class AttentionBackend:
         }
 
     @classmethod
+    def kv_cache_spec_kinds(cls) -> tuple[str, ...]:
+        """The KV-cache spec kinds (halserve.kv_cache.spec) whose layers it serves (optional) default:
+        full attention, and sliding windows when ``supports_sliding_window`` (they read the same paged
+        layout; a released window block reads as whatever the block holds now, always masked out)."""
+        return ("full_attention", "sliding_window") if cls.supports_sliding_window else ("full_attention",)
+
+    @classmethod
     def runs_on(cls, platform: str) -> bool:
         return "*" in cls.platforms or platform in cls.platforms
 

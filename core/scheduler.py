@@ -53,7 +53,7 @@ class SchedulerStats:
 
     num_running: int
     num_waiting: int
-    kv_cache_usage: float  # fraction of usable blocks held by requests
+    kv_cache_usage: float  # fraction of usable blocks held by requests (every group's)
     prefix_cache_queries: int  # cumulative, tokens looked up at admission
     prefix_cache_hits: int  # cumulative, tokens found in the prefix cache
     num_preemptions: int  # cumulative
@@ -61,6 +61,8 @@ class SchedulerStats:
     spec_num_drafts: int = 0  # cumulative: decode steps that carried draft tokens
     spec_num_draft_tokens: int = 0  # cumulative: draft tokens checked by the model
     spec_num_accepted_tokens: int = 0  # cumulative: of which accepted
+    # per KV-cache group (one for a plain model): fraction of usable blocks its tables hold
+    kv_cache_group_usage: tuple[float, ...] = ()
 
 
 class Scheduler:
@@ -83,7 +85,9 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.block_size = config.block_size
         self.kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size, max_model_len=config.max_model_len,
-                                               enable_prefix_caching=config.enable_prefix_caching)
+                                               enable_prefix_caching=config.enable_prefix_caching,
+                                               layer_specs=config.kv_cache_specs)
+        self._hybrid = self.kv_cache_manager.num_groups > 1  # (groups 1.. tables go to the worker too)
         self.requests: dict[RequestId, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
         self.running: list[Request] = []  # kept in priority (arrival) order, earliest first
@@ -108,11 +112,14 @@ class Scheduler:
     @classmethod
     def from_engine_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int,
                            structured_outputs: StructuredOutputManager | None = None,
-                           max_concurrent_batches: int = 1, kv_connector: KVConnector | None = None) -> Scheduler:
+                           max_concurrent_batches: int = 1, kv_connector: KVConnector | None = None,
+                           kv_cache_specs: tuple = ()) -> Scheduler:
         """``num_blocks`` comes from KV-cache sizing and ``max_model_len`` from the model
-        (``config.max_model_len`` may still be None); ``max_concurrent_batches`` from the executor."""
+        (``config.max_model_len`` may still be None); ``max_concurrent_batches`` from the executor;
+        ``kv_cache_specs`` (each attention layer's, ``ModelInfo.kv_cache_specs``) from the model."""
         sched_config = SchedulerConfig.from_engine_config(config, num_blocks=num_blocks, max_model_len=max_model_len,
-                                                          max_concurrent_batches=max_concurrent_batches)
+                                                          max_concurrent_batches=max_concurrent_batches,
+                                                          kv_cache_specs=kv_cache_specs)
         return cls(sched_config, structured_outputs=structured_outputs, spec_proposer=make_spec_proposer(config),
                    kv_connector=kv_connector)
 
@@ -148,11 +155,13 @@ class Scheduler:
         # that cannot fit in an otherwise empty cache would be preempted forever.
         num_tokens_needed = min(prompt_len + request.max_tokens, self.max_model_len)
         num_usable = self.kv_cache_manager.num_usable_blocks
-        if cdiv(num_tokens_needed, self.block_size) > num_usable:
+        num_blocks_needed = self.kv_cache_manager.max_num_blocks(num_tokens_needed, self.max_num_batched_tokens)
+        if num_blocks_needed > num_usable:
             raise ValueError(
                 f"request {req_id!r} needs {num_tokens_needed} tokens of KV cache ({prompt_len} prompt + "
                 f"max_tokens={request.max_tokens}) but the cache holds {num_usable * self.block_size} tokens "
-                f"({num_usable} usable blocks of {self.block_size}); lower max_tokens or shorten the prompt, "
+                f"({num_usable} usable blocks of {self.block_size}; it needs {num_blocks_needed} over "
+                f"{self.kv_cache_manager.num_groups} KV-cache group(s)); lower max_tokens or shorten the prompt, "
                 "or raise num_kv_blocks / kv_cache_memory"
             )
         for policy in self.policies:  # (refusals first: UnservedFeatures leads the list)
@@ -255,6 +264,8 @@ class Scheduler:
             if new_block_ids is None:  # it preempted itself; it was the last running request
                 break
             cached = CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            if self._hybrid:
+                cached.new_group_block_ids = kv.new_group_block_ids
             if stages.carries_tokens:
                 stages.send_new_tokens(cached, request)
             cached_reqs.append(cached)
@@ -324,6 +335,7 @@ class Scheduler:
                     lora_request=request.lora_request,
                     mm_features=request.mm_features,
                     mrope_positions=request.mrope_positions,
+                    group_block_ids=kv.get_group_block_ids(request.request_id) if self._hybrid else None,
                 )
             )
             num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -526,6 +538,15 @@ class Scheduler:
         return self.kv_cache_manager.usage
 
     @property
+    def kv_cache_group_usage(self) -> tuple[float, ...]:
+        """Per KV-cache group, the fraction of the pool's usable blocks its requests hold (they sum
+        to ``kv_cache_usage``; O(blocks held): for stats, not the step loop)."""
+        kv = self.kv_cache_manager
+        if kv.num_groups == 1:
+            return (kv.usage,)
+        return tuple(n / kv.num_usable_blocks for n in kv.num_blocks_by_group())
+
+    @property
     def prefix_cache_queries(self) -> int:
         return self.kv_cache_manager.prefix_cache_queries
 
@@ -545,6 +566,7 @@ class Scheduler:
             spec_num_drafts=self.drafter.num_drafts,
             spec_num_draft_tokens=self.drafter.num_draft_tokens,
             spec_num_accepted_tokens=self.drafter.num_accepted_tokens,
+            kv_cache_group_usage=self.kv_cache_group_usage,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -33,6 +33,9 @@ class NewRequestData:
     lora_request: LoRARequest | None = None  # its LoRA adapter; None: the base model
     mm_features: list[MultiModalFeature] | None = None  # its images; None: none
     mrope_positions: MRopePositions | None = None  # an M-RoPE model's prompt positions with images
+    # a hybrid model (several KV-cache groups, halserve.kv_cache.spec): groups 1..'s whole tables
+    # (block_ids is group 0's); None: one group
+    group_block_ids: list[list[BlockId]] | None = None
 
 
 @dataclass
@@ -45,6 +48,8 @@ class CachedRequestData:
     # pipeline parallelism only: its output tokens sampled since the workers last heard of it (the
     # stages before the last do not sample); [] otherwise
     new_token_ids: list[int] = field(default_factory=list)
+    # a hybrid model: groups 1..'s blocks appended since the last step (new_block_ids is group 0's); None: one group
+    new_group_block_ids: list[list[BlockId]] | None = None
 
 
 @dataclass

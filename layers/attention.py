@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from halserve.forward_context import get_forward_context
+from halserve.kv_cache.spec import KVCacheSpec, spec_for_window
 from halserve.layers.context import ModelContext
 
 
@@ -16,6 +17,8 @@ class Attention(nn.Module):
         kv_cache          this layer's cache tensor, ``backend.kv_cache_shape(...)``
         k_scale, v_scale  per-tensor fp8 KV scales (floats; 1.0 unless the checkpoint has them)
         layer_index       its place among the model's attention layers (a KV connector's layer)
+        kv_cache_group    a hybrid model's KV-cache group of this layer: the step's metadata is then
+                          one per group and it reads its own; None (one group): the metadata itself
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, ctx: ModelContext,
@@ -33,6 +36,12 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.layer_index = 0
+        self.kv_cache_group: int | None = None
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What this layer keeps in the KV cache (halserve.kv_cache.spec): its window's positions, or all."""
+        return spec_for_window(self.sliding_window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [T, Hq * D], k/v [T, Hk * D] -> [T, Hq * D]
@@ -41,6 +50,8 @@ class Attention(nn.Module):
         metadata, connector = context.attn_metadata, context.kv_connector
         if metadata is None:  # dummy run (profiling / warm-up): no cache, no attention
             return torch.zeros_like(q)
+        if self.kv_cache_group is not None:
+            metadata = metadata[self.kv_cache_group]
         if self.kv_cache.numel() == 0:
             raise RuntimeError(f"attention layer {self.prefix!r} has no kv_cache; the model runner must set it")
         if connector is not None:

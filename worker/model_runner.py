@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from halserve.kv_cache.spec import group_layers, group_size
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from halserve.spec_decode.verify import count_accepted, expand_rows
 from halserve.structured_output.logits import apply_step_bitmask
@@ -57,6 +58,9 @@ class ModelRunner:
     supports_multimodal: bool = True
     # Whether it runs a KV connector's loads and saves (kv_transfer_config; worker/kv_transfer.py).
     supports_kv_connector: bool = True
+    # Whether it feeds each KV-cache group of a hybrid model (sliding-window and full layers) its own
+    # block table (halserve.kv_cache.spec).
+    supports_hybrid_kv_cache: bool = True
 
     def __init__(self, config: EngineConfig, platform: Platform, model_info: ModelInfo) -> None:
         self.config = config
@@ -82,6 +86,18 @@ class ModelRunner:
             raise ValueError(f"a draft model cannot speculate for the vision-language model {model_info.architecture} "
                              "(it would read image placeholders as text); use method 'ngram' or no speculation")
         self.attn_backend_cls = select_attention_backend(config, platform, model_info)
+        # a hybrid model's KV-cache groups (halserve.kv_cache.spec); None: one group of every layer
+        from halserve.models.kv_cache_specs import model_kv_cache_specs
+
+        self.kv_cache_specs = model_kv_cache_specs(model_info)
+        groups = group_layers(list(self.kv_cache_specs)) if self.kv_cache_specs else []
+        self.kv_cache_groups = groups if len(groups) > 1 else None
+        self.num_kv_groups = len(groups) if self.kv_cache_groups else 1
+        self.max_blocks_per_kv_groups = (sum(g.spec.max_num_blocks(model_info.max_model_len, config.block_size,
+                                                                   config.max_num_batched_tokens) for g in groups)
+                                         if groups else self.max_blocks_per_req)
+        if self.kv_cache_groups is not None:
+            self._check_hybrid(config)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
@@ -99,9 +115,25 @@ class ModelRunner:
         # (every stage: the rotary of each layer reads them) and image embeddings (the first stage)
         self._step_positions = mm_embeddings.step_positions if model_info.uses_mrope else _plain_positions
         self._model_kwargs = mm_embeddings.model_kwargs if model_info.is_multimodal and self.pp.is_first else _no_kwargs
+        from halserve.layers.factory import layer_class, layer_overrides
         from halserve.sampling import Sampler
 
-        self.sampler = Sampler()
+        self.sampler = layer_class(Sampler, layer_overrides(platform.name))()  # or the platform plugin's
+
+    def _check_hybrid(self, config: EngineConfig) -> None:
+        """What a hybrid KV cache (several groups over one pool) does not run with yet."""
+        what = f"{self.info.architecture} has {len(self.kv_cache_groups)} KV-cache groups (sliding-window and full layers)"
+        if not self.supports_hybrid_kv_cache:
+            raise ValueError(f"{what}, which the {type(self).__name__} of platform {self.platform.name!r} does not "
+                             "serve yet; use another platform")
+        if self.pp.size > 1:
+            raise ValueError(f"{what}: pipeline parallelism over a hybrid KV cache is not supported yet; use "
+                             "pipeline_parallel_size=1")
+        if config.kv_transfer_config is not None:
+            raise ValueError(f"{what}: KV connectors move one block table per request; drop kv_transfer_config")
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError(f"{what}: a draft model shares one block table; use speculative method 'ngram' or none")
 
     # -- setup -----------------------------------------------------------------------
     def load_model(self) -> None:
@@ -135,7 +167,10 @@ class ModelRunner:
         shape = self.attn_backend_cls.kv_cache_shape(1, self.block_size, self._local_kv_heads(), self.info.head_size)
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         draft = 0 if self.drafter is None else self.drafter.bytes_per_block(self.kv_cache_dtype)
-        return int(np.prod(shape)) * elem * len(self.model.attention_layers) + draft
+        # a hybrid model's block holds one layer of each of its group_size tensors (kv_cache/spec.py)
+        num_tensors = len(self.model.attention_layers) if self.kv_cache_groups is None else group_size(
+            self.kv_cache_groups)
+        return int(np.prod(shape)) * elem * num_tensors + draft
 
     def _local_kv_heads(self) -> int:
         layers = self.model.attention_layers if self.model is not None else []
@@ -153,7 +188,7 @@ class ModelRunner:
             budget = self.platform.kv_cache_budget(self.config.kv_cache_memory_fraction)
         num_blocks = budget // per_block
         # +1: block 0 is the null block that pads block tables.
-        useful = self.config.max_num_seqs * self.max_blocks_per_req + 1
+        useful = self.config.max_num_seqs * self.max_blocks_per_kv_groups + 1
         num_blocks = min(num_blocks, useful)
         if num_blocks < 2:
             raise ValueError(
@@ -165,7 +200,9 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.kv_caches = []
-        for layer in self.model.attention_layers:
+        if self.kv_cache_groups is not None:
+            self._initialize_hybrid_kv_cache(num_blocks)
+        for layer in self.model.attention_layers if self.kv_cache_groups is None else ():
             shape = self.attn_backend_cls.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, self.info.head_size)
             cache = self.platform.allocate_kv_cache(shape, self.kv_cache_dtype)
             layer.kv_cache = cache
@@ -176,6 +213,37 @@ class ModelRunner:
 
         self.kv_connector = attach_connector(self)
         logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, self.block_size, self.kv_cache_dtype)
+
+    def _initialize_hybrid_kv_cache(self, num_blocks: int) -> None:
+        """One tensor per slot of a group (``group_size`` of them), shared by the groups: layer j of
+        every group uses tensor j, and a block id is one group's at a time (kv_cache/spec.py)."""
+        layers = self.model.attention_layers
+        declared = list(self.kv_cache_specs)
+        actual = [layer.kv_cache_spec for layer in layers]
+        if actual != declared:
+            raise ValueError(f"{self.info.architecture}'s attention layers keep {actual} in the KV cache but its config "
+                             f"declares {declared} (models/kv_cache_specs.py); the model and its config disagree")
+        kinds = self.attn_backend_cls.kv_cache_spec_kinds()
+        for spec in dict.fromkeys(actual):
+            if spec.kind not in kinds:
+                raise ValueError(f"attention backend {self.attn_backend_cls.name!r} cannot serve {spec.kind} layers "
+                                 f"(it serves {', '.join(kinds)}); choose another attention_backend")
+        shapes = {(layer.num_kv_heads, layer.head_size) for layer in layers}
+        if len(shapes) > 1:
+            raise ValueError(f"{self.info.architecture}: the KV-cache groups share tensors, so every attention layer "
+                             f"needs the same (kv heads, head size); its layers have {sorted(shapes)}")
+        (num_kv_heads, head_size), = shapes
+        shape = self.attn_backend_cls.kv_cache_shape(num_blocks, self.block_size, num_kv_heads, head_size)
+        tensors = [self.platform.allocate_kv_cache(shape, self.kv_cache_dtype)
+                   for _ in range(group_size(self.kv_cache_groups))]
+        for g, group in enumerate(self.kv_cache_groups):
+            for j, index in enumerate(group.layer_indices):
+                layers[index].kv_cache = tensors[j]
+                layers[index].kv_cache_group = g
+        self.kv_caches = [layer.kv_cache for layer in layers]  # (per layer, in order: aliases of the tensors)
+        logger.info("hybrid KV cache: %d groups of up to %d layers (%s) over one pool", len(self.kv_cache_groups),
+                    len(tensors), ", ".join(f"{g.spec.kind}{getattr(g.spec, 'window', '') or ''}"
+                                            f"x{len(g.layer_indices)}" for g in self.kv_cache_groups))
 
     def warm_up(self) -> None:
         """One dummy forward of a full step (``max_num_batched_tokens`` tokens, attention
@@ -200,6 +268,9 @@ class ModelRunner:
         """After ``warm_up``: capture decode steps where the platform can (worker/step_graphs.py)."""
         from halserve.worker.step_graphs import StepGraphs
 
+        if self.kv_cache_groups is not None:  # (its graphs would replay one block table for every group)
+            logger.info("no step graphs: a hybrid KV cache has a block table per group; decode steps run eagerly")
+            return
         self.step_graphs = StepGraphs.build(self)
 
     # -- per step --------------------------------------------------------------------
@@ -238,7 +309,7 @@ class ModelRunner:
         """Host-side (numpy/CPU tensors) flattened inputs of one step."""
         from halserve.worker.step_inputs import prepare_inputs
 
-        return prepare_inputs(out, self.requests, self.block_size, self.supports_pooling)
+        return prepare_inputs(out, self.requests, self.block_size, self.supports_pooling, self.num_kv_groups)
 
     def _forward(self, step: StepInputs) -> torch.Tensor | None:
         """Run the model on the step (writing its K/V); logits [len(sample_rows), vocab]
@@ -254,6 +325,10 @@ class ModelRunner:
             slot_mapping=c.slot_mapping.to(dev, non_blocking=True),
         )
         attn_metadata = self.attn_backend_cls.build_metadata(common)
+        if step.group_common is not None:  # a hybrid model: one metadata per KV-cache group
+            attn_metadata = [attn_metadata] + [self.attn_backend_cls.build_metadata(dataclasses.replace(
+                common, block_table=gc.block_table.to(dev, non_blocking=True),
+                slot_mapping=gc.slot_mapping.to(dev, non_blocking=True))) for gc in step.group_common]
         from halserve.forward_context import set_forward_context
 
         input_ids = step.input_ids.to(dev, non_blocking=True)

@@ -45,6 +45,9 @@ class StepInputs:
     prompt_indices: list[int] = dataclasses.field(default_factory=list)  # [P] token index in the batch
     prompt_targets: list[int] = dataclasses.field(default_factory=list)  # [P] the prompt token it scores
     prompt_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (request row, count), in order
+    # a hybrid model: KV-cache groups 1..'s metadata (``common`` is group 0's): their own block_table
+    # and slot_mapping, the rest shared; None: one group
+    group_common: list[AttentionMetadata] | None = None
 
 
 @dataclass(slots=True)
@@ -64,6 +67,8 @@ class CachedRequestState:
     mrope_positions: MRopePositions | None = None  # an M-RoPE model's prompt positions with images
     # its images' embeddings computed and not yet all fed to the model: feature index -> [length, H]
     mm_embeddings: dict[int, torch.Tensor] | None = None
+    # a hybrid model: KV-cache groups 1..'s block tables (block_ids is group 0's); None: one group
+    group_block_ids: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -98,10 +103,14 @@ def update_states(requests: dict[str, CachedRequestState], out: SchedulerOutput,
             lora_request=new.lora_request,
             mm_features=new.mm_features,
             mrope_positions=new.mrope_positions,
+            group_block_ids=None if new.group_block_ids is None else [list(ids) for ids in new.group_block_ids],
         )
     for cached in out.scheduled_cached_reqs:
         state = requests[cached.req_id]
         state.block_ids.extend(cached.new_block_ids)
+        if cached.new_group_block_ids is not None:
+            for table, ids in zip(state.group_block_ids, cached.new_group_block_ids):
+                table.extend(ids)
         state.num_computed_tokens = cached.num_computed_tokens
         if receives_tokens:
             state.output_token_ids.extend(cached.new_token_ids)

@@ -2,6 +2,8 @@
 runner's per-request state (the layout is drawn atop ``model_runner``)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -11,8 +13,9 @@ from halserve.worker.runner_state import CachedRequestState, StepInputs
 
 
 def prepare_inputs(out: SchedulerOutput, requests: dict[str, CachedRequestState], block_size: int,
-                   supports_pooling: bool) -> StepInputs:
-    """Host-side (numpy/CPU tensors) flattened inputs of one step."""
+                   supports_pooling: bool, num_kv_groups: int = 1) -> StepInputs:
+    """Host-side (numpy/CPU tensors) flattened inputs of one step; ``num_kv_groups`` > 1: a hybrid
+    model, whose groups 1.. get their own block table and slot mapping (``StepInputs.group_common``)."""
     req_ids = [r.req_id for r in out.scheduled_new_reqs] + [r.req_id for r in out.scheduled_cached_reqs]
     states = [requests[i] for i in req_ids]
     num_reqs = len(states)
@@ -86,7 +89,19 @@ def prepare_inputs(out: SchedulerOutput, requests: dict[str, CachedRequestState]
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=seq_lens_cpu,
     )
+    group_common = None
+    if num_kv_groups > 1:
+        group_common = []
+        for g in range(num_kv_groups - 1):
+            table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+            for r, state in enumerate(states):
+                ids = state.group_block_ids[g][:max_blocks]
+                table[r, : len(ids)] = ids
+            slots = table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+            group_common.append(dataclasses.replace(common, block_table=torch.from_numpy(table),
+                                                    slot_mapping=torch.from_numpy(slots)))
     return StepInputs(
+        group_common=group_common,
         req_ids=req_ids,
         states=states,
         input_ids=torch.tensor(token_ids, dtype=torch.long),

@@ -24,6 +24,7 @@ class XlaModelRunner(ModelRunner):
     supports_pipeline_parallel = False  # (its compiled graph is the whole model)
     supports_multimodal = False  # (images would add a data-dependent encoder pass to its graph)
     supports_kv_connector = False  # (its _forward runs the compiled graph without the connector's hooks)
+    supports_hybrid_kv_cache = False  # (its _forward builds one block table for every layer)
 
     def load_model(self) -> None:
         if self.info.runner == "pooling":  # (its requests all classify, which needs pooling)

@@ -78,10 +78,13 @@ class EngineCore:
         # with pipeline stages, one batch per stage in flight (executors that can overlap steps)
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self._batches: deque = deque()  # (SchedulerOutput, the executor's handle) submitted, not collected
+        from halserve.models.kv_cache_specs import model_kv_cache_specs
+
         self.scheduler = Scheduler.from_engine_config(
             config, num_blocks=self.num_blocks, max_model_len=self.model_info.max_model_len,
             structured_outputs=StructuredOutputManager(self._load_tokenizer, self.model_info.vocab_size),
             max_concurrent_batches=self.max_concurrent_batches, kv_connector=kv_connector,
+            kv_cache_specs=model_kv_cache_specs(self.model_info),
         )
         self.lora_registry = None  # with enable_lora: the adapters the workers hold (halserve.lora.registry)
         if config.enable_lora:

@@ -4,16 +4,32 @@ from halserve.kv_cache.block_pool import BlockPool
 from halserve.kv_cache.free_queue import FreeBlockQueue
 from halserve.kv_cache.hashing import NONE_HASH, BlockHash, extend_block_hashes, hash_block_tokens, hash_request_tokens
 from halserve.kv_cache.manager import KVCacheManager
+from halserve.kv_cache.spec import (
+    SPEC_KINDS,
+    FullAttentionSpec,
+    KVCacheGroup,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    group_layers,
+    spec_for_window,
+)
 
 __all__ = [
     "NONE_HASH",
+    "SPEC_KINDS",
     "BlockHash",
     "BlockId",
     "BlockPool",
     "FreeBlockQueue",
+    "FullAttentionSpec",
     "KVCacheBlock",
+    "KVCacheGroup",
     "KVCacheManager",
+    "KVCacheSpec",
+    "SlidingWindowSpec",
     "extend_block_hashes",
+    "group_layers",
     "hash_block_tokens",
     "hash_request_tokens",
+    "spec_for_window",
 ]

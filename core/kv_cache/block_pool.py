@@ -54,8 +54,9 @@ class BlockPool:
         """Fraction of usable blocks held by requests (0.0 when idle; cached free blocks count as free)."""
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        """The free or in-use block registered under ``block_hash`` for KV-cache group ``group``."""
+        return self.cached_block_hash_to_block.get(block_hash if not group else _group_key(block_hash, group))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock] | None:
         """``num_blocks`` fresh blocks with ref_cnt 1, or None (nothing changed) if too few are free."""
@@ -103,21 +104,27 @@ class BlockPool:
         block_hashes: Sequence[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group: int = 0,
     ) -> None:
         """Register ``blocks[num_cached_blocks:num_full_blocks]`` (a request's table) under
-        ``block_hashes`` (that request's chained hashes) so other requests can hit them."""
+        ``block_hashes`` (that request's chained hashes) so other requests can hit them.
+        ``group``: the KV-cache group the table belongs to (equal tokens hold different layers'
+        K/V in each group, so group g > 0 registers under ``(hash, g)``); null entries (blocks a
+        sliding window released) are skipped."""
         if not self.enable_caching:
             return
         assert num_full_blocks <= len(blocks) and num_full_blocks <= len(block_hashes)
+        cached = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
+            key = block_hashes[i] if not group else _group_key(block_hashes[i], group)
             if block.block_hash is not None:  # a prefix hit: already registered
-                assert block.block_hash == block_hashes[i]
+                assert block.block_hash == key
                 continue
-            if block_hashes[i] in self.cached_block_hash_to_block:
-                continue  # a duplicate computed concurrently; the first copy serves hits
-            block.block_hash = block_hashes[i]
-            self.cached_block_hash_to_block[block_hashes[i]] = block
+            if block.is_null or key in cached:
+                continue  # released by a window, or a duplicate computed concurrently (the first serves hits)
+            block.block_hash = key
+            cached[key] = block
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only when no block is in use (returns False otherwise),
@@ -128,3 +135,8 @@ class BlockPool:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
         return True
+
+
+def _group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of ``block_hash`` in KV-cache group ``group`` > 0 (group 0: the hash itself)."""
+    return BlockHash(block_hash + group.to_bytes(2, "little"))

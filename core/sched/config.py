@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
+    from halserve.kv_cache.spec import KVCacheSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,8 @@ class SchedulerConfig:
     max_concurrent_batches: int = 1  # batches in flight at once (one per pipeline stage)
     enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step, never split over steps
     async_scheduling: bool = False  # step N+1 is scheduled before step N's output is back (sched/async_steps.py)
+    # each attention layer's KV-cache spec (halserve.kv_cache.spec), from the model; (): all full attention
+    kv_cache_specs: tuple[KVCacheSpec, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -42,7 +45,8 @@ class SchedulerConfig:
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, *, num_blocks: int, max_model_len: int,
-                           max_concurrent_batches: int = 1) -> SchedulerConfig:
+                           max_concurrent_batches: int = 1, kv_cache_specs: tuple[KVCacheSpec, ...] = ()
+                           ) -> SchedulerConfig:
         """``num_blocks`` comes from KV-cache sizing and ``max_model_len`` from the model
         (``config.max_model_len`` may still be None); ``max_concurrent_batches`` from the executor."""
         return cls(
@@ -57,4 +61,5 @@ class SchedulerConfig:
             max_concurrent_batches=max_concurrent_batches,
             enable_chunked_prefill=config.enable_chunked_prefill,
             async_scheduling=config.async_scheduling,
+            kv_cache_specs=kv_cache_specs,
         )

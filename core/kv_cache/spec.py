@@ -1,0 +1,112 @@
+"""What each layer keeps in the KV cache (its *spec*), and how layers are grouped over one block pool.
+
+A model declares one spec per attention layer (``Attention.kv_cache_spec``); layers with equal
+specs form groups of ``group_size`` layers, and every group gets its own block table per request
+over the one shared ``BlockPool`` (vLLM's hybrid KV-cache manager). A block id therefore names
+``group_size`` layers' worth of memory: slot j of block b is tensor j's block b, whichever group
+holds b at the moment::
+
+    Gemma 3 (5 sliding : 1 global), 12 layers -> group_size 2, 6 groups
+    tensor 0:  layer 0 (g0: sliding) layer 2 (g1)  layer 4 (g2)  ... layer 5 (g5: full)
+    tensor 1:  layer 1 (g0: sliding) layer 3 (g1)  ...               layer 11 (g5: full)
+    block b of tensor j = K/V of the layer in slot j of whichever group owns b
+
+Only the *full attention* group's blocks grow with the context; a sliding-window group keeps about
+``window / block_size + 1`` blocks per request (``SingleTypeManager.remove_skipped_blocks``), so
+long requests fit several times more often. A model with one spec has one group of all its layers:
+exactly the single block table of before.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttentionSpec:
+    """Every position's K/V for the whole request."""
+
+    kind: ClassVar[str] = "full_attention"
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens no later query of the request will read (their wholly-covered blocks are freed)."""
+        return 0
+
+    def max_num_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
+        """Most blocks one request of ``num_tokens`` tokens holds at once (chunks of at most ``max_step_tokens``)."""
+        return cdiv(num_tokens, block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindowSpec:
+    """The last ``window`` positions: the query at position p reads keys ``p - window < j <= p``."""
+
+    window: int
+    kind: ClassVar[str] = "sliding_window"
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"a sliding window must be >= 1 token, got {self.window}")
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        # the next query sits at position num_computed_tokens; it reads from num_computed - window + 1
+        return max(0, num_computed_tokens - self.window + 1)
+
+    def max_num_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
+        # a step computing positions c .. c+n-1 (n <= max_step_tokens) reads from c - window + 1:
+        # window - 1 + n positions, over at most one more block than they fill
+        live = self.window - 1 + min(max_step_tokens, num_tokens)
+        return min(cdiv(num_tokens, block_size), cdiv(live, block_size) + 1)
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+SPEC_KINDS = ("full_attention", "sliding_window")
+"""The spec kinds halserve's KV-cache manager serves (``AttentionBackend.kv_cache_spec_kinds``)."""
+
+
+def spec_for_window(sliding_window: int | None) -> KVCacheSpec:
+    """The spec of an attention layer with this window (None: full attention)."""
+    return FullAttentionSpec() if sliding_window is None else SlidingWindowSpec(sliding_window)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroup:
+    """Layers sharing a spec and one block table per request."""
+
+    spec: KVCacheSpec
+    layer_indices: tuple[int, ...]  # attention-layer indices (model order), slot j = layer_indices[j]
+
+
+def group_layers(layer_specs: list[KVCacheSpec]) -> list[KVCacheGroup]:
+    """Groups of equal-spec layers, all of one size (the tensors' count), in order of first layer.
+
+    One spec: one group of every layer (the single block table of a plain model). Several: the group
+    size is the gcd of the specs' layer counts when that keeps groups few (<= 8), else the smallest
+    count, the last group of a spec then holding fewer layers (its unused slots are memory left idle,
+    as in vLLM's padding)."""
+    if not layer_specs:
+        raise ValueError("a model with no attention layers has no KV cache to group")
+    by_spec: dict[KVCacheSpec, list[int]] = {}
+    for index, spec in enumerate(layer_specs):
+        by_spec.setdefault(spec, []).append(index)
+    if len(by_spec) == 1:
+        return [KVCacheGroup(layer_specs[0], tuple(range(len(layer_specs))))]
+    counts = [len(layers) for layers in by_spec.values()]
+    size = math.gcd(*counts)
+    if sum(count // size for count in counts) > 8:
+        size = min(counts)
+    groups = []
+    for spec, layers in by_spec.items():
+        for start in range(0, len(layers), size):
+            groups.append(KVCacheGroup(spec, tuple(layers[start:start + size])))
+    return groups
+
+
+def group_size(groups: list[KVCacheGroup]) -> int:
+    """Layers per block (the number of cache tensors)."""
+    return max(len(group.layer_indices) for group in groups)
