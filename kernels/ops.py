@@ -74,6 +74,12 @@ OPS: dict[str, OpSpec] = {
             ("n", "k", "group_size"),
         ),
         OpSpec(
+            "gguf_gemm",
+            "gguf_gemm(x[M,K], qweight[N,K/B*S] uint8, qtype, bias[N] | None) -> [M,N] (x @ W.T + bias, W the "
+            "GGUF blocks of type qtype (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) dequantized; kernels/gguf_blocks.py)",
+            ("n", "k", "qtype"),
+        ),
+        OpSpec(
             "rms_norm",
             "rms_norm(x[T,H], weight[H], eps, residual[T,H] | None) -> out[T,H], or (out, x + residual) "
             "when residual is given (the fused pre-norm residual add)",

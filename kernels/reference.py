@@ -255,6 +255,29 @@ class TorchGptqGemm(Kernel):
         return (x.float() @ w).to(x.dtype)
 
 
+class TorchGgufGemm(Kernel):
+    op = "gguf_gemm"
+    name = "torch"
+    platforms = (ANY_PLATFORM,)
+    dtypes = _FLOATS
+    description = "dequantize the GGUF blocks to float32 and matmul (reference)"
+
+    @classmethod
+    def _supports(cls, **problem) -> str | None:
+        from halserve.kernels.gguf_blocks import GGUF_BLOCKS
+
+        qtype = problem.get("qtype")
+        if qtype is not None and qtype not in GGUF_BLOCKS:
+            return f"GGUF type {qtype} is not one of {', '.join(GGUF_BLOCKS)}"
+        return None
+
+    def __call__(self, x, qweight, qtype, bias=None):
+        from halserve.kernels.gguf_blocks import dequantize
+
+        w = dequantize(qweight, qtype, x.shape[-1])  # [N, K] fp32
+        return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
 class TorchFusedMoe(Kernel):
     op = "fused_moe"
     name = "torch"
@@ -293,6 +316,7 @@ REFERENCE_KERNELS: list[type[Kernel]] = [
     TorchScaledInt8Quant,
     TorchAwqGemm,
     TorchGptqGemm,
+    TorchGgufGemm,
     TorchRmsNorm,
     TorchRotaryEmbedding,
     TorchSiluAndMul,

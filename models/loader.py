@@ -318,7 +318,8 @@ def iterate_weights(files: list[str], progress: bool | None = None) -> Iterator[
 
 
 # vLLM's names for kernels of a format, accepted for the format itself
-QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors"}
+QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors",
+                        "none": "unquantized"}
 # formats that quantize a float checkpoint at load (the others need a quantized checkpoint)
 ONLINE_QUANTIZATION = ("fp8",)
 
@@ -333,6 +334,9 @@ def get_quant_method(config: EngineConfig, info: ModelInfo, platform: Platform):
     checkpoint_method = (quant_config or {}).get("quant_method")
     checkpoint_method = QUANTIZATION_ALIASES.get(checkpoint_method, checkpoint_method)
     flag = QUANTIZATION_ALIASES.get(config.quantization, config.quantization)
+    gguf_file = getattr(info, "gguf_file", None)
+    if gguf_file is not None or flag == "gguf":
+        return _gguf_quant_method(flag, gguf_file, info, platform)
     if flag is not None and checkpoint_method is not None and flag != checkpoint_method:
         raise ValueError(f"--quantization {config.quantization} does not match the checkpoint's quantization "
                          f"{checkpoint_method!r} (config.json quantization_config); drop the flag or give "
@@ -353,6 +357,25 @@ def get_quant_method(config: EngineConfig, info: ModelInfo, platform: Platform):
     if reason is not None:
         raise ValueError(reason)
     return cls(platform.name, quant_config if checkpoint_method is not None else None)
+
+
+def _gguf_quant_method(flag: str | None, gguf_file: str | None, info: ModelInfo, platform: Platform):
+    """A GGUF checkpoint keeps its quantized linear weights in their blocks (the ``gguf`` method) unless
+    ``--quantization unquantized`` (or ``none``) asks for every tensor dequantized at load."""
+    if gguf_file is None:
+        raise ValueError("--quantization gguf needs a GGUF checkpoint (a .gguf file, or a folder holding one)")
+    if flag == "unquantized":
+        from halserve.quant_methods.unquantized import UnquantizedLinearMethod
+
+        return UnquantizedLinearMethod(platform.name)
+    if flag not in (None, "gguf"):
+        raise ValueError(f"--quantization {flag} does not apply to the GGUF checkpoint {gguf_file!r}; drop the flag "
+                         "(its blocks stay quantized: gguf) or give --quantization unquantized to dequantize at load")
+    from halserve.models.gguf import gguf_tensor_types
+    from halserve.quant_methods.gguf import GgufLinearMethod
+
+    return GgufLinearMethod(platform.name, {"quant_method": "gguf",
+                                            "tensor_types": gguf_tensor_types(gguf_file, info.hf_config)})
 
 
 def model_class(architecture: str) -> type[ModelModule]:
@@ -420,10 +443,16 @@ def load_model(config: EngineConfig, info: ModelInfo, platform: Platform, attn_b
         model = model_cls(info.hf_config, ctx)
     if getattr(config, "load_format", "auto") == "dummy":  # random weights, no checkpoint read (benchmarks)
         loaded = initialize_dummy_weights(model, config.seed)
-    elif info.gguf_file is not None:  # dequantized to info.dtype as it streams (halserve.models.gguf)
+    elif info.gguf_file is not None:  # dequantized to info.dtype as it streams, or kept in blocks (gguf method)
         from halserve.models.gguf import iterate_gguf_weights
 
-        loaded = model.load_weights(iterate_gguf_weights(info.gguf_file, info.hf_config, info.dtype, progress))
+        keep = getattr(ctx.quant_method, "quantized_names", ())
+        dequantized = getattr(ctx.quant_method, "dequantized_layers", [])
+        if dequantized:
+            logger.info("GGUF: %d linear layers have a type without a quantized kernel and are dequantized at "
+                        "load: %s%s", len(dequantized), ", ".join(dequantized[:4]), " ..." if len(dequantized) > 4 else "")
+        loaded = model.load_weights(iterate_gguf_weights(info.gguf_file, info.hf_config, info.dtype, progress,
+                                                         keep_quantized=keep))
     else:
         loaded = model.load_weights(iterate_weights(safetensors_files(info.model_path), progress))
     # a parameter marked ``optional`` (e.g. GPTQ's g_idx without act-order) may be absent

@@ -80,7 +80,9 @@ def halserve_quant_methods() -> list[type]:
     from halserve.quant_methods.awq import AwqLinearMethod
     from halserve.quant_methods.compressed_tensors import CompressedTensorsMethod
     from halserve.quant_methods.fp8 import Fp8LinearMethod
+    from halserve.quant_methods.gguf import GgufLinearMethod
     from halserve.quant_methods.gptq import GptqLinearMethod
     from halserve.quant_methods.unquantized import UnquantizedLinearMethod
 
-    return [UnquantizedLinearMethod, GptqLinearMethod, AwqLinearMethod, CompressedTensorsMethod, Fp8LinearMethod]
+    return [UnquantizedLinearMethod, GptqLinearMethod, AwqLinearMethod, CompressedTensorsMethod, Fp8LinearMethod,
+            GgufLinearMethod]

@@ -4,7 +4,8 @@
     open_gguf(path)                   read + validate: architecture, tensor types, truncation
     load_gguf_config(path, ...)       transformers config from the metadata (or --hf-config-path)
     load_gguf_tokenizer(path)         tokenizer + chat template from the metadata
-    iterate_gguf_weights(path, ...)   (HF name, tensor) pairs, dequantized to the model dtype
+    gguf_tensor_types(path, config)   {HF weight name: GGUF type} (what the gguf quantization method reads)
+    iterate_gguf_weights(path, ...)   (HF name, tensor) pairs, dequantized to the model dtype or kept as blocks
 """
 from halserve.models.gguf.files import find_gguf_file, gguf_shards
 from halserve.models.gguf.reader import (
@@ -15,13 +16,14 @@ from halserve.models.gguf.reader import (
     open_gguf,
     supported_tensor_types,
 )
-from halserve.models.gguf.weights import iterate_gguf_weights
+from halserve.models.gguf.weights import gguf_tensor_types, iterate_gguf_weights
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "GGUFCheckpoint",
     "find_gguf_file",
     "gguf_shards",
+    "gguf_tensor_types",
     "iterate_gguf_weights",
     "load_gguf_config",
     "load_gguf_tokenizer",

@@ -7,12 +7,14 @@ model built on the meta device) and its per-architecture tensor processors undo 
 reuses them rather than keeping a second copy.
 
 Each tensor is dequantized (``gguf.quants.dequantize``) to float32 and cast to the model dtype as
-it streams; keeping the blocks quantized with native kernels is not supported yet.
+it streams, except those named in ``keep_quantized`` (the linear layers of the ``gguf`` quantization
+method, quant_methods/gguf.py): those come as the file's raw blocks, ``uint8 [rows, row bytes]``, with
+transformers' row permutations applied to the block rows (a row of blocks is a row of values).
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -38,18 +40,30 @@ def gguf_to_hf_names(architecture: str, hf_config: Any) -> tuple[dict[str, str],
     return names, processor
 
 
-def iterate_gguf_weights(path: str, hf_config: Any, dtype: torch.dtype,
-                         progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_tensor_types(path: str, hf_config: Any) -> dict[str, str]:
+    """``{HF weight name: GGUF type name}`` of every tensor of the checkpoint ``path`` that has an HF name."""
+    checkpoint = open_gguf(path)
+    names, _ = gguf_to_hf_names(checkpoint.architecture, hf_config)
+    return {names[t.name]: t.tensor_type.name for reader in checkpoint.readers for t in reader.tensors
+            if t.name in names}
+
+
+def iterate_gguf_weights(path: str, hf_config: Any, dtype: torch.dtype, progress: bool | None = None,
+                         keep_quantized: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream ``(HF name, tensor in dtype)`` pairs of the GGUF checkpoint ``path``, tensor by tensor.
     llama.cpp's precomputed RoPE factors are skipped; any other tensor without an HF counterpart is a
-    ``ValueError`` before anything is read (a config that does not describe the file)."""
+    ``ValueError`` before anything is read (a config that does not describe the file). Tensors whose HF
+    name is in ``keep_quantized`` come as their raw blocks (uint8), not dequantized."""
     import numpy as np
     from gguf import dequantize
 
     checkpoint = open_gguf(path)
     names, processor = gguf_to_hf_names(checkpoint.architecture, hf_config)
-    logger.info("loading GGUF %s: weights dequantized to %s at load (keeping them quantized with native "
-                "GGUF kernels is not supported yet)", checkpoint.describe(), str(dtype).replace("torch.", ""))
+    keep_quantized = set(keep_quantized)
+    logger.info("loading GGUF %s: %s", checkpoint.describe(),
+                f"{len(keep_quantized)} linear weights kept in their GGUF blocks, the rest dequantized to "
+                f"{str(dtype).replace('torch.', '')}" if keep_quantized else
+                f"weights dequantized to {str(dtype).replace('torch.', '')} at load")
     tensors = [t for reader in checkpoint.readers for t in reader.tensors if t.name not in DERIVED_TENSORS]
     unknown = [t.name for t in tensors if t.name not in names]
     if unknown:
@@ -65,7 +79,9 @@ def iterate_gguf_weights(path: str, hf_config: Any, dtype: torch.dtype,
     parsed = {"config": hf_config.to_dict()}  # (what transformers' processors may consult)
     try:
         for tensor in tensors:
-            values = dequantize(tensor.data, tensor.tensor_type)  # float32, [rows, cols] in torch order
+            raw = tensor.name in names and names[tensor.name] in keep_quantized
+            # float32 [rows, cols] in torch order, or the raw blocks uint8 [rows, row bytes]
+            values = tensor.data if raw else dequantize(tensor.data, tensor.tensor_type)
             result = processor.process(weights=values, name=tensor.name, tensor_key_mapping=names,
                                        parsed_parameters=parsed)
             if bar is not None:
@@ -73,7 +89,7 @@ def iterate_gguf_weights(path: str, hf_config: Any, dtype: torch.dtype,
             hf_name = names[result.name]
             # the memory-mapped F32 tensors are read-only: copy those (dequantized ones are fresh arrays)
             values = np.require(result.weights, requirements=["C", "W"])
-            yield hf_name, torch.from_numpy(values).to(dtype)
+            yield hf_name, torch.from_numpy(values) if raw else torch.from_numpy(values).to(dtype)
     finally:
         if bar is not None:
             bar.close()
