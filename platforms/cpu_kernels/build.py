@@ -1,4 +1,5 @@
-"""Build (once per machine) and load the cpu platform's C++ extensions, safely across processes.
+"""Build (once per machine and source version) and load the cpu platform's C++ extensions, safely
+across processes, with progress while a build runs.
 
 ``torch.utils.cpp_extension.load`` guards its build directory with a lock *file* that it creates and
 deletes itself: a process killed mid-build (a timed-out test, a Ctrl-C'd server) leaves it behind and
@@ -7,14 +8,22 @@ also rebuild over each other. So each extension builds in a directory of its own
 its sources, the headers beside them, the flags, torch's version and this CPU (``-march=native``) names
 it. Processes take turns through ``flock`` on a lock that the OS releases when its holder dies; whoever
 holds it clears a stale torch lock before building.
+
+A build takes tens of seconds to minutes on a small machine, so while one runs a thread logs which
+library, how many of its sources are compiled (ninja writes one ``.o`` per source), the time so far
+and what is left of the estimate: this machine's last build of that library (``build_times.json`` in
+the cache), else the figure measured on a 2-core machine that the library's entry in ``__init__.py``
+ships. A build already in the cache is loaded, and logged as such, in well under a second.
 """
 from __future__ import annotations
 
 import fcntl
 import glob
 import hashlib
+import json
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -24,11 +33,14 @@ logger = logging.getLogger(__name__)
 HERE = os.path.dirname(os.path.abspath(__file__))
 CFLAGS = ("-O3", "-march=native", "-fopenmp")  # -fopenmp: at::parallel_for's pragmas need it
 LDFLAGS = ("-fopenmp",)
+CACHE_ENV = "HALSERVE_KERNEL_CACHE"
+PROGRESS_EVERY_S = 10.0  # seconds between progress lines while a build runs
 
 
 def extensions_root() -> str:
-    """Where builds are cached: ``$TORCH_EXTENSIONS_DIR`` if set, else ``~/.cache/halserve/cpu_kernels``."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    """Where builds are cached: ``$HALSERVE_KERNEL_CACHE``, else ``$TORCH_EXTENSIONS_DIR``, else
+    ``~/.cache/halserve/cpu_kernels`` (point it at an empty folder to see what a first start costs)."""
+    root = os.environ.get(CACHE_ENV) or os.environ.get("TORCH_EXTENSIONS_DIR")
     if not root:
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(cache, "halserve", "cpu_kernels")
@@ -45,40 +57,145 @@ def _cpu_identity() -> bytes:
         return b""
 
 
-def build_key(sources: list[str]) -> str:
+def build_key(sources: list[str], defines: tuple[str, ...] = ()) -> str:
     """A hash of everything the build's output depends on."""
     digest = hashlib.sha256()
     for path in sorted(set(sources) | set(glob.glob(os.path.join(HERE, "*.h")))):
         digest.update(os.path.basename(path).encode())
         with open(path, "rb") as f:
             digest.update(f.read())
-    digest.update(repr((CFLAGS, LDFLAGS, torch.__version__)).encode())
+    flags = (CFLAGS, LDFLAGS, torch.__version__) + ((tuple(defines),) if defines else ())
+    digest.update(repr(flags).encode())
     digest.update(_cpu_identity())
     return digest.hexdigest()[:16]
 
 
-def build_and_load(name: str, sources: list[str], *, is_python_module: bool = True):
+def build_directory(name: str, sources: list[str], defines: tuple[str, ...] = ()) -> str:
+    return os.path.join(extensions_root(), f"{name}_{build_key(sources, defines)}")
+
+
+def is_built(directory: str, name: str) -> bool:
+    """Whether ``directory`` holds a finished build of ``name`` (ninja writes the library last)."""
+    return os.path.isfile(os.path.join(directory, f"{name}.so")) and not os.path.exists(
+        os.path.join(directory, "lock"))
+
+
+def _times_path() -> str:
+    return os.path.join(extensions_root(), "build_times.json")
+
+
+def recorded_build_seconds(name: str) -> float | None:
+    """How long this machine's last build of ``name`` took (any source version), or None."""
+    try:
+        with open(_times_path()) as f:
+            value = json.load(f).get(name)
+        return float(value) if value is not None else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def _record_build_seconds(name: str, seconds: float) -> None:
+    path = _times_path()
+    try:
+        with open(path) as f:
+            times = json.load(f)
+        if not isinstance(times, dict):
+            times = {}
+    except (OSError, ValueError):
+        times = {}
+    times[name] = round(seconds, 1)
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(times, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
+    except OSError:
+        pass  # the estimate is a nicety; a read-only cache must not fail the build
+
+
+def _object_name(source: str) -> str:
+    return os.path.splitext(os.path.basename(source))[0] + ".o"  # how torch's build.ninja names objects
+
+
+def progress_line(label: str, directory: str, sources: list[str], started: float, estimate_s: float | None) -> str:
+    """One progress report: ``label``, sources compiled so far (their ``.o`` in ``directory``), the time so
+    far, and what is left of ``estimate_s``."""
+    done = sum(os.path.isfile(os.path.join(directory, _object_name(s))) for s in sources)
+    elapsed = time.monotonic() - started
+    if estimate_s is None:
+        left = "no estimate yet"
+    elif elapsed <= estimate_s:
+        left = f"about {estimate_s - elapsed:.0f} s left of ~{estimate_s:.0f} s"
+    else:
+        left = f"past the ~{estimate_s:.0f} s estimate"
+    return f"building {label}: {done} of {len(sources)} sources compiled, {elapsed:.0f} s elapsed, {left}"
+
+
+class _Progress:
+    """Logs ``progress_line`` every ``PROGRESS_EVERY_S`` seconds from a daemon thread until stopped."""
+
+    def __init__(self, label: str, directory: str, sources: list[str], estimate_s: float | None) -> None:
+        self.args = (label, directory, sources, time.monotonic(), estimate_s)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"progress-{label}", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(PROGRESS_EVERY_S):
+            logger.info(progress_line(*self.args))
+
+    def __enter__(self) -> _Progress:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def build_and_load(name: str, sources: list[str], *, is_python_module: bool = True, defines: tuple[str, ...] = (),
+                   label: str | None = None, estimate_s: float | None = None):
     """``torch.utils.cpp_extension.load`` of ``sources`` as ``name``, in this input's own directory, one
-    process at a time; returns what ``load`` does (the module, or its path when not a Python module)."""
+    process at a time; returns what ``load`` does (the module, or its path when not a Python module).
+
+    ``defines`` are ``-D`` flags (part of the cache key); ``label`` names the build in logs (default
+    ``name``); ``estimate_s`` is the expected build time where this machine has built ``name`` never before.
+    """
     from torch.utils.cpp_extension import load as load_ext
 
-    directory = os.path.join(extensions_root(), f"{name}_{build_key(sources)}")
+    label = label or name
+    directory = build_directory(name, sources, defines)
     os.makedirs(directory, exist_ok=True)
+    cflags = [*CFLAGS, *(f"-D{d}" for d in defines)]
     with open(directory + ".flock", "a+") as guard:
         try:
             fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.info("waiting for another process that is building %s", name)
+            logger.info("waiting for another process that is building %s", label)
             started = time.monotonic()
             fcntl.flock(guard, fcntl.LOCK_EX)
-            logger.info("%s was built by another process (waited %.0f s)", name, time.monotonic() - started)
+            logger.info("%s was built by another process (waited %.0f s)", label, time.monotonic() - started)
         try:
             stale = os.path.join(directory, "lock")
             if os.path.exists(stale):  # left by a process killed mid-build: nobody else can hold it now
                 logger.warning("removing a stale build lock left by a killed process: %s", stale)
                 os.remove(stale)
-            return load_ext(name=name, sources=sources, build_directory=directory,
-                            extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                            is_python_module=is_python_module, verbose=False)
+            started = time.monotonic()
+            if is_built(directory, name):
+                result = load_ext(name=name, sources=sources, build_directory=directory, extra_cflags=cflags,
+                                  extra_ldflags=list(LDFLAGS), is_python_module=is_python_module, verbose=False)
+                logger.info("using cached build of %s (%s, loaded in %.1f s)", label, directory,
+                            time.monotonic() - started)
+                return result
+            estimate = recorded_build_seconds(name) or estimate_s
+            logger.info("building %s: %d sources (%s), once per machine and source version%s; cached in %s",
+                        label, len(sources), ", ".join(os.path.basename(s) for s in sources),
+                        f", about {estimate:.0f} s" if estimate else "", directory)
+            with _Progress(label, directory, sources, estimate):
+                result = load_ext(name=name, sources=sources, build_directory=directory, extra_cflags=cflags,
+                                  extra_ldflags=list(LDFLAGS), is_python_module=is_python_module, verbose=False)
+            seconds = time.monotonic() - started
+            _record_build_seconds(name, seconds)
+            logger.info("built %s in %.0f s", label, seconds)
+            return result
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)

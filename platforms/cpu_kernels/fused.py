@@ -20,7 +20,7 @@ def _module():
 
     module = cpu_kernels.load()
     if module is None:
-        raise RuntimeError(f"the cpu platform's native kernels could not be built: {cpu_kernels.load_error()}")
+        raise RuntimeError(f"the cpu platform's native kernels could not be built: {cpu_kernels.load_error('core')}")
     return module
 
 
@@ -89,7 +89,7 @@ class CpuScaledInt8Quant(_NativeKernel):
 
     def __init__(self) -> None:
         super().__init__()
-        # a TORCH_LIBRARY op of the extension, registered when _module() loaded it
+        # a TORCH_LIBRARY op of the core library, registered when _module() loaded it
         self.quant = torch.ops.halserve_cpu.scaled_int8_quant
 
     def __call__(self, x, scale=None):

@@ -46,6 +46,7 @@ def pack_fp8(b: torch.Tensor) -> NativeFp8Weight:
 
 
 class _NativeFp8Gemm(PanelKernel):
+    library = "fp8"
     priority = 10
     dtypes = FP8_DTYPES
 
@@ -119,9 +120,10 @@ class _NativeFp8Quant(Kernel):
         return toolchain_missing()
 
     def __init__(self) -> None:
-        from halserve.platforms.cpu_kernels.fused import _module
+        from halserve.platforms import cpu_kernels
 
-        _module()  # builds the extension, which registers torch.ops.halserve_cpu.fp8_quant
+        if cpu_kernels.load_library("fp8") is None:  # builds it once; it registers torch.ops.halserve_cpu.fp8_quant
+            raise RuntimeError(f"{self.op}/cpu_native: {cpu_kernels.load_error('fp8')}")
 
     @staticmethod
     def quantize(x: torch.Tensor, fp8_dtype, scale: torch.Tensor | None, group: int):

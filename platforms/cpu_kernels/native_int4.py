@@ -70,6 +70,7 @@ def repack_native(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_
 
 
 class _NativeInt4Gemm(PanelKernel):
+    library = "int4"
     priority = 9  # above torch_int4pack (8); below IPEX's 4-bit kernels (10), which compute float32 exactly
     dtypes = ("float32", "float16", "bfloat16")
     prepared_type = NativeInt4Weight

@@ -20,14 +20,12 @@ this kernel 0.079 / 0.046 / 0.264 / 0.106, ``onednn_int8`` 0.128 / 0.086 / 0.374
 768 x 4096: 3.3 ms, against 5.6 / 14.4 / 5.3. W1-w8a8 end to end in bfloat16 (``halserve bench
 throughput``): 1161 -> 1665 output tok/s (``torch_int_mm`` -> this kernel, medians of three).
 
-``load_int8_ops()`` builds ``int8_gemm.cpp`` as its own small extension (``torch.ops.halserve_cpu_int8``),
-apart from the platform's main one.
+``load_int8_ops()`` builds ``int8_gemm.cpp`` as its own small library (``torch.ops.halserve_cpu_int8``),
+apart from the platform's others.
 """
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -40,31 +38,15 @@ logger = logging.getLogger(__name__)
 BLOCK_K = 64  # k per block: an int8 AMX tile row holds 16 columns x 4 k
 PANEL_N = 32  # columns per panel: two 16-column tiles
 
-_lock = threading.Lock()
-_loaded = False
-_load_error: str | None = None
-
 
 def load_int8_ops() -> str | None:
-    """Build int8_gemm.cpp once per machine (cached by ``build.py``), registering
-    ``torch.ops.halserve_cpu_int8``; None when its ops are there, else why not (logged once)."""
-    global _loaded, _load_error
-    with _lock:
-        if _loaded or _load_error is not None:
-            return _load_error
-        from halserve.platforms.cpu_kernels import toolchain_missing
+    """Build int8_gemm.cpp once per machine (the ``int8`` library of ``cpu_kernels.LIBRARIES``, cached by
+    ``build.py``), registering ``torch.ops.halserve_cpu_int8``; None when its ops are there, else why not
+    (logged once)."""
+    from halserve.platforms import cpu_kernels
 
-        _load_error = toolchain_missing()
-        if _load_error is None:
-            try:
-                from halserve.platforms.cpu_kernels.build import HERE, build_and_load
-
-                build_and_load("halserve_cpu_int8_gemm", [os.path.join(HERE, "int8_gemm.cpp")], is_python_module=False)
-                _loaded = True
-            except Exception as exc:  # noqa: BLE001 - the kernels that need it decline, loudly
-                _load_error = f"building int8_gemm.cpp failed: {type(exc).__name__}: {exc}"
-                logger.warning(_load_error)
-    return _load_error
+    cpu_kernels.load_library("int8")
+    return cpu_kernels.load_error("int8")
 
 
 @dataclass(frozen=True, slots=True)

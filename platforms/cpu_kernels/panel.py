@@ -1,6 +1,6 @@
 """What the cpu platform's native panel-GEMM kernels share (``native_int4.py``, ``native_fp8.py``; C++ in
 ``panel_gemm.h``): the check that this CPU can run them, and the build of the extension that registers
-their ``torch.ops.halserve_cpu`` ops."""
+their ``torch.ops.halserve_cpu`` ops (a library per weight format: ``library``)."""
 from __future__ import annotations
 
 import functools
@@ -29,6 +29,7 @@ class PanelKernel(Kernel):
 
     name = "cpu_native"
     platforms = ("cpu",)
+    library = ""  # the native library (cpu_kernels.LIBRARIES) holding this kernel's op: "int4", "fp8"
 
     @classmethod
     def _supports(cls, **problem) -> str | None:
@@ -39,10 +40,12 @@ class PanelKernel(Kernel):
         return toolchain_missing()
 
     def __init__(self) -> None:
-        from halserve.platforms.cpu_kernels.fused import _module
+        from halserve.platforms import cpu_kernels
 
-        _module()  # builds the extension, which registers the torch.ops.halserve_cpu ops
-        self.isa = torch.ops.halserve_cpu.panel_gemm_isa()  # "amx" | "avx512_bf16" (tests may force the latter)
+        if cpu_kernels.load_library(self.library) is None:  # builds it once; it registers the ops
+            raise RuntimeError(f"{self.op}/cpu_native: {cpu_kernels.load_error(self.library)}")
+        # "amx" | "avx512_bf16" (tests may force the latter); each library names its copy of the query
+        self.isa = getattr(torch.ops.halserve_cpu, f"{self.library}_panel_gemm_isa")()
         if not self.isa:
             raise RuntimeError(f"halserve's native CPU kernels were built without AVX512-BF16 (-march=native on a "
                                f"CPU without it): {self.op}/cpu_native cannot run here")

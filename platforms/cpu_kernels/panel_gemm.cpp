@@ -87,6 +87,15 @@ XRows prepare_x(const at::Tensor& x, const int64_t* src, int64_t Kp, bool use_am
 
 }  // namespace halserve_panel
 
+// This file is compiled into each library whose GEMM runs on the panel (__init__.py's LIBRARIES: int4,
+// fp8), and an op may be registered once per process: each library names its ISA query through
+// -DHALSERVE_PANEL_ISA_OP (torch.ops.halserve_cpu.int4_panel_gemm_isa, ...).
+#ifndef HALSERVE_PANEL_ISA_OP
+#define HALSERVE_PANEL_ISA_OP panel_gemm_isa
+#endif
+#define HALSERVE_PANEL_STR2(x) #x
+#define HALSERVE_PANEL_STR(x) HALSERVE_PANEL_STR2(x)
+
 TORCH_LIBRARY_FRAGMENT(halserve_cpu, m) {
-  m.def("panel_gemm_isa() -> str", &halserve_panel::panel_gemm_isa);
+  m.def(HALSERVE_PANEL_STR(HALSERVE_PANEL_ISA_OP) "() -> str", &halserve_panel::panel_gemm_isa);
 }
