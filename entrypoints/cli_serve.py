@@ -151,8 +151,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--tool-call-parser",
     )
     g.add_argument(
-        "--tool-call-parser", default=None, choices=["hermes"],
-        help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3)",
+        "--tool-call-parser", default=None, metavar="NAME",
+        help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3), "
+        "llama3_json (Llama 3.1-3.3), mistral ([TOOL_CALLS]), pythonic ([f(x=1)]: Llama 3.2/4), qwen3_coder "
+        "(<function=f><parameter=x>: Qwen3-Coder), deepseek_v3 (DeepSeek-V3/R1/V3.1), or one a plugin adds",
+    )
+    g.add_argument(
+        "--tool-parser-plugin", default=None, metavar="FILE",
+        help="a Python file that registers tool-call parsers (@register_tool_parser on a "
+        "halserve.entrypoints.openai.tool_parsers.ToolParser subclass), for --tool-call-parser",
     )
     g.add_argument(
         "--max-request-body-size", type=parse_bytes, default=32 * 2**20, metavar="BYTES",
@@ -176,9 +183,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="override the checkpoint's image-processor settings, e.g. '{\"max_pixels\": 802816}' (Qwen2-VL)",
     )
     g.add_argument(
-        "--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+        "--reasoning-parser", default=None, metavar="NAME",
         help="a thinking model's <think>...</think> goes to the chat message's 'reasoning' field: deepseek_r1 "
-        "(DeepSeek-R1, QwQ: always thinks), qwen3 (Qwen3: thinks unless enable_thinking is false)",
+        "(DeepSeek-R1, QwQ: always thinks), qwen3 (Qwen3: thinks unless enable_thinking is false), or one a "
+        "plugin adds (halserve_reasoning_parsers)",
     )
     g.add_argument(
         "--enable-prompt-tokens-details", action="store_true",
@@ -479,9 +487,36 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[str], str, str | None]:
         problems.append(f"{flag} needs --enable-lora")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         problems.append("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
+    problems.extend(check_tool_parser_flags(args))
     if problems:
         raise StartupError("unsupported flags:\n  " + "\n  ".join(problems), EXIT_USAGE)
     return config, served, model, chat_template
+
+
+def check_tool_parser_flags(args: argparse.Namespace) -> list[str]:
+    """Load --tool-parser-plugin (once per process) and check that --tool-call-parser and
+    --reasoning-parser name parsers: the problems found."""
+    from halserve.entrypoints.openai.tool_parsers import get_tool_parser, load_tool_parser_plugin
+
+    if args.tool_parser_plugin is not None:
+        try:
+            load_tool_parser_plugin(args.tool_parser_plugin)
+        except ValueError as exc:
+            return [str(exc)]
+    problems = []
+    if args.tool_call_parser is not None:
+        try:
+            get_tool_parser(args.tool_call_parser)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"--tool-call-parser: {exc}")
+    if args.reasoning_parser is not None:
+        from halserve.entrypoints.openai.reasoning import get_reasoning_parser
+
+        try:
+            get_reasoning_parser(args.reasoning_parser)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"--reasoning-parser: {exc}")
+    return problems
 
 
 def run(args: argparse.Namespace) -> int:
@@ -543,6 +578,7 @@ def serve_http(args: argparse.Namespace, engine: AsyncLLM, served: list[str], mo
 
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    check_tool_parser_flags(args)  # (an API server process of --api-server-count loads the plugin file too)
     metrics = ServerMetrics(served[0], engine.get_stats, prefix=args.metrics_prefix)
     engine.stat_observers.append(metrics)
     serving = OpenAIServing(

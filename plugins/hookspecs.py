@@ -100,3 +100,23 @@ def halserve_update_config(config: EngineConfig, platform: str) -> None:
     platform's own ``check_and_update_config``. Must be idempotent: calling it twice
     leaves the same config as calling it once.
     """
+
+
+@hookspec
+def halserve_tool_parsers() -> list[type]:
+    """Return ``halserve.entrypoints.openai.tool_parsers.ToolParser`` subclasses, keyed by their
+    ``name`` (what ``--tool-call-parser`` takes): formats in which a model writes tool calls.
+
+    Called when the server looks a parser name up (start-up, and ``--tool-call-parser``'s error
+    lists every name). A class that is no ``ToolParser`` subclass, has no ``name`` or does not
+    implement ``scan`` is an error naming this plugin. (A single file can do the same without
+    packaging: ``halserve serve --tool-parser-plugin FILE``.)
+    """
+
+
+@hookspec
+def halserve_reasoning_parsers() -> dict[str, object]:
+    """Return ``{name: parser}`` for ``--reasoning-parser``: objects with the methods of
+    ``halserve.entrypoints.openai.reasoning.ThinkTagParser`` (``reply_start(prompt)`` and
+    ``split(text, start, final, exact)``), e.g. ``ThinkTagParser(ReplyStart.MAYBE, "<reason>",
+    "</reason>")`` for a model with other tags. Called when the server looks a name up."""

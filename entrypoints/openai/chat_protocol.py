@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_serializer, model_validator
 
 from halserve.entrypoints.openai.constraints import named_tool, template_tool_call
 from halserve.entrypoints.openai.protocol import (
@@ -265,8 +265,28 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM extra: when the request set prompt_logprobs
 
 
-class DeltaToolCall(ToolCall):
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # on a call's first delta only
+    arguments: str | None = None  # text to append to the call's arguments
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """One streamed piece of a call, as OpenAI streams them: the first has the call's ``id``,
+    ``type`` and ``function.name``; the next ones add to ``function.arguments`` (fields that
+    are not set are left out of the JSON)."""
+
     index: int  # which call of the message
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall = Field(default_factory=DeltaFunctionCall)
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class DeltaMessage(BaseModel):

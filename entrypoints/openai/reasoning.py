@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 
 class ReplyStart(Enum):
@@ -73,3 +74,48 @@ REASONING_PARSERS: dict[str, ThinkTagParser] = {
     "deepseek_r1": ThinkTagParser(ReplyStart.REASONING),
     "qwen3": ThinkTagParser(ReplyStart.MAYBE),
 }
+
+
+def _plugin_reasoning_parsers() -> dict[str, tuple[Any, str]]:
+    """The parsers of loaded plugins (their ``halserve_reasoning_parsers``), checked."""
+    from halserve.plugins import get_plugin_manager
+
+    manager = get_plugin_manager()
+    found: dict[str, tuple[Any, str]] = {}
+    for record in manager.records:
+        if record.status != "loaded" or not manager.implements(record.name, "halserve_reasoning_parsers"):
+            continue
+        for result in manager.call_plugin_hook(record.name, "halserve_reasoning_parsers"):
+            if not isinstance(result, dict):
+                raise TypeError(f"halserve_reasoning_parsers of plugin {record.name!r} must return a dict "
+                                f"{{name: parser}}, got {type(result).__name__}")
+            for name, parser in result.items():
+                missing = [m for m in ("reply_start", "split") if not callable(getattr(parser, m, None))]
+                if missing:
+                    raise TypeError(f"plugin {record.name!r}: reasoning parser {name!r} has no "
+                                    f"{' or '.join(missing)} method (see ThinkTagParser)")
+                if name in REASONING_PARSERS or name in found:
+                    raise TypeError(f"plugin {record.name!r}: reasoning parser {name!r} is already registered "
+                                    f"by {found[name][1] if name in found else 'halserve (built-in)'}")
+                found[name] = (parser, f"plugin {record.name!r}")
+    return found
+
+
+def reasoning_parser_names() -> list[str]:
+    """Every name ``--reasoning-parser`` takes, sorted."""
+    try:
+        plugins = _plugin_reasoning_parsers()
+    except TypeError:
+        plugins = {}
+    return sorted({*REASONING_PARSERS, *plugins})
+
+
+def get_reasoning_parser(name: str) -> Any:
+    """The reasoning parser ``name`` means (built-in or a plugin's); ``ValueError`` listing the
+    names when there is none."""
+    if name in REASONING_PARSERS:
+        return REASONING_PARSERS[name]
+    plugins = _plugin_reasoning_parsers()
+    if name in plugins:
+        return plugins[name][0]
+    raise ValueError(f"unknown reasoning parser {name!r}; the parsers are: {', '.join(reasoning_parser_names())}")

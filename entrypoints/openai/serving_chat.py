@@ -20,6 +20,7 @@ from halserve.entrypoints.openai.chat_protocol import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
+    DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     ToolCall,
@@ -41,7 +42,7 @@ from halserve.entrypoints.openai.serving_engine import (
     sendable_end,
     sse_event,
 )
-from halserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from halserve.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.async_llm import RequestStream
@@ -107,6 +108,12 @@ async def load_images(urls: list[str], allowed_local_media_path: str | None, lim
 class OpenAIServingChat:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
+
+    def tool_parser(self, req: ChatCompletionRequest) -> ToolParser:
+        """A parser of the server's --tool-call-parser format for one reply to ``req``."""
+        assert self.serving.tool_parser is not None
+        schemas = {tool.function.name: tool.function.parameters for tool in req.tools or ()}
+        return get_tool_parser(self.serving.tool_parser)(schemas, None if req.parallel_tool_calls else 1)
 
     async def render(self, req: ChatCompletionRequest) -> tuple[str, list[int] | dict[str, Any]]:
         """``(prompt text, engine prompt)``: the template's token ids, or with images
@@ -176,8 +183,7 @@ class OpenAIServingChat:
             except ValueError:
                 pass
         elif req.auto_tools:
-            names = {tool.function.name for tool in req.tools or ()}
-            text, calls = TOOL_PARSERS[self.serving.tool_parser](text, names, None if req.parallel_tool_calls else 1)
+            text, calls = self.tool_parser(req).parse(text)
         tool_calls = [ToolCall(function=ToolCallFunction(name=name, arguments=args)) for name, args in calls]
         if tool_calls and finish == "stop" and not named:
             finish = "tool_calls"  # (OpenAI says "stop" for a named function it was told to call)
@@ -217,6 +223,8 @@ class OpenAIServingChat:
                 "tool_choice to 'required' or a named function (the call is generated to the tool's JSON schema)",
                 param="tool_choice",
             )
+        if req.auto_tools and req.skip_special_tokens is None and get_tool_parser(serving.tool_parser).needs_special_tokens:
+            req.skip_special_tokens = False  # (the format's markers are special tokens: keep them in the text)
         params = serving.sampling_params(req.sampling_kwargs())
         prompt_text, prompt = await self.render(req)
         start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
@@ -281,7 +289,9 @@ class OpenAIServingChat:
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
         usage = UsageInfo()
-        tools = req.auto_tools or req.calls_tools
+        # tool_choice 'auto': the parser streams each call's name, then its arguments, as they
+        # are written; forced calls are known once the reply is whole (one delta at the end)
+        tool_parsers: dict[int, ToolParser] = {}
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
             return sse_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices))
@@ -298,8 +308,7 @@ class OpenAIServingChat:
                         sent_text[o.index] = 0
                         announce = DeltaMessage(role="assistant", content="")
                         yield chunk([ChatCompletionStreamChoice(index=o.index, delta=announce)])
-                    if tools:
-                        # calls are known once the reply is whole: it comes in one delta at the end
+                    if req.calls_tools:
                         if o.finish_reason is not None:
                             finished.add(o.index)
                             choices.append(self._whole_reply(req, o, start, top_n, decode))
@@ -316,8 +325,20 @@ class OpenAIServingChat:
                         sent_parts[o.index] = (sent_r + len(thought), sent_c + len(delta))
                         if not req.include_reasoning:
                             thought = ""
+                    calls: list[DeltaToolCall] = []
+                    finish_reason = o.finish_reason
+                    if req.auto_tools:
+                        tool_parser = tool_parsers.setdefault(o.index, self.tool_parser(req))
+                        content = o.text[:end] if start is None else (content or "")
+                        found = tool_parser.stream(content, final)
+                        delta = found.content
+                        calls = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.id else None,
+                                               function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                                 for c in found.calls]
+                        if final and finish_reason == "stop" and tool_parser.num_streamed_calls:
+                            finish_reason = "tool_calls"
                     new_tokens = len(o.token_ids) > start_tok
-                    if not (delta or thought or final or (new_tokens and req.logprobs)):
+                    if not (delta or thought or calls or final or (new_tokens and req.logprobs)):
                         continue
                     sent_text[o.index] = end
                     sent_tokens[o.index] = len(o.token_ids)
@@ -326,10 +347,11 @@ class OpenAIServingChat:
                     choices.append(
                         ChatCompletionStreamChoice(
                             index=o.index,
-                            delta=DeltaMessage(content=delta if delta or not thought else None,
-                                               reasoning=thought or None, reasoning_content=thought or None),
+                            delta=DeltaMessage(content=delta if delta or not (thought or calls) else None,
+                                               reasoning=thought or None, reasoning_content=thought or None,
+                                               tool_calls=calls),
                             logprobs=chat_logprobs(o, start_tok, top_n, decode) if req.logprobs else None,
-                            finish_reason=o.finish_reason,
+                            finish_reason=finish_reason,
                             stop_reason=o.stop_reason,
                         )
                     )

@@ -15,7 +15,7 @@ from fastapi import Request
 
 from halserve.engine.async_llm import EngineDeadError, RequestStream
 from halserve.entrypoints.openai.errors import BadRequestError, NotFoundError, OpenAIError
-from halserve.entrypoints.openai.reasoning import REASONING_PARSERS
+from halserve.entrypoints.openai.reasoning import get_reasoning_parser
 from halserve.entrypoints.openai.serving_lora import LoRAModules
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,7 +70,7 @@ class OpenAIServing:
         # usage reports prompt_tokens_details.cached_tokens (prefix cache and KV connector hits), vLLM's flag
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.tokenizer = engine.tokenizer
-        self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         # the token ids of its tags: a constrained reply's grammar starts after the end tag's
         self.reasoning_start_ids, self.reasoning_end_ids = (
             [self.tokenizer.encode(tag, add_special_tokens=False) for tag in (parser.start_tag, parser.end_tag)]

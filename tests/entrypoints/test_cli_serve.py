@@ -49,7 +49,10 @@ def test_unavailable_platform_fails_fast_with_the_probe_reason(checkpoint):
         (["--chat-template", "{{ bad jinja {% for %}"], "not a valid Jinja template: expected token"),
         (["--kv-cache-memory", "lots"], "invalid size"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
-        (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
+        (["--tool-call-parser", "nope"], "unknown tool-call parser 'nope'; the parsers are: deepseek_v3, hermes, "
+                                         "llama3_json, mistral, pythonic, qwen3_coder"),
+        (["--tool-parser-plugin", "/no/such/parsers.py"], "--tool-parser-plugin /no/such/parsers.py: no such file"),
+        (["--reasoning-parser", "nope"], "unknown reasoning parser 'nope'; the parsers are: deepseek_r1, qwen3"),
         (["--pooler-config", '{"pooling_type": "MAX"}'], "pooling_type must be one of LAST, MEAN, CLS, got 'MAX'"),
         (["--override-pooler-config", '{"normalize": 1}'], "normalize must be true or false, got 1"),
         (["--pooler-config", '{"pooling": "MEAN"}'], "has no field 'pooling'; its fields are pooling_type, normalize"),

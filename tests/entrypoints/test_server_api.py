@@ -296,13 +296,14 @@ def test_auto_tool_choice_parses_the_models_calls(client):
     plain = client.chat.completions.create(extra_body={"guided_choice": ["no tools needed"]}, **chat).choices[0]
     assert plain.message.content == "no tools needed" and not plain.message.tool_calls
     assert plain.finish_reason == "stop"
-    # streamed: the role, then the whole reply (text and calls) in the last delta
+    # streamed: the text as content, then the call's id and name, then its arguments as they are written
     chunks = list(client.chat.completions.create(stream=True, extra_body={"guided_choice": [written]}, **chat))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant" and chunks[-1].choices[0].finish_reason == "tool_calls"
-    (streamed,) = [call for d in deltas for call in d.tool_calls or []]
-    assert streamed.index == 0 and streamed.function.name == "get_weather" and streamed.id.startswith("chatcmpl-tool")
-    assert json.loads(streamed.function.arguments) == {"city": "Lyon", "unit": "C"}
+    pieces = [call for d in deltas for call in d.tool_calls or []]
+    assert pieces[0].index == 0 and pieces[0].function.name == "get_weather" and pieces[0].id.startswith("chatcmpl-tool")
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in pieces[1:])
+    assert json.loads("".join(p.function.arguments or "" for p in pieces)) == {"city": "Lyon", "unit": "C"}
     assert "".join(d.content or "" for d in deltas) == "Let me check."
 
 
