@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /classify, /score (and
 /v1/score), /rerank (and /v1/rerank, /v2/rerank), /tokenize, /detokenize, /v1/load_lora_adapter,
-/v1/unload_lora_adapter; GET /v1/models, /v1/models/{model}, /health (and HEAD), /version, /metrics.
+/v1/unload_lora_adapter, Anthropic's /v1/messages and /v1/messages/count_tokens (``halserve.entrypoints.anthropic``);
+GET /v1/models, /v1/models/{model}, /health (and HEAD), /version, /metrics.
 Request bodies are parsed here (not by FastAPI) so malformed JSON and wrong types are OpenAI-shaped
 400s, and a body over ``max_body_bytes`` is a 413 before it is all read. Large bodies are parsed
 (and large /detokenize calls served) in a worker process (offload.py), so no single request
@@ -25,6 +26,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from halserve import __version__
+from halserve.entrypoints.anthropic import (
+    AnthropicServingMessages,
+    CountTokensRequest,
+    MessagesRequest,
+    anthropic_error_response,
+    anthropic_route,
+)
 from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from halserve.entrypoints.openai.errors import (
     NotFoundError,
@@ -104,17 +112,20 @@ def guarded(route: Any) -> Any:
 
 
 class APIKeyMiddleware:
-    """Pure ASGI middleware (streaming-safe): ``Authorization: Bearer <key>`` must match
-    one of the configured keys, compared in constant time."""
+    """Pure ASGI middleware (streaming-safe): ``Authorization: Bearer <key>`` (or Anthropic's
+    ``x-api-key: <key>``) must match one of the configured keys, compared in constant time."""
 
     def __init__(self, app: Any, api_keys: Sequence[str]) -> None:
         self.app = app
         self.keys = [k.encode() for k in api_keys]
 
-    def _authorized(self, header: bytes | None) -> bool:
-        if not header or not header.lower().startswith(b"bearer "):
+    def _authorized(self, header: bytes | None, x_api_key: bytes | None = None) -> bool:
+        if x_api_key:
+            given = x_api_key.strip()
+        elif header and header.lower().startswith(b"bearer "):
+            given = header[7:].strip()
+        else:
             return False
-        given = header[7:].strip()
         ok = False
         for key in self.keys:  # check every key: timing does not reveal which matched
             ok |= hmac.compare_digest(given, key)
@@ -125,8 +136,13 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self._authorized(headers.get(b"authorization")):
+        if self._authorized(headers.get(b"authorization"), headers.get(b"x-api-key")):
             await self.app(scope, receive, send)
+            return
+        if scope["path"].startswith("/v1/messages"):  # (Anthropic's clients read Anthropic's error shape)
+            anthropic = anthropic_error_response("invalid x-api-key: send the key as 'x-api-key: <key>' or "
+                                                 "'Authorization: Bearer <key>'", 401)
+            await anthropic(scope, receive, send)
             return
         response = error_response(
             "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
@@ -161,6 +177,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     classification = OpenAIServingClassification(serving)
     scoring = OpenAIServingScore(serving)
     lora = OpenAIServingLoRA(serving)
+    messages = AnthropicServingMessages(chat)
 
     async def body(model: type, raw_request: Request) -> Any:
         return await offloader.parse(model, await read_body(raw_request, max_body_bytes))
@@ -182,6 +199,16 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     @guarded
     async def create_chat_completion(raw_request: Request) -> Response:
         return await chat.create(await body(ChatCompletionRequest, raw_request), raw_request)
+
+    @app.post("/v1/messages")
+    @anthropic_route
+    async def create_message(raw_request: Request) -> Response:
+        return await messages.create(await body(MessagesRequest, raw_request), raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    @anthropic_route
+    async def count_message_tokens(raw_request: Request) -> JSONResponse:
+        return JSONResponse((await messages.count_tokens(await body(CountTokensRequest, raw_request))).model_dump())
 
     @app.post("/v1/responses")
     @guarded
