@@ -10,7 +10,11 @@ JSON keys: ``api_version``, ``plugins``, ``platforms``, ``attention_backends``,
 ``resolved_kernels`` ({op: kernel name | null}), ``resolution_errors`` ({op: reason}),
 ``kernels_skipped`` ({op: ["name: reason", ...]}: kernels passed over before the chosen one),
 ``resolved_attention_backend`` (+ ``attention_backend_error``, ``attention_backend_skipped``,
-``attention_problem``: the representative layer it was resolved for).
+``attention_problem``: the representative layer it was resolved for), (plugin API 2)
+``layer_overrides`` ([{platform, replaces, replaces_class, cls, plugin}]), ``model_variants``
+([{architecture, platform, target, plugin, replaces, replaces_plugin}]), ``resolved_layers``
+({built-in class: replacement} on the resolved platform), ``resolved_models`` ({architecture:
+implementation} on the resolved platform).
 
 Exit status: 0, including when a plugin failed (it is shown, not fatal); 1 when
 HALSERVE_PLUGINS / HALSERVE_DISABLE_PLUGINS name an unknown plugin or two plugins
@@ -117,6 +121,8 @@ def collect(manager: PluginManager, platform: str | None = None) -> dict[str, An
     if target is None and platform and manager.platforms.get(platform) is not None:
         target = platform
     report["resolved_for"] = target
+    report["layer_overrides"] = _layer_override_rows(manager)  # (plugin API 2)
+    report["model_variants"] = _model_variant_rows(manager)
     kernels, errors, kernels_skipped = _resolve_kernels(manager, target)
     report["resolved_kernels"] = kernels
     report["resolution_errors"] = errors
@@ -126,7 +132,41 @@ def collect(manager: PluginManager, platform: str | None = None) -> dict[str, An
     report["attention_backend_error"] = None if backend else "; ".join(skipped)
     report["attention_backend_skipped"] = skipped if backend else []  # preferred ones passed over
     report["attention_problem"] = problem
+    report["resolved_layers"] = {  # built-in class -> what models build on the target platform
+        r["replaces"]: r["cls"] for r in report["layer_overrides"] if r["platform"] == target
+    }
+    report["resolved_models"] = {  # architecture -> the implementation the target platform gets
+        r["name"]: next((v["target"] for v in report["model_variants"]
+                         if v["architecture"] == r["name"] and v["platform"] == target), r["target"])
+        for r in report["models"]
+    }
     return report
+
+
+def _qualname(cls: Any) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else str(cls)
+
+
+def _layer_override_rows(manager: PluginManager) -> list[dict[str, Any]]:
+    registry = getattr(manager, "layer_overrides", None) or ()
+    return sorted(
+        ({"platform": reg.obj.platform, "replaces": reg.obj.replaces.__name__,
+          "replaces_class": _qualname(reg.obj.replaces), "cls": _qualname(reg.obj.cls), "plugin": reg.plugin}
+         for reg in registry),
+        key=lambda r: (r["platform"], r["replaces"]),
+    )
+
+
+def _model_variant_rows(manager: PluginManager) -> list[dict[str, Any]]:
+    registry = getattr(manager, "model_variants", None) or ()
+    rows = []
+    for reg in registry:
+        platform, _, arch = reg.name.partition("/")
+        builtin = manager.models.get(arch)
+        rows.append({"architecture": arch, "platform": platform, "target": _qualname(reg.obj.target),
+                     "plugin": reg.plugin, "replaces": None if builtin is None else _qualname(builtin.obj),
+                     "replaces_plugin": None if builtin is None else builtin.plugin})
+    return sorted(rows, key=lambda r: (r["architecture"], r["platform"]))
 
 
 def _select(platform: str | None) -> tuple[str | None, str | None]:
@@ -356,5 +396,17 @@ def render(report: dict[str, Any]) -> str:
         _table(["architecture", "implementation", "plugin"], [[r["name"], r["target"], r["plugin"]] for r in report["models"]])
         if report["models"]
         else "  (none registered)"
+    )
+    for v in report.get("model_variants", []):
+        out.append(f"  {v['architecture']} on {v['platform']}: {v['target']} (plugin {v['plugin']}, overrides "
+                   f"{v['replaces'] or 'nothing registered'})")
+    out += ["", "Layer overrides (plugin API 2; * = applies on the resolved platform)"]
+    rows = report.get("layer_overrides", [])
+    out.append(
+        _table(["", "platform", "replaces", "with", "plugin"],
+               [["*" if r["platform"] == target else "", r["platform"], r["replaces"], r["cls"], r["plugin"]]
+                for r in rows])
+        if rows
+        else "  (none registered: every platform builds the built-in layers)"
     )
     return "\n".join(out)

@@ -92,7 +92,7 @@ def vision_linear(input_size: int, output_size: int, ctx: ModelContext, prefix: 
     quantized checkpoint quantizes its decoder), out of LoRA's reach (``no_lora``), and on the
     platform's GEMM kernel like the decoder's (CPU: oneDNN's prepacked weights, ~2.5x torch's default
     on the vision towers' shapes here)."""
-    layer = ReplicatedLinear(input_size, output_size, bias, ctx.without_quantization(), prefix)
+    layer = ctx.layer(ReplicatedLinear)(input_size, output_size, bias, ctx.without_quantization(), prefix)
     layer.no_lora = True
     return layer
 

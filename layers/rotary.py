@@ -285,7 +285,7 @@ def get_rope(hf_config: Any, head_size: int, ctx: ModelContext) -> RotaryEmbeddi
         if params.get("mrope_interleaved"):
             raise ValueError("interleaved M-RoPE (mrope_interleaved) is not supported; only sectioned M-RoPE "
                              "(Qwen2-VL, Qwen2.5-VL)")
-        return MRotaryEmbedding(head_size, rotary_dim, max_position, params, max_pos_emb, ctx, mrope_section,
+        return ctx.layer(MRotaryEmbedding)(head_size, rotary_dim, max_position, params, max_pos_emb, ctx, mrope_section,
                                 max_model_len=ctx.max_position)
-    return RotaryEmbedding(head_size, rotary_dim, max_position, params, max_pos_emb, ctx,
+    return ctx.layer(RotaryEmbedding)(head_size, rotary_dim, max_position, params, max_pos_emb, ctx,
                            max_model_len=ctx.max_position)

@@ -52,10 +52,14 @@ def supported_architectures() -> dict[str, str | type]:
     return {r.name: r.obj for r in get_plugin_manager().models}
 
 
-def architecture_class(architecture: str) -> type[ModelModule]:
+def architecture_class(architecture: str, platform: str | None = None) -> type[ModelModule]:
     """The registered class of ``architecture``, imported and checked against its protocols
-    (ValueError naming the class and the missing member)."""
-    target = supported_architectures().get(architecture)
+    (ValueError naming the class and the missing member). On ``platform``, the variant a plugin
+    declared for it there (``ModelArchitecture(..., platform=, override=True)``, plugin API 2)."""
+    from halserve.plugins.overrides import model_variant_for
+
+    variant = model_variant_for(architecture, platform)
+    target = supported_architectures().get(architecture) if variant is None else variant.obj.target
     if target is None:
         raise ValueError(f"architecture {architecture!r} is not registered; registered: "
                          f"{', '.join(sorted(supported_architectures())) or 'none'}")

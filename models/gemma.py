@@ -97,9 +97,9 @@ class GemmaMLP(nn.Module):
     def __init__(self, hf_config: Any, ctx: ModelContext, prefix: str) -> None:
         super().__init__()
         inter = hf_config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], False, ctx,
+        self.gate_up_proj = ctx.layer(MergedColumnParallelLinear)(hf_config.hidden_size, [inter, inter], False, ctx,
                                                        f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, False, ctx, f"{prefix}.down_proj")
+        self.down_proj = ctx.layer(RowParallelLinear)(inter, hf_config.hidden_size, False, ctx, f"{prefix}.down_proj")
         self.act_fn = GeluAndMul(inter // get_tp_size(), ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,9 +116,9 @@ class GemmaAttention(nn.Module):
         total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
         self.head_size = head_size_of(hf_config)
         bias = bool(getattr(hf_config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, total_heads, total_kv_heads, bias, ctx,
+        self.qkv_proj = ctx.layer(QKVParallelLinear)(hidden, self.head_size, total_heads, total_kv_heads, bias, ctx,
                                           f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(total_heads * self.head_size, hidden, bias, ctx, f"{prefix}.o_proj")
+        self.o_proj = ctx.layer(RowParallelLinear)(total_heads * self.head_size, hidden, bias, ctx, f"{prefix}.o_proj")
         self.num_heads = divide(total_heads, get_tp_size(), "num_attention_heads")
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_size
@@ -126,8 +126,8 @@ class GemmaAttention(nn.Module):
         self.rotary_emb = rotary
         self.has_qk_norm = version == 3
         if self.has_qk_norm:
-            self.q_norm = GemmaRMSNorm(self.head_size, hf_config.rms_norm_eps, ctx)
-            self.k_norm = GemmaRMSNorm(self.head_size, hf_config.rms_norm_eps, ctx)
+            self.q_norm = ctx.layer(GemmaRMSNorm)(self.head_size, hf_config.rms_norm_eps, ctx)
+            self.k_norm = ctx.layer(GemmaRMSNorm)(self.head_size, hf_config.rms_norm_eps, ctx)
         scale = self.head_size**-0.5 if version == 1 else hf_config.query_pre_attn_scalar**-0.5
         self.attn = Attention(self.num_heads, self.head_size, scale, self.num_kv_heads, ctx,
                               sliding_window=sliding_window, logits_soft_cap=attention_logits_soft_cap(hf_config),
@@ -141,14 +141,14 @@ class GemmaDecoderLayer(nn.Module):
                  prefix: str) -> None:
         super().__init__()
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(hidden, eps, ctx)
+        self.input_layernorm = ctx.layer(GemmaRMSNorm)(hidden, eps, ctx)
         self.self_attn = GemmaAttention(hf_config, ctx, rotary, sliding_window, f"{prefix}.self_attn")
-        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, ctx)
+        self.post_attention_layernorm = ctx.layer(GemmaRMSNorm)(hidden, eps, ctx)
         self.mlp = GemmaMLP(hf_config, ctx, f"{prefix}.mlp")
         self.has_sandwich_norms = gemma_version(hf_config) >= 2
         if self.has_sandwich_norms:
-            self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, ctx)
-            self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, ctx)
+            self.pre_feedforward_layernorm = ctx.layer(GemmaRMSNorm)(hidden, eps, ctx)
+            self.post_feedforward_layernorm = ctx.layer(GemmaRMSNorm)(hidden, eps, ctx)
 
     def forward(self, positions, hidden, residual):
         # residual carries the un-normed stream; the norm after each add fuses that add
@@ -174,7 +174,7 @@ class GemmaModel(nn.Module):
         super().__init__()
         pp = get_pp_state()
         self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
-        self.embed_tokens = (VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, ctx)
+        self.embed_tokens = (ctx.layer(VocabParallelEmbedding)(hf_config.vocab_size, hf_config.hidden_size, ctx)
                              if pp.is_first or (keep_embedding and pp.is_last) else PPMissingLayer())
         # HF multiplies by sqrt(H) as a tensor of the model dtype (bfloat16: sqrt(3072) becomes 55.5)
         self.normalizer = torch.tensor(hf_config.hidden_size**0.5, dtype=ctx.dtype).item()
@@ -188,7 +188,7 @@ class GemmaModel(nn.Module):
             lambda i, name: GemmaDecoderLayer(hf_config, ctx, ropes[layer_types[i]], windows[i], name),
             prefix,
         )
-        self.norm = (GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ctx) if pp.is_last
+        self.norm = (ctx.layer(GemmaRMSNorm)(hf_config.hidden_size, hf_config.rms_norm_eps, ctx) if pp.is_last
                      else PPMissingLayer())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -220,7 +220,7 @@ class GemmaForCausalLM(nn.Module):
         self.config = hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
         self.model = GemmaModel(hf_config, ctx, keep_embedding=self.tie_word_embeddings)
-        self.lm_head = (ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, ctx,
+        self.lm_head = (ctx.layer(ParallelLMHead)(hf_config.vocab_size, hf_config.hidden_size, ctx,
                                        tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
                         if get_pp_state().is_last else PPMissingLayer())
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)

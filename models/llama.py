@@ -92,9 +92,9 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"{prefix}: hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
         bias = bool(getattr(hf_config, "mlp_bias", False))
         inter = hf_config.intermediate_size if intermediate_size is None else intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias, ctx,
+        self.gate_up_proj = ctx.layer(MergedColumnParallelLinear)(hf_config.hidden_size, [inter, inter], bias, ctx,
                                                        f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias, ctx, f"{prefix}.down_proj",
+        self.down_proj = ctx.layer(RowParallelLinear)(inter, hf_config.hidden_size, bias, ctx, f"{prefix}.down_proj",
                                            reduce_results=reduce_results)
         self.act_fn = SiluAndMul(inter // get_tp_size(), ctx)
 
@@ -115,9 +115,9 @@ class LlamaAttention(nn.Module):
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         qkv_bias = True if kind == "qwen2" else bool(getattr(hf_config, "qkv_bias", attention_bias))
         o_bias = False if kind in ("qwen2", "qwen2_moe") else attention_bias
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, total_heads, total_kv_heads, qkv_bias, ctx,
+        self.qkv_proj = ctx.layer(QKVParallelLinear)(hidden, self.head_size, total_heads, total_kv_heads, qkv_bias, ctx,
                                           f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(total_heads * self.head_size, hidden, o_bias, ctx, f"{prefix}.o_proj")
+        self.o_proj = ctx.layer(RowParallelLinear)(total_heads * self.head_size, hidden, o_bias, ctx, f"{prefix}.o_proj")
         self.num_heads = divide(total_heads, tp, "num_attention_heads")
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_size
@@ -125,8 +125,8 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary
         self.has_qk_norm = kind in ("qwen3", "qwen3_moe")
         if self.has_qk_norm:
-            self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, ctx)
-            self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, ctx)
+            self.q_norm = ctx.layer(RMSNorm)(self.head_size, hf_config.rms_norm_eps, ctx)
+            self.k_norm = ctx.layer(RMSNorm)(self.head_size, hf_config.rms_norm_eps, ctx)
         self.attn = Attention(self.num_heads, self.head_size, self.head_size**-0.5, self.num_kv_heads, ctx,
                               sliding_window=sliding_window, prefix=f"{prefix}.attn")
 
@@ -145,9 +145,9 @@ class LlamaDecoderLayer(nn.Module):
                  prefix: str, mlp: nn.Module | None = None) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, ctx)
+        self.input_layernorm = ctx.layer(RMSNorm)(hf_config.hidden_size, eps, ctx)
         self.self_attn = LlamaAttention(hf_config, ctx, rotary, sliding_window, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, ctx)
+        self.post_attention_layernorm = ctx.layer(RMSNorm)(hf_config.hidden_size, eps, ctx)
         self.mlp = mlp if mlp is not None else LlamaMLP(hf_config, ctx, f"{prefix}.mlp")
 
     def forward(self, positions, hidden, residual):
@@ -173,7 +173,7 @@ class LlamaModel(nn.Module):
         pp = get_pp_state()
         self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
         # (the last stage keeps it too when the LM head is tied to it: keep_embedding)
-        self.embed_tokens = (VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, ctx)
+        self.embed_tokens = (ctx.layer(VocabParallelEmbedding)(hf_config.vocab_size, hf_config.hidden_size, ctx)
                              if pp.is_first or (keep_embedding and pp.is_last) else PPMissingLayer())
         rotary = get_rope(hf_config, head_size_of(hf_config), ctx)  # one table shared by every layer
         windows = layer_sliding_windows(hf_config)
@@ -183,7 +183,7 @@ class LlamaModel(nn.Module):
                                               make_mlp(i, f"{name}.mlp") if make_mlp else None),
             prefix,
         )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ctx) if pp.is_last else PPMissingLayer()
+        self.norm = ctx.layer(RMSNorm)(hf_config.hidden_size, hf_config.rms_norm_eps, ctx) if pp.is_last else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
@@ -230,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = LlamaModel(hf_config, ctx, make_mlp=make_mlp, keep_embedding=self.tie_word_embeddings)
-        self.lm_head = (ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, ctx,
+        self.lm_head = (ctx.layer(ParallelLMHead)(hf_config.vocab_size, hf_config.hidden_size, ctx,
                                        tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
                         if get_pp_state().is_last else PPMissingLayer())
 

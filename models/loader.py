@@ -201,7 +201,7 @@ def get_model_info(config: EngineConfig, platform: Platform) -> ModelInfo:
     pooler_config = resolve_pooler_config(path, config.pooler_config)
     is_classifier = arch.endswith(CLASSIFIER_SUFFIX)
     id2label = getattr(hf_config, "id2label", None) or {}
-    model_cls = model_class(arch)
+    model_cls = model_class(arch, platform.name)
     multimodal = supports_multimodal(model_cls)
     if config.kv_cache_dtype == "auto":
         elem_size = torch.empty((), dtype=dtype).element_size()
@@ -353,6 +353,9 @@ def get_quant_method(config: EngineConfig, info: ModelInfo, platform: Platform):
         raise ValueError(f"quantization {name!r} is not supported; registered: {', '.join(sorted(registry.names()))}")
     else:
         cls = registry[name].obj
+    from halserve.layers.factory import layer_class, layer_overrides
+
+    cls = layer_class(cls, layer_overrides(platform.name))  # a platform plugin's replacement (plugin API 2)
     reason = cls.supports(platform=platform.name, dtype=str(info.dtype).replace("torch.", ""))
     if reason is not None:
         raise ValueError(reason)
@@ -378,12 +381,12 @@ def _gguf_quant_method(flag: str | None, gguf_file: str | None, info: ModelInfo,
                                             "tensor_types": gguf_tensor_types(gguf_file, info.hf_config)})
 
 
-def model_class(architecture: str) -> type[ModelModule]:
-    """The registered class of ``architecture``, imported and checked against the model protocols
-    (``halserve.models.architecture_class``)."""
+def model_class(architecture: str, platform: str | None = None) -> type[ModelModule]:
+    """The registered class of ``architecture`` (on ``platform``: a plugin's variant for it there),
+    imported and checked against the model protocols (``halserve.models.architecture_class``)."""
     from halserve.models import architecture_class
 
-    return architecture_class(architecture)
+    return architecture_class(architecture, platform)
 
 
 DUMMY_WEIGHT_RANGE = 1e-3  # vLLM's: small enough that activations stay finite through any depth
@@ -429,7 +432,7 @@ def load_model(config: EngineConfig, info: ModelInfo, platform: Platform, attn_b
     """
     from halserve.layers.context import ModelContext
 
-    model_cls = model_class(info.architecture)
+    model_cls = model_class(info.architecture, platform.name)
     ctx = ModelContext(
         platform_name=platform.name,
         dtype=info.dtype,

@@ -27,8 +27,8 @@ class MixtralMoE(nn.Module):
             raise ValueError(f"{prefix}: hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
         hidden, num_experts = hf_config.hidden_size, hf_config.num_local_experts
         # (the router stays in floats in quantized checkpoints)
-        self.gate = ReplicatedLinear(hidden, num_experts, False, ctx.without_quantization(), f"{prefix}.gate")
-        self.experts = FusedMoE(num_experts, hf_config.num_experts_per_tok, hidden, hf_config.intermediate_size,
+        self.gate = ctx.layer(ReplicatedLinear)(hidden, num_experts, False, ctx.without_quantization(), f"{prefix}.gate")
+        self.experts = ctx.layer(FusedMoE)(num_experts, hf_config.num_experts_per_tok, hidden, hf_config.intermediate_size,
                                 True, ctx, f"{prefix}.experts")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

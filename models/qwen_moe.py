@@ -43,16 +43,16 @@ class QwenMoeSparseBlock(nn.Module):
         hidden, num_experts = hf_config.hidden_size, hf_config.num_experts
         has_shared = model_type(hf_config) == "qwen2_moe"
         # (the router and the shared expert's gate stay in floats in quantized checkpoints)
-        self.gate = ReplicatedLinear(hidden, num_experts, False, ctx.without_quantization(), f"{prefix}.gate")
+        self.gate = ctx.layer(ReplicatedLinear)(hidden, num_experts, False, ctx.without_quantization(), f"{prefix}.gate")
         # with a shared expert both partial sums are added first, so one all-reduce covers them
-        self.experts = FusedMoE(num_experts, hf_config.num_experts_per_tok, hidden, hf_config.moe_intermediate_size,
+        self.experts = ctx.layer(FusedMoE)(num_experts, hf_config.num_experts_per_tok, hidden, hf_config.moe_intermediate_size,
                                 bool(hf_config.norm_topk_prob), ctx, f"{prefix}.experts", reduce_results=not has_shared)
         self.shared_expert: LlamaMLP | None = None
         if has_shared:
             self.shared_expert = LlamaMLP(hf_config, ctx, f"{prefix}.shared_expert",
                                           intermediate_size=hf_config.shared_expert_intermediate_size,
                                           reduce_results=False)
-            self.shared_expert_gate = ReplicatedLinear(hidden, 1, False, ctx.without_quantization(),
+            self.shared_expert_gate = ctx.layer(ReplicatedLinear)(hidden, 1, False, ctx.without_quantization(),
                                                        f"{prefix}.shared_expert_gate")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -172,7 +172,7 @@ class CpuPlatform(Platform):
 
 @hookimpl
 def halserve_manifest() -> PluginManifest:
-    return PluginManifest(name="cpu", version="0.1.0", api=">=1,<2", description=CpuPlatform.description)
+    return PluginManifest(name="cpu", version="0.1.0", api=">=1,<3", description=CpuPlatform.description)
 
 
 @hookimpl

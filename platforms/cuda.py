@@ -57,7 +57,7 @@ class CudaPlatform(TorchCudaApiPlatform):
 
 @hookimpl
 def halserve_manifest() -> PluginManifest:
-    return PluginManifest(name="cuda", version="0.1.0", api=">=1,<2", description=CudaPlatform.description)
+    return PluginManifest(name="cuda", version="0.1.0", api=">=1,<3", description=CudaPlatform.description)
 
 
 @hookimpl

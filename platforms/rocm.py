@@ -53,7 +53,7 @@ class RocmPlatform(TorchCudaApiPlatform):
 
 @hookimpl
 def halserve_manifest() -> PluginManifest:
-    return PluginManifest(name="rocm", version="0.1.0", api=">=1,<2", description=RocmPlatform.description)
+    return PluginManifest(name="rocm", version="0.1.0", api=">=1,<3", description=RocmPlatform.description)
 
 
 @hookimpl

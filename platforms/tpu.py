@@ -100,7 +100,7 @@ class TpuPlatform(Platform):
 
 @hookimpl
 def halserve_manifest() -> PluginManifest:
-    return PluginManifest(name="tpu", version="0.1.0", api=">=1,<2", description=TpuPlatform.description)
+    return PluginManifest(name="tpu", version="0.1.0", api=">=1,<3", description=TpuPlatform.description)
 
 
 @hookimpl

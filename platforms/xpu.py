@@ -82,7 +82,7 @@ def _dist_backend_for(torch_version: str) -> str:
 
 @hookimpl
 def halserve_manifest() -> PluginManifest:
-    return PluginManifest(name="xpu", version="0.1.0", api=">=1,<2", description=XpuPlatform.description)
+    return PluginManifest(name="xpu", version="0.1.0", api=">=1,<3", description=XpuPlatform.description)
 
 
 @hookimpl

@@ -18,11 +18,15 @@ from halserve.plugins.manager import (
     reset_plugin_manager,
 )
 from halserve.plugins.manifest import PluginManifest
+from halserve.plugins.overrides import LayerOverride, LayerOverrideError, ModelArchitecture
 from halserve.plugins.registry import PluginConflictError, Registration, Registry
 
 __all__ = [
     "API_VERSION",
     "ENTRY_POINT_GROUP",
+    "LayerOverride",
+    "LayerOverrideError",
+    "ModelArchitecture",
     "PluginConflictError",
     "PluginManager",
     "PluginManifest",

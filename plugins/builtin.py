@@ -10,7 +10,7 @@ def halserve_manifest() -> PluginManifest:
     return PluginManifest(
         name="builtin",
         version="0.1.0",
-        api=">=1,<2",
+        api=">=1,<3",
         description="torch reference kernels and attention, executors, KV connectors, "
                     "Llama/Qwen/Mistral/Gemma/Phi-3/MoE/LLaVA/LLaVA-NeXT/Qwen2-VL/InternVL models",
     )

@@ -89,7 +89,25 @@ def halserve_executors() -> list[type]:
 @hookspec
 def halserve_model_architectures() -> dict[str, str]:
     """Return ``{architecture: "module.path:ClassName"}`` for HF ``architectures`` names
-    this plugin implements. The class is imported only when a checkpoint asks for it."""
+    this plugin implements. The class is imported only when a checkpoint asks for it.
+
+    (plugin API 2) A value ``halserve.plugins.ModelArchitecture(target, platform="acme",
+    override=True)`` replaces that architecture on platform ``acme`` only (other platforms keep the
+    built-in); registering a name another plugin registers, without it, is a conflict error.
+    """
+
+
+@hookspec
+def halserve_layer_overrides() -> list:
+    """(plugin API 2) Return ``halserve.plugins.LayerOverride(replaces=Builtin, cls=Yours,
+    platform="acme")`` items: models built for platform ``acme`` get ``Yours`` wherever they would
+    build ``Builtin`` (a linear layer or quant method, ``FusedMoE``, a norm, a rotary embedding,
+    the vocab embedding or LM head, the ``Sampler``; ``plugins.overrides.OVERRIDABLE_LAYERS``).
+
+    Checked when registered: ``Yours`` subclasses ``Builtin`` and keeps its constructor signature
+    and the arguments of the methods the model and loader call; when first built, its parameters
+    must have the built-in's names and shapes. A mismatch fails the plugin, naming the layer.
+    """
 
 
 @hookspec

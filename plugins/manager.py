@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from halserve.plugins.hookimpls import FoundHook, HookManager, check_hookimpls, find_hookimpls
 from halserve.plugins.manifest import PluginManifest
+from halserve.plugins.overrides import check_layer_override, check_model_variant
 from halserve.plugins.registry import PluginConflictError, Registry
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,7 +32,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-API_VERSION = 1
+API_VERSION = 2
+# The oldest plugin API still loaded (deprecation policy, docs/plugins.md): a plugin whose manifest
+# range holds no version from here to API_VERSION is refused. API 2 only added hooks and members
+# (layer overrides, platform-scoped model variants), so an API 1 plugin runs unchanged, with a
+# DeprecationWarning asking its author to test under API 2 and widen its range.
+OLDEST_SUPPORTED_API = 1
 ENTRY_POINT_GROUP = "halserve.plugins"
 
 PluginStatus = Literal["loaded", "failed", "refused", "disabled"]
@@ -45,7 +51,10 @@ CONTRIBUTION_HOOKS = {
     "halserve_kv_connectors": "kv_connectors",
     "halserve_executors": "executors",
     "halserve_model_architectures": "models",
+    "halserve_layer_overrides": "layer_overrides",  # (plugin API 2)
 }
+# kinds the hooks above fill besides their own: platform-scoped architectures (plugin API 2)
+EXTRA_KINDS = {"model_variants": "model variant", "layer_overrides": "layer override"}
 
 
 # Deprecated hooks: name -> (plugin API version that deprecated it, what to implement instead).
@@ -95,7 +104,9 @@ class PluginManager:
 
     def __post_init__(self) -> None:
         for kind in CONTRIBUTION_HOOKS.values():
-            self.registries.setdefault(kind, Registry(kind.rstrip("s")))
+            self.registries.setdefault(kind, Registry(EXTRA_KINDS.get(kind, kind.rstrip("s"))))
+        for kind, label in EXTRA_KINDS.items():
+            self.registries.setdefault(kind, Registry(label))
 
     # -- accessors ---------------------------------------------------------------
     @property
@@ -126,6 +137,16 @@ class PluginManager:
     def models(self) -> Registry:
         return self.registries["models"]
 
+    @property
+    def model_variants(self) -> Registry:
+        """``"<platform>/<architecture>"`` -> a ``ModelArchitecture`` declaring ``override=True``."""
+        return self.registries["model_variants"]
+
+    @property
+    def layer_overrides(self) -> Registry:
+        """``"<platform>/<built-in class>"`` -> a checked ``LayerOverride``."""
+        return self.registries["layer_overrides"]
+
     def record(self, name: str) -> PluginRecord | None:
         return next((r for r in self.records if r.name == name), None)
 
@@ -146,14 +167,24 @@ class PluginManager:
             return
         record.manifest = manifest
         if not manifest.supports_api(API_VERSION):
-            record.status = "refused"
-            record.error = (
-                f"plugin {name!r} {manifest.version} supports halserve plugin API {manifest.api}, "
-                f"but this halserve provides plugin API {API_VERSION}; install a version of the "
-                "plugin built for this API"
+            older = [v for v in range(API_VERSION - 1, OLDEST_SUPPORTED_API - 1, -1) if manifest.supports_api(v)]
+            if not older:
+                record.status = "refused"
+                record.error = (
+                    f"plugin {name!r} {manifest.version} supports halserve plugin API {manifest.api}, "
+                    f"but this halserve provides plugin API {API_VERSION} (and still loads plugins for API "
+                    f"{OLDEST_SUPPORTED_API} to {API_VERSION}); install a version of the plugin built for this API"
+                )
+                logger.warning("halserve plugin refused: %s", record.error)
+                return
+            warnings.warn(
+                f"plugin {name!r} {manifest.version} declares plugin API {manifest.api}, built for API {older[0]}; "
+                f"this halserve provides API {API_VERSION} and loads API {older[0]} plugins unchanged (deprecated "
+                f"since API {API_VERSION}, removed at the earliest in API {API_VERSION + 1}); test it under API "
+                f"{API_VERSION} and declare api='>={OLDEST_SUPPORTED_API},<{API_VERSION + 1}'",
+                DeprecationWarning,
+                stacklevel=2,
             )
-            logger.warning("halserve plugin refused: %s", record.error)
-            return
         for item in found:
             if item.hook in DEPRECATED_HOOKS:
                 since, replacement = DEPRECATED_HOOKS[item.hook]
@@ -168,7 +199,7 @@ class PluginManager:
             self.pm.register(plugin, name=name)  # pluggy validates the signatures again
             for hook, kind in CONTRIBUTION_HOOKS.items():
                 for result in self.call_plugin_hook(name, hook):
-                    contributions.extend((kind, item_name, obj) for item_name, obj in _items(kind, result, name))
+                    contributions.extend(_items(kind, result, name))
         except Exception as exc:
             if self.pm.has_plugin(name) and self.pm.get_plugin(name) is plugin:
                 self.pm.unregister(name=name)
@@ -178,6 +209,12 @@ class PluginManager:
             try:
                 self.registries[kind].add(item_name, name, obj)
             except PluginConflictError as exc:
+                if kind == "models":  # (plugin API 2) the declared way to replace a built-in
+                    exc = PluginConflictError(
+                        f"{exc}; to replace the built-in {item_name} on your platform only, return "
+                        f"{{{item_name!r}: ModelArchitecture('module:Class', platform=<your platform>, "
+                        "override=True)}} from halserve_model_architectures"
+                    )
                 self.conflicts.append(str(exc))
                 logger.warning("halserve plugin conflict: %s", exc)
         record.status = "loaded"
@@ -221,7 +258,8 @@ class PluginManager:
         self.pm.hook.halserve_update_config(config=config, platform=platform)
 
 
-def _items(kind: str, result: Any, plugin: str) -> Iterable[tuple[str, Any]]:
+def _items(kind: str, result: Any, plugin: str) -> Iterable[tuple[str, str, Any]]:
+    """(registry kind, name, object) of each thing one hook call contributed, checked."""
     if result is None:
         return []
     if kind == "models":
@@ -229,17 +267,26 @@ def _items(kind: str, result: Any, plugin: str) -> Iterable[tuple[str, Any]]:
             raise TypeError(f"halserve_model_architectures must return a dict, got {type(result).__name__}")
         from halserve.models.interfaces import check_architecture
 
+        models: list[tuple[str, str, Any]] = []
         for arch, target in result.items():
-            check_architecture(arch, target)  # a class missing a member: the plugin fails, naming both
-        return list(result.items())
+            variant = check_model_variant(plugin, arch, target)
+            check_architecture(arch, target if variant is None else variant.target)  # a class missing a member
+            if variant is None:
+                models.append(("models", arch, target))
+            else:
+                models.append(("model_variants", f"{variant.platform}/{arch}", variant))
+        return models
     if not isinstance(result, (list, tuple)):
         raise TypeError(f"the {kind} hook of plugin {plugin!r} must return a list, got {type(result).__name__}")
     items = []
     for obj in result:
         if kind == "kernels":
-            items.append((f"{obj.op}/{obj.name}", obj))
+            items.append((kind, f"{obj.op}/{obj.name}", obj))
+        elif kind == "layer_overrides":
+            override = check_layer_override(plugin, obj)  # a contract mismatch: the plugin fails, naming it
+            items.append((kind, override.key, override))
         else:
-            items.append((obj.name, obj))
+            items.append((kind, obj.name, obj))
     return items
 
 

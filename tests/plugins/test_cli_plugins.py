@@ -111,7 +111,7 @@ def test_json_shape(fake_manager, capsys) -> None:
     assert main(["plugins", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert REQUIRED_KEYS <= set(report)
-    assert report["api_version"] == 1
+    assert report["api_version"] == 2
 
     plugins = {p["name"]: p for p in report["plugins"]}
     assert {"name", "version", "distribution", "api", "status", "error"} <= set(plugins["acme"])

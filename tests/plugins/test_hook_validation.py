@@ -36,7 +36,7 @@ class AcmeGemm(Kernel):
     op, name, platforms = "gemm", "acme_hv_gemm", ("cpu",)
 
 
-def manifest(api: str = ">=1,<2") -> PluginManifest:
+def manifest(api: str = ">=1,<3") -> PluginManifest:
     return PluginManifest(name="acme", version="0.1", api=api)
 
 
@@ -126,14 +126,14 @@ def test_hook_that_raises_leaves_nothing_registered() -> None:
 
 def test_plugin_for_another_api_is_refused_before_its_hooks_are_checked() -> None:
     """A plugin built for a later API may have hooks this halserve does not know: refused, not failed."""
-    def halserve_new_in_api_2() -> list[type]:
+    def halserve_new_in_api_3() -> list[type]:
         return []
 
-    module = make_plugin(halserve_new_in_api_2=halserve_new_in_api_2)
-    module.halserve_manifest = hookimpl(lambda: manifest(api=">=2,<3"))
+    module = make_plugin(halserve_new_in_api_3=halserve_new_in_api_3)
+    module.halserve_manifest = hookimpl(lambda: manifest(api=">=3,<4"))
     mgr, record = load(module)
     assert record.status == "refused"
-    assert "supports halserve plugin API >=2,<3" in record.error
+    assert "supports halserve plugin API >=3,<4" in record.error
     assert mgr.pm.get_plugin("acme") is None and len(mgr.kernels) == 0
 
 
