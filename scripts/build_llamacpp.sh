@@ -17,7 +17,8 @@
 # LLAMACPP_JOBS:    parallel compile jobs (default 2)
 # LLAMACPP_TARGETS: the cmake targets (default the four above)
 # LLAMACPP_LOCK:    a file to flock around each target's compile (default /tmp/cpu.lock when it exists, so
-#                   other users of a shared machine are not starved: one locked command per target)
+#                   other users of a shared machine are not starved: one locked command per target);
+#                   "none" for no lock (when the caller already holds it)
 set -euo pipefail
 VERSION="${LLAMACPP_VERSION:-11434.0.0}"
 CACHE="${LLAMACPP_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/halserve/llamacpp}"
@@ -25,6 +26,7 @@ JOBS="${LLAMACPP_JOBS:-2}"
 TARGETS="${LLAMACPP_TARGETS:-llama-server llama-bench llama-batched-bench llama-quantize}"
 LOCK="${LLAMACPP_LOCK:-}"
 if [ -z "$LOCK" ] && [ -e /tmp/cpu.lock ]; then LOCK=/tmp/cpu.lock; fi
+if [ "$LOCK" = none ]; then LOCK=""; fi
 PYTHON="${PYTHON:-python3}"
 
 ROOT="$CACHE/$VERSION"
