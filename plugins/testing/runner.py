@@ -5,7 +5,7 @@ from typing import Any
 
 from halserve.plugins.testing.results import ConformanceReport
 
-CHECKS = ("platforms", "kernels", "attention", "e2e")
+CHECKS = ("platforms", "kernels", "attention", "e2e", "layers")  # layers: plugin API 2 overrides
 
 
 class ConformanceSetupError(ValueError):
@@ -21,7 +21,7 @@ def run_conformance(plugin: str, *, platform: str | None = None, quick: bool = F
     kernels may have to run on the CPU. A plugin that failed to load yields one failed row.
     """
     from halserve.plugins import get_plugin_manager
-    from halserve.plugins.testing import attention, e2e, kernels, platform_checks
+    from halserve.plugins.testing import attention, e2e, kernels, layers, platform_checks
     from halserve.plugins.testing.target import TargetResolver, interpreting
 
     unknown = [c for c in checks if c not in CHECKS]
@@ -60,6 +60,8 @@ def run_conformance(plugin: str, *, platform: str | None = None, quick: bool = F
         attention.check_attention(report, manager, resolver, quick)
     if "e2e" in checks:
         e2e.check_e2e(report, manager, resolver, quick)
+    if "layers" in checks:
+        layers.check_layer_overrides(report, manager, plugin)
     if len(report.results) == 1:
         report.add("plugin", plugin, "contributions", "warned",
                    "the plugin registers no platform, kernel or attention backend: nothing to check")

@@ -329,3 +329,42 @@ def test_plugin_for_api_3_is_refused_naming_both_versions() -> None:
     assert record.status == "refused"
     assert "supports halserve plugin API >=3" in record.error and "provides plugin API 2" in record.error
     assert len(mgr.layer_overrides) == 0
+
+
+# -- the conformance kit's layer check -------------------------------------------------------
+class DoublingRMSNorm(RMSNorm):
+    """Keeps the contract but computes something else: the kit must catch it."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        out = super().forward(x, residual)
+        return (out[0] * 2, out[1]) if isinstance(out, tuple) else out * 2
+
+
+def _kit_manager(name: str, overrides: list[LayerOverride]) -> PluginManager:
+    """cpu (for its platform) and one plugin registering ``overrides``."""
+    import halserve.platforms.cpu as cpu_plugin
+
+    mgr = PluginManager()
+    mgr.load_plugin("cpu", cpu_plugin, PluginRecord(name="cpu", target="cpu", distribution=None))
+    record = PluginRecord(name=name, target=name, distribution=None)
+    mgr.load_plugin(name, make_plugin(overrides), record)
+    mgr.records = [record]
+    return mgr
+
+
+def test_kit_checks_each_override_against_its_builtin_on_the_same_weights() -> None:
+    from halserve.plugins.testing import run_conformance
+
+    report = run_conformance("acme", checks=("layers",), manager=_kit_manager("acme", GOOD_OVERRIDES))
+    rows = {(r.subject, r.case): r for r in report.results if r.check == "layer"}
+    assert rows[("CountingRMSNorm (cpu/RMSNorm)", "vs RMSNorm #0")].status == "passed"
+    assert rows[("CountingRMSNorm (cpu/RMSNorm)", "vs RMSNorm #1")].status == "passed"  # the residual form
+    assert rows[("CountingLMHead (cpu/ParallelLMHead)", "vs ParallelLMHead #0")].status == "passed"
+    assert rows[("CountingSampler (cpu/Sampler)", "vs Sampler")].status == "declined"
+    assert report.ok, report.table()
+
+    bad = _kit_manager("bad", [LayerOverride(RMSNorm, DoublingRMSNorm, "cpu")])
+    report = run_conformance("bad", checks=("layers",), manager=bad)
+    failed = [r for r in report.results if r.status == "failed"]
+    assert len(failed) == 2 and all("DoublingRMSNorm" in r.subject for r in failed), report.table()
+    assert "tolerance" in failed[0].detail
