@@ -114,11 +114,12 @@ def acme_installed(monkeypatch: pytest.MonkeyPatch) -> PluginManager:
     monkeypatch.setitem(sys.modules, "halserve_acme_overrides_plugin", plugin)
     real = metadata.entry_points
 
-    def entry_points(**kwargs):
-        eps = list(real(**kwargs))
-        if kwargs.get("group") == manager_module.ENTRY_POINT_GROUP:
-            eps.append(metadata.EntryPoint(name="acme", value="halserve_acme_overrides_plugin", group=kwargs["group"]))
-        return eps
+    def entry_points(**kwargs):  # (other groups unchanged: transformers reads some)
+        eps = real(**kwargs)
+        if kwargs.get("group") != manager_module.ENTRY_POINT_GROUP:
+            return eps
+        fake = metadata.EntryPoint(name="acme", value="halserve_acme_overrides_plugin", group=kwargs["group"])
+        return metadata.EntryPoints([*eps, fake])
 
     monkeypatch.setattr(manager_module.metadata, "entry_points", entry_points)
     monkeypatch.setenv("HALSERVE_PLUGINS", "builtin,cpu,acme")
