@@ -47,6 +47,8 @@ def run_conformance(plugin: str, *, platform: str | None = None, quick: bool = F
     manifest = record.manifest
     report.add("plugin", plugin, "load", "passed",
                f"{record.distribution or '?'} {manifest.version}, plugin API {manifest.api}")
+    for warning in record.warnings:  # e.g. built for an older plugin API (still loaded, deprecated)
+        report.add("plugin", plugin, "deprecations", "warned", warning)
     for conflict in manager.conflicts:
         if f"plugin {plugin!r}" in conflict:
             report.add("plugin", plugin, "unique names", "failed", conflict)

@@ -154,3 +154,23 @@ def test_duplicate_name_is_a_conflict_naming_both(fixture_env) -> None:
     message = "platform 'cpu' is registered by both plugin 'cpu' and plugin 'fixture'"
     assert seen.stderr.count(message) >= 2  # once per command, plus the logged warning
     assert seen.resolve["None"]["error"].startswith("PluginConflictError: " + message)
+
+
+def test_api_1_plugin_loads_under_api_2_and_passes_the_kit_with_a_deprecation(fixture_env) -> None:
+    """The deprecation policy exercised: the fixture wheel declares API 1 (>=1,<2); plugin API 2 loads it
+    with a DeprecationWarning listed by `halserve plugins`, and the conformance kit passes, warning."""
+    import json
+
+    seen = run_scenario(fixture_env(), resolve=("fixture",))
+    plugin = _plugin(seen.report, "fixture")
+    assert plugin["status"] == "loaded"
+    assert any("built for API 1" in w and "declare api='>=1,<3'" in w for w in plugin["warnings"]), plugin
+    assert seen.resolve["fixture"]["ok"][1] == "fixture"
+    widened = _plugin(run_scenario(fixture_env(HALSERVE_FIXTURE_API=">=1,<3")).report, "fixture")
+    assert widened["status"] == "loaded" and widened["warnings"] == []
+
+    result = run_halserve("conformance", "fixture", "--checks", "platforms,layers", "--json", env=fixture_env())
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["ok"], result.stdout + result.stderr
+    (row,) = [r for r in report["results"] if r["case"] == "deprecations"]
+    assert row["status"] == "warned" and "built for API 1" in row["detail"]
