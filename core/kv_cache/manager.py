@@ -287,10 +287,11 @@ class KVCacheManager:
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_hit * bs
-        new_ids: list[list[BlockId]] = []
-        for g in range(self.num_groups):
+        for g in range(self.num_groups):  # (every hit out of the free queue before any block is popped from it)
             self._touch(hits[g])
             tables[g].extend(hits[g])
+        new_ids: list[list[BlockId]] = []
+        for g in range(self.num_groups):
             new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
             assert new_blocks is not None
             tables[g].extend(new_blocks)
