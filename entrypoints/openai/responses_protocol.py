@@ -6,8 +6,11 @@ A request is a chat request in another envelope: ``ResponsesRequest.chat_request
 ``max_completion_tokens`` and ``text.format`` into ``response_format``, so /v1/responses shares
 the chat path's template rendering, sampling parameters, reasoning parser and structured
 outputs. A user message's ``input_image`` parts (an http(s) or data URL) become chat's
-``image_url`` parts. What it cannot honour (tools, stored responses, background mode, files,
-images by ``file_id``) is a 400 naming the field. The response bodies have the shapes of the ``openai`` client's
+``image_url`` parts. Function tools become chat's tools (``function_call`` and
+``function_call_output`` input items its assistant tool calls and tool messages) and the calls the
+model writes come back as ``function_call`` output items, found by chat's tool-call parser. What
+it cannot honour (other tool types, stored responses, background mode, files, images by
+``file_id``) is a 400 naming the field. The response bodies have the shapes of the ``openai`` client's
 ``openai.types.responses`` types.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest, str
 from halserve.entrypoints.openai.protocol import OpenAIModel, SamplingRequest
 
 __all__ = [
+    "FunctionCallItem",
     "IncompleteDetails",
     "OutputMessage",
     "ReasoningItem",
@@ -85,6 +89,10 @@ class InputItem(OpenAIModel):
     role: Literal["user", "system", "developer", "assistant"] | None = None
     content: str_or_list(InputPart) | None = None  # type: ignore[valid-type]
     summary: list[InputPart] | None = None  # a reasoning item's
+    call_id: str | None = None  # a function_call's (and the function_call_output answering it)
+    name: str | None = None  # a function_call's function
+    arguments: str | None = None  # a function_call's arguments, JSON text
+    output: str | None = None  # a function_call_output's result
     id: str | None = None  # (an earlier output item's id, status and encrypted reasoning: not used)
     status: str | None = None
     encrypted_content: str | None = None
@@ -103,9 +111,16 @@ class InputItem(OpenAIModel):
             allowed = TEXT_PARTS + (IMAGE_PART,)
         elif self.type == "reasoning":
             allowed = REASONING_PARTS
+        elif self.type in ("function_call", "function_call_output"):
+            needed = ("call_id", "name", "arguments") if self.type == "function_call" else ("call_id", "output")
+            missing = [field for field in needed if getattr(self, field) is None]
+            if missing:
+                raise ValueError(f"a {self.type!r} item needs {', '.join(missing)}")
+            allowed = ()
         else:
             raise ValueError(f"input items of type {self.type!r} are not supported; only 'message' items are "
-                             "(and 'reasoning' items from an earlier response's output)")
+                             "(and 'reasoning', 'function_call' and 'function_call_output' items from an earlier "
+                             "response's output and your tools' results)")
         for part in parts + (self.summary or []):
             if part.type not in allowed:
                 raise ValueError(f"a {self.type!r} item cannot hold {part.type!r} content parts")
@@ -163,10 +178,17 @@ _REFUSED = {
     "background": (lambda value: value, "background mode needs stored responses, which this server does not keep"),
     "conversation": (lambda value: value is not None, "this server does not store conversations"),
     "prompt": (lambda value: value is not None, "stored prompt templates are not supported: send the text as input"),
-    "tools": (lambda value: bool(value), "tools are not supported by /v1/responses on this server; "
-                                         "/v1/chat/completions serves function calling"),
-    "tool_choice": (lambda value: value not in (None, "none", "auto"), "there are no tools to choose from "
-                                                                       "(only 'none' and 'auto' are accepted)"),
+    "tools": (
+        lambda value: any(not isinstance(t, dict) or t.get("type") != "function" for t in value or ()),
+        "only function tools are supported ({'type': 'function', 'name': ..., 'parameters': {...}}); "
+        "built-in tools (web_search, file_search, code_interpreter, ...) are not",
+    ),
+    "tool_choice": (
+        lambda value: not (value in (None, "none", "auto", "required")
+                           or isinstance(value, dict) and value.get("type") == "function"
+                           and isinstance(value.get("name"), str)),
+        "tool_choice is 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
+    ),
     "top_logprobs": (lambda value: bool(value), "logprobs are not returned by /v1/responses on this server"),
     "include": (
         lambda value: any(name != "reasoning.encrypted_content" for name in value or ()),
@@ -215,6 +237,13 @@ class ResponsesRequest(SamplingRequest):
             raise ValueError(why)
         return value
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, value: Any, info: Any) -> Any:
+        if value not in (None, "none", "auto") and not info.data.get("tools"):
+            raise ValueError("tool_choice 'required' or a function needs tools")
+        return value
+
     @field_validator("input")
     @classmethod
     def _has_a_message(cls, value: str | list[InputItem]) -> str | list[InputItem]:
@@ -247,6 +276,21 @@ class ResponsesRequest(SamplingRequest):
             if item.type == "reasoning":
                 reasoning = item.text()
                 continue
+            if item.type == "function_call":  # (the calls of one turn: one assistant message)
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and reasoning is None:
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    if reasoning is not None:
+                        messages[-1]["reasoning"] = reasoning
+                reasoning = None
+                continue
+            if item.type == "function_call_output":
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+                continue
             message = {"role": item.role, "content": item.chat_content()}
             if item.role == "assistant" and reasoning is not None:
                 message["reasoning"] = reasoning
@@ -267,6 +311,14 @@ class ResponsesRequest(SamplingRequest):
         shared = {name: getattr(self, name) for name in SamplingRequest.model_fields if name in self.model_fields_set}
         if self.text_format.type != "text":
             shared["response_format"] = self.text_format.response_format()
+        if self.tools:  # (the Responses API's flat function tools, as chat's)
+            shared["tools"] = [{"type": "function", "function": {
+                key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}}
+                for tool in self.tools]
+            choice = self.tool_choice
+            shared["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}} \
+                if isinstance(choice, dict) else choice
+            shared["parallel_tool_calls"] = self.parallel_tool_calls
         return ChatCompletionRequest.model_validate({
             **shared,
             "messages": self.chat_messages(),
@@ -310,6 +362,18 @@ class ReasoningItem(BaseModel):
     status: ItemStatus
 
 
+class FunctionCallItem(BaseModel):
+    """A call of one of the request's function tools (run it, and send its result back as a
+    ``function_call_output`` input item with this ``call_id``)."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: ItemStatus
+
+
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cache_write_tokens: int = 0
@@ -340,7 +404,7 @@ class ResponsesResponse(BaseModel):
     status: Literal["in_progress", "completed", "incomplete", "cancelled", "failed"]
     incomplete_details: IncompleteDetails | None = None
     error: dict[str, Any] | None = None
-    output: list[ReasoningItem | OutputMessage] = Field(default_factory=list)
+    output: list[ReasoningItem | OutputMessage | FunctionCallItem] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     # the request's settings, echoed (sampling ones as applied)
     instructions: str | None = None
@@ -368,6 +432,6 @@ class ResponsesResponse(BaseModel):
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
             temperature=temperature, top_p=top_p, metadata=req.metadata or {}, user=req.user,
             text={"format": req.text_format.model_dump(by_alias=True, exclude_none=True)},
-            reasoning=req.reasoning, tool_choice=req.tool_choice or "auto",
+            reasoning=req.reasoning, tool_choice=req.tool_choice or "auto", tools=list(req.tools or ()),
             parallel_tool_calls=req.parallel_tool_calls,
         )

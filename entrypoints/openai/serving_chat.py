@@ -109,7 +109,7 @@ class OpenAIServingChat:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    def tool_parser(self, req: ChatCompletionRequest) -> ToolParser:
+    def make_tool_parser(self, req: ChatCompletionRequest) -> ToolParser:
         """A parser of the server's --tool-call-parser format for one reply to ``req``."""
         assert self.serving.tool_parser is not None
         schemas = {tool.function.name: tool.function.parameters for tool in req.tools or ()}
@@ -148,6 +148,21 @@ class OpenAIServingChat:
         images = await load_images(urls, serving.allowed_local_media_path, limit, serving.allowed_media_domains)
         return text, {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
+    def check_tools(self, req: ChatCompletionRequest) -> None:
+        """tool_choice 'auto' needs the server's tool-call parser (a 400 otherwise); a format whose
+        markers are special tokens keeps them in the reply's text (skip_special_tokens false)."""
+        if not req.auto_tools:
+            return
+        if self.serving.tool_parser is None:
+            raise BadRequestError(
+                "tool_choice 'auto' (the default with tools) needs the server started with "
+                "--enable-auto-tool-choice --tool-call-parser NAME (the model's call format); or set "
+                "tool_choice to 'required' or a named function (the call is generated to the tool's JSON schema)",
+                param="tool_choice",
+            )
+        if req.skip_special_tokens is None and get_tool_parser(self.serving.tool_parser).needs_special_tokens:
+            req.skip_special_tokens = False
+
     def after_thinking(self, constraint: StructuredOutputsParams, start: ReplyStart | None) -> None:
         """A thinking model's constraint applies after its thinking: from the end tag on (the
         tag's tokens). Where the reply may or may not open with the start tag (one token), the
@@ -183,7 +198,7 @@ class OpenAIServingChat:
             except ValueError:
                 pass
         elif req.auto_tools:
-            text, calls = self.tool_parser(req).parse(text)
+            text, calls = self.make_tool_parser(req).parse(text)
         tool_calls = [ToolCall(function=ToolCallFunction(name=name, arguments=args)) for name, args in calls]
         if tool_calls and finish == "stop" and not named:
             finish = "tool_calls"  # (OpenAI says "stop" for a named function it was told to call)
@@ -216,15 +231,7 @@ class OpenAIServingChat:
                                       "alone; leave use_beam_search out (greedy: temperature 0)",
                                       param="use_beam_search")
             return await serving_beam_search.create_chat_completion(self, req, raw_request, model)
-        if req.auto_tools and serving.tool_parser is None:
-            raise BadRequestError(
-                "tool_choice 'auto' (the default with tools) needs the server started with "
-                "--enable-auto-tool-choice --tool-call-parser NAME (the model's call format); or set "
-                "tool_choice to 'required' or a named function (the call is generated to the tool's JSON schema)",
-                param="tool_choice",
-            )
-        if req.auto_tools and req.skip_special_tokens is None and get_tool_parser(serving.tool_parser).needs_special_tokens:
-            req.skip_special_tokens = False  # (the format's markers are special tokens: keep them in the text)
+        self.check_tools(req)
         params = serving.sampling_params(req.sampling_kwargs())
         prompt_text, prompt = await self.render(req)
         start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
@@ -328,7 +335,9 @@ class OpenAIServingChat:
                     calls: list[DeltaToolCall] = []
                     finish_reason = o.finish_reason
                     if req.auto_tools:
-                        tool_parser = tool_parsers.setdefault(o.index, self.tool_parser(req))
+                        if o.index not in tool_parsers:
+                            tool_parsers[o.index] = self.make_tool_parser(req)
+                        tool_parser = tool_parsers[o.index]
                         content = o.text[:end] if start is None else (content or "")
                         found = tool_parser.stream(content, final)
                         delta = found.content

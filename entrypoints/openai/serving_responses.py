@@ -12,6 +12,11 @@ A streamed response's events, each with the next ``sequence_number``::
         response.reasoning_text.delta / response.output_text.delta ...,
         response.reasoning_text.done / response.output_text.done,
         response.content_part.done, response.output_item.done
+    per function call (with tools; after the message opened, if the reply has text):
+        response.output_item.added (its call_id and name),
+        response.function_call_arguments.delta ... (tool_choice 'auto': as the model writes them;
+        a forced call: whole, at the end), response.function_call_arguments.done,
+        response.output_item.done
     response.completed (as vLLM: also for a response whose status is "incomplete")
 
 An error after the stream started is an ``error`` event, and the stream ends there.
@@ -33,6 +38,7 @@ from halserve.engine.async_llm import EngineDeadError
 from halserve.entrypoints.openai.errors import BadRequestError, OpenAIError, validation_message
 from halserve.entrypoints.openai.reasoning import ReplyStart
 from halserve.entrypoints.openai.responses_protocol import (
+    FunctionCallItem,
     IncompleteDetails,
     OutputMessage,
     OutputText,
@@ -45,6 +51,7 @@ from halserve.entrypoints.openai.responses_protocol import (
 )
 from halserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from halserve.entrypoints.openai.serving_engine import ClientDisconnected, OpenAIServing, sendable_end
+from halserve.entrypoints.openai.tool_parsers import ToolParser
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.async_llm import RequestStream
@@ -143,6 +150,37 @@ class StreamedItem:
         yield self.emit("response.output_item.done", output_index=self.output_index, item=self.done)
 
 
+class StreamedCall:
+    """One function call while it streams: from ``output_item.added`` to ``output_item.done``."""
+
+    def __init__(self, name: str, output_index: int, emit: EventWriter) -> None:
+        self.id, self.call_id = item_id("fc"), item_id("call")
+        self.name = name
+        self.output_index = output_index
+        self.arguments = ""
+        self.emit = emit
+        self.done: FunctionCallItem | None = None
+
+    def item(self, status: str) -> FunctionCallItem:
+        return FunctionCallItem(id=self.id, call_id=self.call_id, name=self.name, arguments=self.arguments,
+                                status=status)
+
+    def open(self) -> Iterator[str]:
+        yield self.emit("response.output_item.added", output_index=self.output_index, item=self.item("in_progress"))
+
+    def extend(self, delta: str) -> Iterator[str]:
+        if delta:
+            self.arguments += delta
+            yield self.emit("response.function_call_arguments.delta", item_id=self.id,
+                            output_index=self.output_index, delta=delta)
+
+    def close(self, status: str) -> Iterator[str]:
+        yield self.emit("response.function_call_arguments.done", item_id=self.id, output_index=self.output_index,
+                        name=self.name, arguments=self.arguments)
+        self.done = self.item(status)
+        yield self.emit("response.output_item.done", output_index=self.output_index, item=self.done)
+
+
 class OpenAIServingResponses:
     def __init__(self, serving: OpenAIServing, chat: OpenAIServingChat) -> None:
         self.serving = serving
@@ -159,6 +197,7 @@ class OpenAIServingResponses:
         if (where := req.first_image_param()) is not None and not serving.supports_images:
             raise BadRequestError(f"{where}: this model takes text only, so input_image content parts cannot be "
                                   "used; send text, or serve a vision-language model (e.g. LLaVA)", param=where)
+        self.chat.check_tools(chat_req)
         params = serving.sampling_params(chat_req.sampling_kwargs())
         try:
             prompt_text, prompt = await self.chat.render(chat_req)  # (token ids, or a dict with the images)
@@ -191,11 +230,15 @@ class OpenAIServingResponses:
             items.append(output_item("reasoning", item_id("rs"), message.reasoning, status))
         if message.content is not None:
             items.append(output_item("message", item_id("msg"), message.content, last_status))
+        for call in message.tool_calls:
+            items.append(FunctionCallItem(id=item_id("fc"), call_id=item_id("call"), name=call.function.name,
+                                          arguments=call.function.arguments, status=last_status))
         response = self._finished(head, final, items, message.reasoning)
         return JSONResponse(response.model_dump(mode="json", by_alias=True))
 
     def _finished(self, head: ResponsesResponse, final: RequestOutput,
-                  items: list[ReasoningItem | OutputMessage], reasoning: str | None) -> ResponsesResponse:
+                  items: list[ReasoningItem | OutputMessage | FunctionCallItem],
+                  reasoning: str | None) -> ResponsesResponse:
         """The response once its output is whole: status, output items and usage."""
         (output,) = final.outputs
         status, incomplete = finished_status(output.finish_reason)
@@ -232,6 +275,9 @@ class OpenAIServingResponses:
         emit = EventWriter()
         parser = self.serving.reasoning_parser
         items: dict[ItemKind, StreamedItem] = {}
+        calls: list[StreamedCall] = []
+        tool_parser: ToolParser | None = self.chat.make_tool_parser(chat_req) if chat_req.auto_tools else None
+        message_text = ""  # with tools: the content the tool parser let through
         sent = 0  # how much of the generated text went out
         try:
             yield emit("response.created", response=head)
@@ -245,15 +291,44 @@ class OpenAIServingResponses:
                 # (each split of the sendable text extends the previous one's parts)
                 reasoning, content = (None, text) if start is None else parser.split(
                     text, start, is_final, exact=chat_req.constrained)
-                for event in self._advance(items, emit, reasoning, content, is_final):
+                found = None
+                if chat_req.calls_tools:  # (forced calls are known once the reply is whole)
+                    content = None
+                elif tool_parser is not None and content is not None:
+                    found = tool_parser.stream(content, is_final)
+                    message_text += found.content
+                    content = message_text if message_text or not tool_parser.num_streamed_calls else None
+                for event in self._advance(items, emit, reasoning, content, is_final, len(calls)):
                     yield event
+                for piece in found.calls if found is not None else ():
+                    if piece.index == len(calls):
+                        calls.append(StreamedCall(piece.name or "", len(items) + len(calls), emit))
+                        for event in calls[-1].open():
+                            yield event
+                    for event in calls[piece.index].extend(piece.arguments):
+                        yield event
                 final = out
             assert final is not None
+            status = last_item_status(final.outputs[0].finish_reason)
+            if chat_req.calls_tools:
+                message, _ = self.chat.reply_message(chat_req, final.outputs[0], start)
+                for event in self._advance(items, emit, message.reasoning, message.content, True, len(calls)):
+                    yield event
+                for call in message.tool_calls:
+                    calls.append(StreamedCall(call.function.name, len(items) + len(calls), emit))
+                    for event in calls[-1].open():
+                        yield event
+                    for event in calls[-1].extend(call.function.arguments):
+                        yield event
             for item in items.values():
                 if item.done is None:
-                    for event in item.close(last_item_status(final.outputs[0].finish_reason)):
+                    for event in item.close(status):
                         yield event
-            done = [item.done for item in items.values()]
+            for call in calls:
+                for event in call.close(status):
+                    yield event
+            finished = [(item.output_index, item.done) for item in [*items.values(), *calls]]
+            done = [item for _, item in sorted(finished, key=lambda pair: pair[0]) if item is not None]
             response = self._finished(head, final, done, items["reasoning"].text if "reasoning" in items else None)
             yield emit("response.completed", response=response)
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
@@ -263,19 +338,20 @@ class OpenAIServingResponses:
 
     @staticmethod
     def _advance(items: dict[ItemKind, StreamedItem], emit: EventWriter, reasoning: str | None,
-                 content: str | None, is_final: bool) -> Iterator[str]:
+                 content: str | None, is_final: bool, num_calls: int = 0) -> Iterator[str]:
         """Events for the reply's parts so far: the reasoning item's, then (closing the reasoning) the
-        message's. A message opens once it has text, or at the end if the reply has content at all."""
+        message's. A message opens once it has text, or at the end if the reply has content at all.
+        (``num_calls`` function call items have output indexes already.)"""
         if reasoning:
             if "reasoning" not in items:
-                items["reasoning"] = StreamedItem("reasoning", len(items), emit)
+                items["reasoning"] = StreamedItem("reasoning", len(items) + num_calls, emit)
                 yield from items["reasoning"].open()
             yield from items["reasoning"].extend(reasoning)
         if content or (content is not None and is_final):
             if "message" not in items:
                 if "reasoning" in items:
                     yield from items["reasoning"].close("completed")
-                items["message"] = StreamedItem("message", len(items), emit)
+                items["message"] = StreamedItem("message", len(items) + num_calls, emit)
                 yield from items["message"].open()
             yield from items["message"].extend(content)
 

@@ -102,6 +102,11 @@ class ToolParser:
         raise NotImplementedError
 
     # -- helpers for scan ----------------------------------------------------------------
+    def is_over_limit(self, index: int) -> bool:
+        """Whether the ``index``-th call is past ``max_calls``. Formats whose reply is nothing but
+        calls drop such calls; formats with calls inside text leave them as text (``accepts``)."""
+        return self.max_calls is not None and index >= self.max_calls
+
     def accepts(self, name: str, index: int) -> bool:
         """Whether the ``index``-th call (from 0) may be a call of ``name``."""
         if self.max_calls is not None and index >= self.max_calls:

@@ -37,7 +37,10 @@ class DeepSeekV3ToolParser(ToolParser):
                 if not final and (CALL_BEGIN.startswith(rest) or CALLS_END.startswith(rest)):
                     return items
                 return self._refuse(items, text, k, j)
-            call = self._read_call(text, j, final, sum(isinstance(i, ScannedCall) for i in items))
+            index = sum(isinstance(i, ScannedCall) for i in items)
+            if self.is_over_limit(index):
+                return items
+            call = self._read_call(text, j, final, index)
             if call is None:  # still being written
                 return items if not final else self._refuse(items, text, k, j)
             if isinstance(call, str):

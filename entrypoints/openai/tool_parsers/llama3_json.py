@@ -32,6 +32,8 @@ class Llama3JsonToolParser(ToolParser):
         pos = len(text) - len(body)
         start = pos
         while True:
+            if self.is_over_limit(len(items)):
+                return items
             lexer = self._lexers.setdefault(pos, JsonPrefix())
             read = read_call_object(lexer, text, pos, final, lambda name: self.accepts(name, len(items)))
             if read.status == PENDING and not final:

@@ -51,6 +51,8 @@ class MistralToolParser(ToolParser):
                 return items
             if text[j] == "[":  # v3: a JSON array of call objects
                 return self._scan_array(text, j + 1, final, items, k)
+            if self.is_over_limit(calls):
+                return items
             refused = text[j if calls else k :]  # (a call that is not one, and all after it: text)
             name = _NAME.match(text, j)
             if name is None:
@@ -97,6 +99,8 @@ class MistralToolParser(ToolParser):
                 return refuse() if final else items
             if text[pos] != "{":
                 return refuse()
+            if self.is_over_limit(len(items) - first):
+                return items
             lexer = self._lexers.setdefault(pos, JsonPrefix())
             read = read_call_object(lexer, text, pos, final, lambda name: self.accepts(name, len(items) - first))
             if read.status == PENDING and not final:

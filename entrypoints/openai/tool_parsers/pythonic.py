@@ -84,6 +84,8 @@ class PythonicToolParser(ToolParser):
                 return refuse() if final else items
             if text[pos] == "]" and not items:
                 return refuse()  # an empty list is no call
+            if self.is_over_limit(len(items)):
+                return items
             name = _IDENT.match(text, pos)
             if name is None:
                 return refuse()
