@@ -22,7 +22,8 @@ Per file (the engines alternate within each file; the first engine alternates be
   (b) serving (``--serve-quants``): ``llama-server -np <max concurrency> -cb`` and ``halserve serve FILE``,
       both driven by ``halserve bench serve`` with the same random token-id prompts (``--input-len`` in,
       ``--output-len`` out, greedy, ignore_eos) at each ``--concurrency``: throughput, p50 TTFT and TPOT;
-  (c) the peak RSS of each server's process tree (psutil, sampled every 0.2 s from launch to stop).
+  (c) the peak RSS of each server's process tree (psutil, sampled every 0.2 s from launch to stop); halserve's
+      KV cache is sized to llama-server's context (``--num-kv-blocks``), not the CPU's default budget.
 
 halserve runs in each ``--halserve-modes`` that this install has: ``gguf`` (the weights stay GGUF blocks,
 through the ``gguf_gemm`` kernel this platform resolves; the row names it), ``f32`` and ``bf16`` (the
@@ -225,7 +226,9 @@ def bench(base: str, tokenizer: str, concurrency: int, num_prompts: int, input_l
            "--tokenizer", tokenizer, "--num-prompts", str(num_prompts), "--random-input-len", str(input_len),
            "--random-output-len", str(output_len), "--max-concurrency", str(concurrency), "--result-json", out]
     log("$", " ".join(cmd))
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench serve at concurrency {concurrency}: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     with open(out) as f:
         result = json.load(f)
     os.unlink(out)
@@ -248,7 +251,7 @@ def serve(name: str, cmd: list[str], env: dict, hf: str, args: argparse.Namespac
         for c in args.concurrency:
             n = max(args.min_prompts, args.waves * c)
             result[f"c{c}"] = bench(f"http://127.0.0.1:{port}", hf, c, n, args.input_len, args.output_len)
-    except (RuntimeError, subprocess.CalledProcessError) as exc:
+    except RuntimeError as exc:
         result["error"] = str(exc)[:300]
         log(f"{name}: {exc} (log: {logfile.name})")
     finally:
@@ -271,9 +274,12 @@ def llama_server_cmd(bin_dir: str, path: str, args: argparse.Namespace) -> list[
 
 
 def halserve_serve_cmd(path: str, mode: str, args: argparse.Namespace) -> list[str]:
+    # the KV cache holds as many tokens as llama-server's context (-c), not the CPU platform's default budget
+    # (up to 4 GiB), so that peak RSS compares like with like
+    tokens = max(args.concurrency) * (args.input_len + args.output_len + 64)
     return [sys.executable, "-m", "halserve.entrypoints.cli", "serve", path, "--platform", "cpu", *MODES[mode],
             "--no-enable-prefix-caching", "--served-model-name", SERVED,
-            "--max-model-len", str(args.input_len + args.output_len + 64)]
+            "--max-model-len", str(args.input_len + args.output_len + 64), "--num-kv-blocks", str(-(-tokens // 16))]
 
 
 # ---------------------------------------------------------------------- tables

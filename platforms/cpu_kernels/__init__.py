@@ -86,7 +86,7 @@ def load_library(name: str) -> object | None:
 
             _loaded[name] = build_and_load(
                 lib.build_name, [os.path.join(HERE, s) for s in lib.sources], is_python_module=lib.is_python_module,
-                defines=lib.defines, label=f"halserve's native CPU kernels '{name}' ({lib.purpose})",
+                defines=lib.defines, label=f"halserve's native CPU kernels '{name}'", purpose=lib.purpose,
                 estimate_s=lib.estimate_s)
         except Exception as exc:  # noqa: BLE001 - a failed build falls back, loudly
             _errors[name] = f"building the native CPU kernel library {name!r} failed: {type(exc).__name__}: {exc}"

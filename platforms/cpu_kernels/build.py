@@ -153,12 +153,13 @@ class _Progress:
 
 
 def build_and_load(name: str, sources: list[str], *, is_python_module: bool = True, defines: tuple[str, ...] = (),
-                   label: str | None = None, estimate_s: float | None = None):
+                   label: str | None = None, purpose: str = "", estimate_s: float | None = None):
     """``torch.utils.cpp_extension.load`` of ``sources`` as ``name``, in this input's own directory, one
     process at a time; returns what ``load`` does (the module, or its path when not a Python module).
 
     ``defines`` are ``-D`` flags (part of the cache key); ``label`` names the build in logs (default
-    ``name``); ``estimate_s`` is the expected build time where this machine has built ``name`` never before.
+    ``name``), ``purpose`` says what it gives in the first line; ``estimate_s`` is the expected build time
+    where this machine has never built ``name``.
     """
     from torch.utils.cpp_extension import load as load_ext
 
@@ -187,8 +188,9 @@ def build_and_load(name: str, sources: list[str], *, is_python_module: bool = Tr
                             time.monotonic() - started)
                 return result
             estimate = recorded_build_seconds(name) or estimate_s
-            logger.info("building %s: %d sources (%s), once per machine and source version%s; cached in %s",
-                        label, len(sources), ", ".join(os.path.basename(s) for s in sources),
+            logger.info("building %s%s: %d sources (%s), once per machine and source version%s; cached in %s",
+                        label, f" ({purpose})" if purpose else "", len(sources),
+                        ", ".join(os.path.basename(s) for s in sources),
                         f", about {estimate:.0f} s" if estimate else "", directory)
             with _Progress(label, directory, sources, estimate):
                 result = load_ext(name=name, sources=sources, build_directory=directory, extra_cflags=cflags,

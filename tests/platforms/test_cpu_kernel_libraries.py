@@ -22,7 +22,8 @@ def builds(monkeypatch):
     """Record each library build instead of compiling; a fresh per-process library table."""
     built = []
 
-    def fake_build_and_load(name, sources, *, is_python_module=True, defines=(), label=None, estimate_s=None):
+    def fake_build_and_load(name, sources, *, is_python_module=True, defines=(), label=None, purpose="",
+                            estimate_s=None):
         built.append((name, [os.path.basename(s) for s in sources], defines))
         if name != "halserve_cpu_core":
             raise RuntimeError(f"{name} is not compiled in this test")
@@ -107,9 +108,10 @@ def test_first_build_reports_progress_and_the_second_says_cached(tmp_path, monke
     source.write_text("extern \"C\" int halserve_build_probe() { return 3; }\n")
     caplog.set_level(logging.INFO, logger=build.__name__)
 
-    first = build.build_and_load("probe_log", [str(source)], is_python_module=False, label="the probe", estimate_s=5)
+    first = build.build_and_load("probe_log", [str(source)], is_python_module=False, label="the probe",
+                                 purpose="a test", estimate_s=5)
     text = caplog.text
-    assert "building the probe: 1 sources (probe.cpp), once per machine and source version, about 5 s" in text
+    assert "building the probe (a test): 1 sources (probe.cpp), once per machine and source version, about 5 s" in text
     assert "building the probe: 0 of 1 sources compiled" in text  # progress while the compiler runs
     assert "built the probe in" in text
     assert "using cached build" not in text
