@@ -44,3 +44,4 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0  # of which accepted
     num_steps: int = 0
     extra: dict = field(default_factory=dict)
+    kv_cache_group_usage: tuple[float, ...] = ()  # per KV-cache group (SchedulerStats' field of that name)
