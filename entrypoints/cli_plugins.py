@@ -113,6 +113,9 @@ def collect(manager: PluginManager, platform: str | None = None) -> dict[str, An
     for kind in _KINDS:
         report[kind] = _rows(manager, kind)
     report["selected_platform"] = selected
+    from halserve.models.transformers_backend import backend_status
+
+    report["transformers_backend"] = backend_status()  # (architectures with no native code: issue 28)
     report["selected_platform_error"] = selected_error
 
     # Resolve for the selected platform; when an explicitly named platform is registered
@@ -397,6 +400,11 @@ def render(report: dict[str, Any]) -> str:
         if report["models"]
         else "  (none registered)"
     )
+    tb = report.get("transformers_backend")
+    if tb:
+        out.append("  other architectures: the Transformers modeling backend (" + (
+            f"transformers {tb['transformers_version']}; {tb['serves']}" if tb["available"] else
+            f"unavailable: {tb['reason']}") + ")")
     for v in report.get("model_variants", []):
         out.append(f"  {v['architecture']} on {v['platform']}: {v['target']} (plugin {v['plugin']}, overrides "
                    f"{v['replaces'] or 'nothing registered'})")

@@ -76,6 +76,9 @@ class ModelInfo:
     image_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # mm_processor_kwargs
     # a GGUF checkpoint (halserve.models.gguf): its first file; model_path is then its folder. None: safetensors
     gguf_file: str | None = None
+    # which code runs it: "halserve" (its registered native class) or "transformers" (transformers' modeling
+    # code with halserve's paged attention: halserve.models.transformers_backend); EngineConfig.model_impl
+    model_impl: str = "halserve"
 
     @property
     def is_multimodal(self) -> bool:
@@ -164,15 +167,7 @@ def get_model_info(config: EngineConfig, platform: Platform) -> ModelInfo:
     else:
         path = resolve_model_path(config.model, config.revision)
         hf_config = AutoConfig.from_pretrained(config.hf_config_path or path, trust_remote_code=config.trust_remote_code)
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    supported = supported_architectures()
-    arch = next((a for a in archs if a in supported), None)
-    if arch is None:
-        raise ValueError(
-            f"model architecture {archs or '(none in config.json)'} of {config.model!r} is not supported; "
-            f"supported architectures: {', '.join(sorted(supported)) or 'none registered'} "
-            "(a plugin can add one through the halserve_model_architectures hook)"
-        )
+    arch, model_impl = resolve_model_impl(config, hf_config)
     # A multimodal checkpoint nests its decoder's sizes in text_config (transformers' get_text_config)
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     model_max = getattr(text_config, "max_position_embeddings", None)
@@ -201,7 +196,7 @@ def get_model_info(config: EngineConfig, platform: Platform) -> ModelInfo:
     pooler_config = resolve_pooler_config(path, config.pooler_config)
     is_classifier = arch.endswith(CLASSIFIER_SUFFIX)
     id2label = getattr(hf_config, "id2label", None) or {}
-    model_cls = model_class(arch, platform.name)
+    model_cls = _transformers_class() if model_impl == "transformers" else model_class(arch, platform.name)
     multimodal = supports_multimodal(model_cls)
     if config.kv_cache_dtype == "auto":
         elem_size = torch.empty((), dtype=dtype).element_size()
@@ -234,7 +229,55 @@ def get_model_info(config: EngineConfig, platform: Platform) -> ModelInfo:
         max_images_per_prompt=_max_images(config) if multimodal else 0,
         image_processor_kwargs=dict(config.mm_processor_kwargs or {}) if multimodal else {},
         gguf_file=gguf_file,
+        model_impl=model_impl,
     )
+
+
+def resolve_model_impl(config: EngineConfig, hf_config: Any) -> tuple[str, str]:
+    """(architecture, implementation) for ``config.model_impl``: ``halserve`` the first of the checkpoint's
+    architectures that is registered; ``transformers`` its first architecture through transformers'
+    modeling code (refused with the reason when that backend cannot run it); ``auto`` native when
+    registered, else transformers (logged as a warning)."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    supported = supported_architectures()
+    native = next((a for a in archs if a in supported), None)
+    impl = getattr(config, "model_impl", "auto")
+    if impl == "halserve" or (impl == "auto" and native is not None):
+        if native is None:
+            raise ValueError(
+                f"model architecture {archs or '(none in config.json)'} of {config.model!r} is not supported; "
+                f"supported architectures: {', '.join(sorted(supported)) or 'none registered'} "
+                "(a plugin can add one through the halserve_model_architectures hook; --model-impl transformers "
+                "or auto runs it with transformers' modeling code)"
+            )
+        return native, "halserve"
+    if not archs:
+        raise ValueError(f"the config.json of {config.model!r} names no architectures, so neither a native "
+                         'implementation nor a transformers class can be chosen; add "architectures": [...]')
+    from halserve.models.transformers_backend import TransformersBackendError, check_config
+
+    arch = archs[0]
+    try:
+        check_config(config, hf_config, arch)
+    except TransformersBackendError as exc:
+        if impl == "auto":
+            raise ValueError(
+                f"model architecture {archs} of {config.model!r} has no native halserve implementation "
+                f"(registered: {', '.join(sorted(supported)) or 'none'}), and the Transformers backend "
+                f"fallback refuses it: {exc}") from None
+        raise
+    if impl == "auto":
+        logger.warning("%s has no native halserve implementation: serving it with transformers' modeling code "
+                       "and halserve's paged attention (the Transformers backend, --model-impl transformers)", arch)
+    else:
+        logger.info("serving %s with the Transformers modeling backend (--model-impl transformers)", arch)
+    return arch, "transformers"
+
+
+def _transformers_class() -> type[ModelModule]:
+    from halserve.models.transformers_backend import TransformersForCausalLM
+
+    return TransformersForCausalLM
 
 
 def _max_images(config: EngineConfig) -> int:
@@ -432,7 +475,7 @@ def load_model(config: EngineConfig, info: ModelInfo, platform: Platform, attn_b
     """
     from halserve.layers.context import ModelContext
 
-    model_cls = model_class(info.architecture, platform.name)
+    model_cls = _transformers_class() if info.model_impl == "transformers" else model_class(info.architecture, platform.name)
     ctx = ModelContext(
         platform_name=platform.name,
         dtype=info.dtype,

@@ -24,7 +24,8 @@ class OpenAIServingTokenization:
         s = self.serving
         return ModelList(
             data=[
-                ModelCard(id=name, created=s.created, root=s.model_path, max_model_len=s.max_model_len)
+                ModelCard(id=name, created=s.created, root=s.model_path, max_model_len=s.max_model_len,
+                          model_impl=getattr(s.engine.model_info, "model_impl", None))
                 for name in s.served_model_names
             ] + [
                 ModelCard(id=lora.lora_name, created=s.created, root=lora.lora_path, max_model_len=s.max_model_len,

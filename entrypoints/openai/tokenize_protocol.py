@@ -17,6 +17,9 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # (halserve's) which code runs the model: "halserve" (native) or "transformers" (the Transformers
+    # modeling backend, --model-impl); None for an adapter
+    model_impl: str | None = None
 
 
 class ModelList(BaseModel):

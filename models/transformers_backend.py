@@ -1,0 +1,351 @@
+"""The Transformers modeling backend: transformers' own decoder code behind halserve's engine.
+
+``--model-impl transformers`` (or ``auto`` for an architecture with no native code) builds the
+checkpoint's transformers base model (``AutoModel.from_config``) with ``attn_implementation``
+set to ``"halserve"``, a function registered in transformers' ``AttentionInterface``. Each
+attention module of the model then hands its post-rotary q/k/v to one halserve ``Attention``
+layer, so the selected attention backend writes the engine's paged KV cache and attends over
+the flattened batch of the step (chunked prefills, prefix-cache hits and decodes together)::
+
+    engine step: input_ids [T], positions [T]
+        -> HF base model (input_ids [1, T], position_ids [1, T]; embeddings, rotary, norms, MLPs: its own)
+           -> each attention module: q [1, Hq, T, D], k/v [1, Hk, T, D]
+              -> halserve_attention -> Attention(q [T, Hq*D], k/v [T, Hk*D]) -> [1, T, Hq, D]
+        -> hidden [T, H] -> halserve's ParallelLMHead -> float32 logits -> halserve's sampler
+
+transformers builds no attention mask for an implementation it does not know, so none is made.
+
+The token embedding is replaced by halserve's ``VocabParallelEmbedding`` (the LM head can be tied
+to it); parameters are created on the meta device, then materialized on the platform's device in
+the model dtype and filled from the checkpoint by ``load_weights``. What this backend cannot run
+is refused at load with the reason (``check_config`` from the config alone, ``_check_attention``
+once the model is built): models with no attention or with non-attention (recurrent) layers,
+non-causal attention, attention sinks, MLA, encoder-decoders, multimodal models, quantized
+checkpoints, LoRA, and tensor or pipeline parallelism (not wired yet).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from halserve.layers import Attention, ModelContext, ParallelLMHead, VocabParallelEmbedding
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "halserve"  # the name registered in transformers' AttentionInterface
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# config attributes that describe layers other than attention (state-space / recurrent mixers)
+RECURRENT_CONFIG_KEYS = ("layers_block_type", "hybrid_override_pattern", "attn_layer_indices", "ssm_cfg",
+                         "mamba_d_state", "state_size", "linear_attn_config", "block_types")
+# module class name fragments of recurrent mixers, for models that name no layer types in their config
+RECURRENT_MODULE_NAMES = ("Mamba", "Mixer", "SSM", "GatedDeltaNet", "LinearAttention", "Rwkv", "RWKV",
+                          "Recurrent", "ShortConv", "Lightning")
+
+
+class TransformersBackendError(ValueError):
+    """A model the Transformers backend cannot serve; the message names the reason."""
+
+
+# -- what it can run ---------------------------------------------------------------------------
+def check_config(config: Any, hf_config: Any, architecture: str) -> None:
+    """Refuse (``TransformersBackendError``) what the backend cannot run, from the engine config and
+    the checkpoint's config alone (no weights). Called by ``get_model_info`` before any rank starts."""
+    import transformers
+
+    def refuse(reason: str) -> None:
+        raise TransformersBackendError(
+            f"{architecture} cannot run on the Transformers modeling backend (--model-impl transformers): {reason}")
+
+    cls = getattr(transformers, architecture, None)
+    auto_map = getattr(hf_config, "auto_map", None) or {}
+    if cls is None and not (config.trust_remote_code and "AutoModel" in auto_map):
+        refuse(f"transformers {transformers.__version__} has no class {architecture!r}"
+               + (" (the checkpoint ships its own code: pass trust_remote_code)" if auto_map else
+                  "; upgrade transformers (pip install -U transformers)"))
+    if not architecture.endswith("ForCausalLM"):
+        refuse("it serves decoder language models (*ForCausalLM) only; classification, embedding-only "
+               "and vision-language heads are not wired to it yet")
+    if getattr(hf_config, "is_encoder_decoder", False):
+        refuse("it is an encoder-decoder model (cross-attention has no paged KV cache here)")
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if text_config is not hf_config:
+        refuse("it is a multimodal model (its decoder sits in a text_config)")
+    other = sorted({t for t in getattr(text_config, "layer_types", None) or [] if t not in ATTENTION_LAYER_TYPES})
+    if other:
+        refuse(f"its config lists layer types {other} besides attention (recurrent / linear-attention "
+               "layers keep a state the paged KV cache does not hold)")
+    markers = [k for k in RECURRENT_CONFIG_KEYS if getattr(text_config, k, None) is not None]
+    if markers:
+        refuse(f"its config describes non-attention (recurrent) layers ({', '.join(markers)})")
+    if cls is not None and not getattr(cls, "_supports_attention_backend", False):
+        refuse(f"its transformers implementation ({cls.__name__}) does not route attention through "
+               "transformers' AttentionInterface (_supports_attention_backend is False), so halserve's "
+               "paged attention cannot be plugged in")
+    if getattr(text_config, "kv_lora_rank", None) is not None:
+        refuse("it uses multi-head latent attention (kv_lora_rank), which the attention interface passes "
+               "as full heads the KV cache is not sized for")
+    if getattr(hf_config, "quantization_config", None) is not None:
+        refuse("quantized checkpoints are not supported by this backend yet; use --model-impl halserve for a "
+               "natively supported architecture")
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        refuse("tensor and pipeline parallelism are not wired to this backend yet; use "
+               "tensor_parallel_size=1 and pipeline_parallel_size=1")
+    if config.enable_lora:
+        refuse("LoRA adapters are not wired to this backend yet; drop enable_lora")
+
+
+def backend_status() -> dict[str, Any]:
+    """For ``halserve plugins``: whether the backend can run here (transformers installed), without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("transformers")
+    except PackageNotFoundError:
+        found = None
+    return {
+        "available": found is not None,
+        "transformers_version": found,
+        "serves": "any *ForCausalLM transformers implements with AttentionInterface support, for architectures "
+                  "not registered above (--model-impl auto) or all (--model-impl transformers)",
+        "reason": None if found is not None else "transformers is not installed (pip install transformers)",
+    }
+
+
+# -- attention: transformers' interface -> halserve's Attention layer ---------------------------
+def halserve_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                       **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers calls this in every attention module (``attn_implementation="halserve"``).
+
+    query [1, Hq, T, D], key/value [1, Hk, T, D] (after rotary) -> ([1, T, Hq, D], no weights).
+    The module's halserve ``Attention`` (set by ``TransformersForCausalLM``) writes K/V into the
+    paged cache and attends with the step's metadata (the forward context)."""
+    attn: Attention | None = getattr(module, "halserve_attn", None)
+    if attn is None:
+        raise RuntimeError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) has no halserve "
+                           "attention layer; build the model through halserve.models.transformers_backend")
+    if scaling is not None and scaling != attn.scale:
+        raise RuntimeError(f"{attn.prefix}: transformers asks for attention scaling {scaling}, the layer was "
+                           f"built with {attn.scale}")
+    num_tokens = query.shape[2]
+    q = query[0].transpose(0, 1).reshape(num_tokens, -1)  # [T, Hq * D]
+    k = key[0].transpose(0, 1).reshape(num_tokens, -1)  # [T, Hk * D]
+    v = value[0].transpose(0, 1).reshape(num_tokens, -1)
+    out = attn(q, k, v)  # [T, Hq * D]
+    return out.view(1, num_tokens, attn.num_heads, attn.head_size), None
+
+
+def register_attention() -> None:
+    """Register ``halserve_attention`` in transformers' global ``AttentionInterface`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, halserve_attention)
+
+
+# -- building ---------------------------------------------------------------------------------
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters go to the meta device as modules register them (no memory, no init); buffers
+    (rotary frequencies, ...) stay where they are computed, on the current default device."""
+    from transformers.initialization import no_init_weights
+
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        with no_init_weights():
+            yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+class _ScaledEmbedding(VocabParallelEmbedding):
+    """``VocabParallelEmbedding`` times the scale the replaced embedding applied (Gemma 3's)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, ctx: ModelContext, scale: float) -> None:
+        super().__init__(num_embeddings, embedding_dim, ctx)
+        self.scale = scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.scale
+
+
+class TransformersForCausalLM(nn.Module):
+    """Any ``*ForCausalLM`` transformers implements, as a halserve ``TextGenerationModel``
+    (``halserve.models.interfaces``): built as ``cls(hf_config, ctx)`` by the loader."""
+
+    supports_pipeline_parallel = False
+
+    def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
+        super().__init__()
+        from transformers import AutoModel
+
+        register_attention()
+        hf_config = copy.deepcopy(hf_config)  # (the attention implementation is set on it)
+        self.config = hf_config
+        device = torch.get_default_device()  # (the loader builds under the platform's device)
+        hf_config._attn_implementation = ATTN_IMPLEMENTATION
+        trust = bool(getattr(hf_config, "auto_map", None))
+        with _parameters_on_meta():
+            model = AutoModel.from_config(hf_config, dtype=ctx.dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                                          trust_remote_code=trust)
+        self.model = model
+        self.base_model_prefix = getattr(model, "base_model_prefix", "model") or "model"
+        self.ignored_keys = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        vocab_size, hidden_size = hf_config.vocab_size, hf_config.hidden_size
+        old = self.model.get_input_embeddings()
+        scale = getattr(old, "embed_scale", None)
+        embed = (_ScaledEmbedding(vocab_size, hidden_size, ctx, float(scale)) if scale is not None
+                 else VocabParallelEmbedding(vocab_size, hidden_size, ctx))
+        self.model.set_input_embeddings(embed)
+        self.lm_head = ParallelLMHead(vocab_size, hidden_size, ctx, tie_to=embed if self.tie_word_embeddings else None)
+        # what transformers' *ForCausalLM head does to the logits besides the projection
+        self.logits_divisor = float(getattr(hf_config, "logits_scaling", None) or 1.0)  # Granite
+        self.logit_scale = float(getattr(hf_config, "logit_scale", None) or 1.0)  # Cohere
+        self.final_logit_softcap = getattr(hf_config, "final_logit_softcapping", None)  # Gemma 2/3
+        self._materialize(device, ctx.dtype)
+        self.layers = nn.ModuleList(self._attach_attention(ctx))
+
+    def _materialize(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Every parameter still on the meta device -> an empty one on ``device`` (floats in ``dtype``)."""
+        for module in self.model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None or param.device.type != "meta":
+                    continue
+                kind = dtype if param.dtype.is_floating_point else param.dtype
+                module._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
+                                                        requires_grad=False)
+
+    def _attach_attention(self, ctx: ModelContext) -> list[Attention]:
+        """One halserve ``Attention`` per transformers attention module, in layer order; refuses
+        (``TransformersBackendError``) a model whose attention the interface cannot express."""
+        from halserve.models.gemma import attention_logits_soft_cap
+        from halserve.models.llama import head_size_of, layer_sliding_windows
+
+        config = self.config
+        arch = (getattr(config, "architectures", None) or [type(self.model).__name__])[0]
+
+        def refuse(reason: str) -> None:
+            raise TransformersBackendError(f"{arch} cannot run on the Transformers modeling backend: {reason}")
+
+        num_layers = config.num_hidden_layers
+        found: dict[int, tuple[str, nn.Module]] = {}
+        recurrent = []
+        for name, module in self.model.named_modules():
+            kind = type(module).__name__
+            if any(part in kind for part in RECURRENT_MODULE_NAMES) and not kind.endswith("Attention"):
+                recurrent.append(f"{name} ({kind})")
+            if kind.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
+                if module.layer_idx in found:
+                    refuse(f"layer {module.layer_idx} has two attention modules ({found[module.layer_idx][0]}, {name})")
+                found[module.layer_idx] = (name, module)
+        if recurrent:
+            refuse(f"it has non-attention (recurrent) layers: {', '.join(recurrent[:3])}")
+        missing = [i for i in range(num_layers) if i not in found]
+        if missing:
+            refuse(f"no attention module found for layers {missing[:8]} of {num_layers} (each decoder layer needs "
+                   "one attention module with a layer_idx; recurrent or attention-free layers cannot run here)")
+        head_size = head_size_of(config)
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        windows = layer_sliding_windows(config)
+        soft_cap = attention_logits_soft_cap(config)
+        layers = []
+        for i in range(num_layers):
+            name, module = found[i]
+            if getattr(module, "is_causal", True) is not True:
+                refuse(f"{name} is not causal (bidirectional attention has no paged decode)")
+            if "sinks" in module._parameters or hasattr(module, "sinks"):
+                refuse(f"{name} has attention sinks, which the attention interface cannot express")
+            module_head = getattr(module, "head_dim", head_size)
+            if module_head != head_size:
+                refuse(f"{name} has head_dim {module_head}, the config {head_size}")
+            window = getattr(module, "sliding_window", None)
+            if window != windows[i]:
+                refuse(f"{name} slides over {window} tokens where the config says {windows[i]}; this sliding-"
+                       "window pattern is not one halserve's KV cache manager reads from the config")
+            scale = getattr(module, "scaling", None)
+            attn = Attention(num_heads, head_size, float(scale) if scale is not None else head_size**-0.5,
+                             num_kv_heads, ctx, sliding_window=window, logits_soft_cap=soft_cap,
+                             prefix=f"model.{name}.attn")
+            attn.scale = float(scale) if scale is not None else head_size**-0.5
+            module.__dict__["halserve_attn"] = attn  # (a plain attribute: self.layers owns it)
+            layers.append(attn)
+        return layers
+
+    # -- TextGenerationModel ------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final hidden states [T, H] (a batch of one, T tokens long)."""
+        if inputs_embeds is not None:
+            out = self.model(inputs_embeds=inputs_embeds[None], position_ids=positions[None], use_cache=False)
+        else:
+            out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        return out[0][0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden)  # [N, vocab] float32
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.logits_divisor != 1.0:
+            logits = logits / self.logits_divisor
+        if self.final_logit_softcap:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return list(self.layers)
+
+    def _target(self, name: str) -> str | None:
+        """A checkpoint name -> this module's parameter name; None for a tensor to skip."""
+        import re
+
+        if any(re.search(pattern, name) for pattern in self.ignored_keys):
+            return None
+        if "rotary_emb." in name:  # (buffers some checkpoints store)
+            return None
+        if name.startswith("lm_head."):
+            return None if self.tie_word_embeddings else name
+        prefix = self.base_model_prefix
+        if prefix != "model" and name.startswith(prefix + "."):
+            return "model." + name[len(prefix) + 1:]
+        if not name.startswith("model."):  # (a checkpoint of the bare base model)
+            return "model." + name
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._target(name)
+            if target is None:
+                continue
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter ({target!r}) in "
+                                 f"{type(self.model).__name__}; is this checkpoint for a different architecture?")
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(target)
+        if self.tie_word_embeddings and "lm_head.weight" in params:
+            loaded.add("lm_head.weight")
+        return loaded

@@ -1,0 +1,187 @@
+"""The Transformers modeling backend (``--model-impl``, halserve.models.transformers_backend): through
+the whole engine (LLM, CPU platform, float32, tiny random checkpoints written by transformers), greedy
+output is token-identical to transformers' generate() and to the native implementation, with chunked
+prefill, batching, prefix-cache hits and preemption; an architecture with no native code falls back to
+it under ``auto``; what it cannot run is refused at load with the reason."""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from engine_helpers import hf_greedy
+from model_factory import _randomize, make_checkpoint, make_tokenizer
+
+BLOCK = 16
+NEW_TOKENS = 12
+
+
+def make_hf_checkpoint(tmp_dir, config_name: str, arch: str, **overrides) -> str:
+    """A tiny random checkpoint of any transformers decoder (``config_name``, e.g. ``"Olmo2Config"``) and
+    the test tokenizer, in the layout ``model_factory.make_checkpoint`` writes."""
+    import transformers
+    from transformers import GenerationConfig
+
+    kwargs = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    config = getattr(transformers, config_name)(**(kwargs | overrides))
+    config.architectures = [arch]
+    path = os.fspath(tmp_dir)
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(config).to(torch.float32)
+    _randomize(model, config.hidden_size, 0)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer(config.vocab_size).save_pretrained(path)
+    return path
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 13, BLOCK, 3 * BLOCK + 5, 41, 7)]
+    shared = prompts[3][:2 * BLOCK + 3]  # (two full blocks: cached by the first request that has them)
+    return prompts + [shared + [rng.randrange(3, 500) for _ in range(n)] for n in (1, 9)]
+
+
+def _generate(path: str, prompts: list[list[int]], **kwargs) -> tuple[list[list[int]], object]:
+    from halserve import LLM, SamplingParams
+
+    llm = LLM(path, platform="cpu", dtype="float32", block_size=BLOCK, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    runs = []
+    for _ in range(2):  # the second pass starts from the first's cached blocks
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outputs])
+    assert runs[0] == runs[1], "the prefix-cached second pass differs from the first"
+    return runs[0], llm
+
+
+# chunked prefill (16-token budget) with prefix hits; a tiny cache that forces preemption
+VARIANTS = {"chunked": dict(max_num_batched_tokens=BLOCK), "preempt": dict(num_kv_blocks=10, max_num_batched_tokens=64)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_native_architecture_through_transformers_matches_native_and_hf(tmp_path, arch, variant):
+    path = make_checkpoint(tmp_path / arch, arch, tie_word_embeddings=arch == "qwen2")
+    prompts = _prompts()
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    got, llm = _generate(path, prompts, model_impl="transformers", **VARIANTS[variant])
+    info = llm.llm_engine.model_info
+    assert info.model_impl == "transformers"
+    assert got == expected
+    native, native_llm = _generate(path, prompts, model_impl="halserve", **VARIANTS[variant])
+    assert native_llm.llm_engine.model_info.model_impl == "halserve"
+    assert native == got
+    stats = llm.llm_engine.get_stats()
+    if variant == "preempt":
+        assert stats.num_preemptions > 0, "the tiny cache should have forced preemption"
+    else:
+        assert stats.prefix_cache_hits > 0, "the shared prefix should have been served from the cache"
+
+
+def test_sharded_tied_checkpoint_loads(tmp_path):
+    path = make_checkpoint(tmp_path / "m", "llama", tie_word_embeddings=True, max_shard_size="40KB")
+    assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    prompts = _prompts()[:3]
+    got, llm = _generate(path, prompts, model_impl="transformers")
+    assert got == hf_greedy(path, prompts, NEW_TOKENS)
+    model = llm.llm_engine.core.executor.worker.model_runner.model  # (the uni executor: in this process)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+# architectures with no native code in halserve: served by auto's fallback
+FALLBACK = {
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # attention/embedding/residual multipliers and a logits divisor (its head's own arithmetic)
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(attention_multiplier=0.2, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(FALLBACK))
+def test_architecture_without_native_code_falls_back_to_transformers(tmp_path, name, caplog):
+    from halserve.models import supported_architectures
+
+    config_name, arch, overrides = FALLBACK[name]
+    assert arch not in supported_architectures(), f"{arch} became native: pick another fallback architecture"
+    path = make_hf_checkpoint(tmp_path / name, config_name, arch, **overrides)
+    prompts = _prompts()
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    with caplog.at_level("WARNING", logger="halserve.models.loader"):
+        got, llm = _generate(path, prompts, max_num_batched_tokens=BLOCK)  # model_impl "auto"
+    assert llm.llm_engine.model_info.model_impl == "transformers"
+    assert any("no native halserve implementation" in r.getMessage() for r in caplog.records)
+    assert got == expected
+
+
+def test_fallback_refused_with_model_impl_halserve(tmp_path):
+    from halserve import LLM
+
+    path = make_hf_checkpoint(tmp_path / "olmo2", "Olmo2Config", "Olmo2ForCausalLM", num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"Olmo2ForCausalLM.*not supported.*--model-impl transformers"):
+        LLM(path, platform="cpu", dtype="float32", model_impl="halserve")
+
+
+def _config_only(tmp_path, config_name: str, arch: str, **overrides) -> str:
+    """A checkpoint folder holding only config.json: refusals come before any weight is read."""
+    import transformers
+
+    config = getattr(transformers, config_name)(**overrides)
+    config.architectures = [arch]
+    path = os.fspath(tmp_path)
+    os.makedirs(path, exist_ok=True)
+    config.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model_impl", ["auto", "transformers"])
+@pytest.mark.parametrize(("config_name", "arch", "overrides", "reason"), [
+    ("MambaConfig", "MambaForCausalLM", dict(hidden_size=64, num_hidden_layers=2, vocab_size=512),
+     "AttentionInterface|recurrent"),
+    ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(hidden_size=64, num_hidden_layers=4, vocab_size=512),
+     r"layer types \['linear_attention'\]"),
+])
+def test_unsupported_model_is_refused_with_the_reason(tmp_path, config_name, arch, overrides, reason, model_impl):
+    from halserve.config import EngineConfig
+    from halserve.models.loader import get_model_info
+    from halserve.platforms import resolve_platform
+
+    path = _config_only(tmp_path / arch, config_name, arch, **overrides)
+    config = EngineConfig(model=path, platform="cpu", dtype="float32", model_impl=model_impl)
+    with pytest.raises(ValueError, match=rf"{arch} cannot run on the Transformers modeling backend.*({reason})"):
+        get_model_info(config, resolve_platform("cpu"))
+
+
+def test_refuses_what_is_not_wired_yet(tmp_path):
+    from halserve.config import EngineConfig
+    from halserve.models.loader import get_model_info
+    from halserve.platforms import resolve_platform
+
+    path = _config_only(tmp_path / "olmo2", "Olmo2Config", "Olmo2ForCausalLM", hidden_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, num_hidden_layers=2, vocab_size=512, intermediate_size=128)
+    config = EngineConfig(model=path, platform="cpu", dtype="float32", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor and pipeline parallelism are not wired"):
+        get_model_info(config, resolve_platform("cpu"))
+
+
+def test_model_impl_is_validated():
+    from pydantic import ValidationError
+
+    from halserve.config import EngineConfig
+
+    with pytest.raises(ValidationError, match="model_impl 'vllm' is not supported; use one of auto, halserve"):
+        EngineConfig(model="x", model_impl="vllm")
+
+
+def test_models_endpoint_and_plugins_say_which_implementation(tmp_path):
+    from halserve.entrypoints.openai.tokenize_protocol import ModelCard
+    from halserve.models.transformers_backend import backend_status
+
+    card = ModelCard(id="m", created=0, model_impl="transformers")
+    assert json.loads(card.model_dump_json())["model_impl"] == "transformers"
+    status = backend_status()
+    assert status["available"] and status["transformers_version"]
