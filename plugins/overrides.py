@@ -135,10 +135,12 @@ def check_layer_override(plugin: str, override: Any) -> LayerOverride:
             f"{where}: {cls!r} is not a subclass of {base.__module__}.{name}; subclass the built-in "
             "so that it keeps every member the model and the loader use"
         )
-    if _params(cls.__init__) != _params(base.__init__):
+    # (through getattr: mypy calls ``cls.__init__`` on a type unsound)
+    init, base_init = getattr(cls, "__init__"), getattr(base, "__init__")  # noqa: B009
+    if _params(init) != _params(base_init):
         raise LayerOverrideError(
-            f"{where}: constructor {cls.__name__}.__init__{_show(cls.__init__)} does not match "
-            f"{name}.__init__{_show(base.__init__)}; models build the replacement with the built-in's "
+            f"{where}: constructor {cls.__name__}.__init__{_show(init)} does not match "
+            f"{name}.__init__{_show(base_init)}; models build the replacement with the built-in's "
             "arguments, so take exactly those (read extra settings from the environment or the platform)"
         )
     for method in CONTRACT_METHODS:
@@ -153,7 +155,7 @@ def check_layer_override(plugin: str, override: Any) -> LayerOverride:
     base_names = getattr(base, "weight_names", None)
     if base_names is not None and tuple(getattr(cls, "weight_names", base_names)) != tuple(base_names):
         raise LayerOverrideError(
-            f"{where}: weight_names {tuple(cls.weight_names)} differ from {name}'s {tuple(base_names)}; "
+            f"{where}: weight_names {tuple(getattr(cls, 'weight_names', ()))} differ from {name}'s {tuple(base_names)}; "
             "checkpoints load into the built-in's parameter names"
         )
     return override

@@ -137,5 +137,4 @@ def _compare(report: ConformanceReport, subject: str, name: str, override: Any, 
             scale = float(want.abs().max()) or 1.0
             worst = max(worst, float((have.float() - want.float()).abs().max()) / scale)
         else:
-            status = "passed" if worst <= TOLERANCE else "failed"
-            report.add("layer", subject, case, status, f"max error {worst:.2e} of max |{name}| (tolerance {TOLERANCE:.0e})")
+            report.add("layer", subject, case, "passed" if worst <= TOLERANCE else "failed", f"max error {worst:.2e} of max |{name}| (tolerance {TOLERANCE:.0e})")
