@@ -93,7 +93,7 @@ def prepare_files(quants: list[str], bin_dir: str, models_dir: str) -> tuple[dic
     wanted = [q for q in quants if q != "Q4_1"]
     if wanted and not os.path.isfile(source):
         src_dir = os.path.normpath(os.path.join(bin_dir, "..", ".."))  # <llama.cpp>/build/bin -> <llama.cpp>
-        env = {**os.environ, "PYTHONPATH": os.path.join(src_dir, "gguf-py")}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(src_dir, "gguf-py"), converter_deps(src_dir)])}
         cmd = [sys.executable, os.path.join(src_dir, "convert_hf_to_gguf.py"), hf, "--outtype", "f16",
                "--outfile", source + ".part"]
         log("$", " ".join(cmd))
@@ -113,6 +113,20 @@ def prepare_files(quants: list[str], bin_dir: str, models_dir: str) -> tuple[dic
             os.replace(path + ".part", path)
         files[quant] = path
     return files, hf, how
+
+
+def converter_deps(src_dir: str) -> str:
+    """A folder beside the llama.cpp build holding what convert_hf_to_gguf.py imports and this environment
+    may lack (sentencepiece), installed there with pip --target: never into the environment itself."""
+    deps = os.path.normpath(os.path.join(src_dir, "..", "..", "pydeps"))
+    try:
+        import sentencepiece  # noqa: F401
+    except ImportError:
+        if not os.path.isdir(os.path.join(deps, "sentencepiece")):
+            log(f"installing sentencepiece into {deps} for convert_hf_to_gguf.py")
+            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", deps,
+                            "sentencepiece"], check=False)
+    return deps
 
 
 def halserve_modes(wanted: str) -> dict[str, str]:
