@@ -346,7 +346,9 @@ def test_thinking_blocks(thinking_server):
     assert "".join(d["delta"]["text"] for d in deltas if d["index"] == 1) == chat["content"]
     assert {d["delta"]["type"] for d in deltas if d["index"] == 0} == {"thinking_delta"}
     with client.messages.stream(**kwargs) as stream:
-        assert stream.get_final_message().content == out.content
+        streamed = stream.get_final_message().content
+    assert [(b.type, getattr(b, "thinking", None), getattr(b, "text", None)) for b in streamed] == [
+        ("thinking", out.content[0].thinking, None), ("text", None, out.content[1].text)]
     # disabled: the template closes an empty think block, the reply is all text
     off = client.messages.create(**kwargs | {"thinking": {"type": "disabled"}})
     plain = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
