@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from halserve.engine_core_output import EngineCoreOutput
-from halserve.kv_cache.manager import KVCacheManager, cdiv
+from halserve.kv_cache.manager import KVCacheManager
 from halserve.lora.admission import LoRAAdmission
 from halserve.multimodal.budget import fit_encoder_budget
 from halserve.request import Request, RequestId, RequestStatus
