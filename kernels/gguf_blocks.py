@@ -122,3 +122,29 @@ def quantize_activations_q8(x: torch.Tensor, block: int = 32) -> tuple[torch.Ten
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(xb * inv[..., None]).clamp(-127, 127).to(torch.int8)
     return q.reshape(m, k), d
+
+
+# the size of one stored value q times its scale fields, so random blocks give weights of about 1 / sqrt(K)
+_SCALE_OF = {"Q4_0": 1 / 8, "Q4_1": 1 / 8, "Q8_0": 1 / 128, "Q4_K": 1 / 512, "Q5_K": 1 / 1024, "Q6_K": 1 / 4096}
+
+
+def random_blocks(qtype: str, n: int, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Valid random blocks ``uint8 [n, row bytes]`` of ``qtype`` (tests, conformance): random bytes with the
+    float16 scale fields overwritten by finite ones (Q4_1's minimum about -8 d, so weights centre near 0)."""
+    block, size = check_qtype(qtype)
+    blocks = n * (k // block)
+    raw = torch.randint(0, 256, (blocks, size), dtype=torch.uint8, generator=generator)
+    d = _SCALE_OF[qtype] / k ** 0.5 * (0.5 + torch.rand(blocks, generator=generator))
+
+    def put(offset: int, values: torch.Tensor) -> None:
+        raw[:, offset:offset + 2] = values.to(torch.float16).view(torch.uint8).reshape(blocks, 2)
+
+    if qtype == "Q6_K":
+        put(208, d)
+    else:
+        put(0, d)
+        if qtype == "Q4_1":
+            put(2, -8 * d)
+        elif qtype in ("Q4_K", "Q5_K"):
+            put(2, d)
+    return raw.reshape(n, row_bytes(qtype, k))

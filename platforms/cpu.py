@@ -201,6 +201,7 @@ def halserve_kernels() -> list[type]:
         NativePerTokenGroupFp8Quant,
         NativeScaledFp8Quant,
     )
+    from halserve.platforms.cpu_kernels.native_gguf import NativeGgufGemm
     from halserve.platforms.cpu_kernels.native_int4 import NativeInt4AwqGemm, NativeInt4GptqGemm
     from halserve.platforms.cpu_kernels.native_int8 import NativeInt8ScaledGemm
     from halserve.platforms.cpu_kernels.onednn_gemm import OneDnnGemm
@@ -210,4 +211,4 @@ def halserve_kernels() -> list[type]:
     return [OneDnnGemm, CpuFusedRmsNorm, CpuFusedRotaryEmbedding, CpuFusedSiluAndMul,
             CpuInt4GptqGemm, CpuInt4AwqGemm, NativeInt4GptqGemm, NativeInt4AwqGemm, NativeFp8ScaledGemm,
             NativeFp8BlockScaledGemm, NativeScaledFp8Quant, NativePerTokenGroupFp8Quant, CpuInt8ScaledGemm,
-            OneDnnInt8ScaledGemm, NativeInt8ScaledGemm, CpuScaledInt8Quant]
+            OneDnnInt8ScaledGemm, NativeInt8ScaledGemm, CpuScaledInt8Quant, NativeGgufGemm]

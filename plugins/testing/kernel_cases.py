@@ -285,6 +285,29 @@ def _wo4_cases(fmt: str, quick: bool) -> list[KernelCase]:
     return cases
 
 
+def gguf_cases(quick: bool) -> list[KernelCase]:
+    """GGUF blocks of every type (random, valid: ``gguf_blocks.random_blocks``). Tolerance 3e-2: a kernel may
+    quantize the activations to 8 bits per block of 32 as llama.cpp does (the CPU's native one does)."""
+    import torch
+
+    from halserve.kernels.gguf_blocks import GGUF_BLOCKS, random_blocks
+
+    cases = []
+    for i, qtype in enumerate(GGUF_BLOCKS):
+        k = GGUF_BLOCKS[qtype][0] * 2
+        for m, n, dtype, bias in ((1, 40, "float32", False), (7, 33, "bfloat16", True))[: 1 if quick else 2]:
+
+            def make(qtype=qtype, m=m, n=n, k=k, dtype=dtype, bias=bias, seed=700 + i):
+                g = _gen(seed)
+                x = torch.randn(m, k, generator=g).to(_t(dtype))
+                b = (0.1 * torch.randn(n, generator=g)).to(_t(dtype)) if bias else None
+                return [x, random_blocks(qtype, n, k, g), qtype, b], {}
+
+            cases.append(KernelCase(f"M={m} N={n} K={k} {qtype} {dtype}{' bias' if bias else ''}",
+                                    {"dtype": dtype, "n": n, "k": k, "qtype": qtype}, make, 3e-2, dtypes=(dtype,)))
+    return cases
+
+
 # -- elementwise and normalization ---------------------------------------------------------
 def rms_norm_cases(quick: bool) -> list[KernelCase]:
     import torch
@@ -388,6 +411,7 @@ CASES: dict[str, Callable[[bool], list[KernelCase]]] = {
     "scaled_int8_quant": int8_quant_cases,
     "awq_gemm": awq_cases,
     "gptq_gemm": gptq_cases,
+    "gguf_gemm": gguf_cases,
     "rms_norm": rms_norm_cases,
     "rotary_embedding": rotary_cases,
     "silu_and_mul": silu_and_mul_cases,

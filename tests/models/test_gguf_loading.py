@@ -161,7 +161,11 @@ def hf_greedy_gguf(path: str, batch: list[list[int]], max_new_tokens: int = NEW_
 
 
 def halserve_greedy(model: str, batch: list[list[int]], max_new_tokens: int = NEW_TOKENS, **kwargs) -> list[list[int]]:
+    """halserve's greedy tokens, dequantized at load unless ``quantization`` says otherwise: these tests check
+    loading against transformers' float model (the GGUF kernels: test_gguf_quantized.py)."""
     from halserve import LLM, SamplingParams
+
+    kwargs.setdefault("quantization", "unquantized")
 
     llm = LLM(model, platform="cpu", dtype="float32", max_model_len=128, block_size=16, num_kv_blocks=64, **kwargs)
     try:

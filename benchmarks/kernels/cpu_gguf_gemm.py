@@ -1,0 +1,114 @@
+"""GGUF kernels on the CPU: the native gguf_gemm (int8 activations, integer dot products) against the float
+GEMM the dequantized model runs, on SmolLM2-135M's linear shapes; and single-stream decode of the real model.
+
+    python benchmarks/kernels/cpu_gguf_gemm.py kernels [--rows 1]
+    python benchmarks/kernels/cpu_gguf_gemm.py decode --model ~/.cache/halserve/models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+``kernels``: microseconds per call (median of rounds), each shape's weight streamed as in a decode step
+(all four shapes' weights cycled so the caches do not hold them). ``decode``: 128 prompt tokens, 128
+generated, greedy, one stream, offline ``LLM``: gguf (the default, quantized kernels) vs
+``--quantization unquantized`` in float32 and bfloat16. Decode tok/s = 127 / (time for 128 tokens - time
+for 1 token); end to end = 128 / time for 128.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+# SmolLM2-135M: (name, N, K) of its linear layers (qkv fused: 576 + 192 + 192)
+SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
+
+
+def _time_us(fn, iters: int = 200, rounds: int = 7) -> float:
+    fn()
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - start) / iters * 1e6)
+    return statistics.median(samples)
+
+
+def bench_kernels(rows: int, qtype: str, copies: int) -> None:
+    from halserve.kernels import resolve_kernel
+    from halserve.kernels.gguf_blocks import dequantize, random_blocks
+    from halserve.platforms.cpu_kernels.native_gguf import ISA_CODES, NativeGgufGemm, load_gguf_ops
+
+    assert load_gguf_ops() is None, load_gguf_ops()
+    g = torch.Generator().manual_seed(0)
+    isas = [isa for isa in ISA_CODES if torch.ops.halserve_cpu_gguf.gguf_isa_supported(ISA_CODES[isa])]
+    print(f"M={rows} {qtype}, {torch.get_num_threads()} threads; microseconds per call")
+    print(f"{'layer':8} {'N x K':>11} " + " ".join(f"{'gguf ' + i:>16}" for i in isas)
+          + f" {'float32 gemm':>13} {'bf16 gemm':>10}")
+    for name, n, k in SHAPES:
+        ws = [random_blocks(qtype, n, k, g) for _ in range(copies)]
+        x = torch.randn(rows, k, generator=g)
+        cols = []
+        for isa in isas:
+            kernel, i = NativeGgufGemm(isa), [0]
+
+            def call(kernel=kernel, i=i):
+                i[0] = (i[0] + 1) % copies
+                kernel(x, ws[i[0]], qtype)
+
+            cols.append(_time_us(call))
+        for dtype in (torch.float32, torch.bfloat16):
+            gemm = resolve_kernel("gemm", "cpu", dtype=str(dtype).replace("torch.", ""), n=n, k=k)
+            dense = [gemm.prepare_weight(dequantize(w, qtype, k).to(dtype)) for w in ws]
+            xd, i = x.to(dtype), [0]
+
+            def call(gemm=gemm, dense=dense, xd=xd, i=i):
+                i[0] = (i[0] + 1) % copies
+                gemm(xd, dense[i[0]], None)
+
+            cols.append(_time_us(call))
+        print(f"{name:8} {f'{n} x {k}':>11} " + " ".join(f"{c:16.1f}" for c in cols[:len(isas)])
+              + f" {cols[-2]:13.1f} {cols[-1]:10.1f}")
+
+
+def bench_decode(model: str, modes: list[str]) -> None:
+    from halserve import LLM, SamplingParams
+
+    prompt = {"prompt_token_ids": [(7 * i + 13) % 40000 + 100 for i in range(128)]}
+    print(f"{model}: 128 prompt tokens, 128 generated, greedy, one stream")
+    for mode in modes:
+        quant, dtype = mode.split("/")
+        kwargs = {} if quant == "gguf" else {"quantization": "unquantized"}
+        llm = LLM(model, platform="cpu", dtype=dtype, max_model_len=512, num_kv_blocks=64, **kwargs)
+        try:
+            def run(n: int) -> float:
+                params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                start = time.perf_counter()
+                llm.generate([prompt], params, use_tqdm=False)
+                return time.perf_counter() - start
+
+            run(128)  # warm up
+            t1 = statistics.median(run(1) for _ in range(3))
+            t128 = statistics.median(run(128) for _ in range(3))
+            print(f"{mode:18} decode {127 / (t128 - t1):6.1f} tok/s   end to end {128 / t128:6.1f} tok/s   "
+                  f"(prefill+1 {t1 * 1e3:.0f} ms, 128 tokens {t128:.2f} s)", flush=True)
+        finally:
+            llm.llm_engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["kernels", "decode"])
+    parser.add_argument("--rows", type=int, default=1, help="activation rows M (kernels)")
+    parser.add_argument("--qtype", default="Q4_1", help="GGUF type (kernels)")
+    parser.add_argument("--copies", type=int, default=8, help="weights cycled per shape (kernels)")
+    parser.add_argument("--model", help="the .gguf (decode)")
+    parser.add_argument("--modes", default="gguf/float32,unquantized/float32,unquantized/bfloat16")
+    args = parser.parse_args()
+    if args.what == "kernels":
+        bench_kernels(args.rows, args.qtype, args.copies)
+    else:
+        bench_decode(args.model, args.modes.split(","))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The cpu platform's ``gguf_gemm`` for Q4_0, Q4_1 and Q8_0 blocks, in C++ (``gguf_gemm.cpp``), as llama.cpp
+computes them on CPUs: the activations quantized to int8 per block of 32, integer dot products against the
+blocks as the file stores them (no repacking), the scales applied once per block.
+
+    few rows (M < PANEL_MIN_ROWS: decode)  gguf_gemv: AVX-512 VNNI (_mm512_dpbusd_epi32) or AVX2
+                                           (_mm256_maddubs_epi16), threads over output rows
+    many rows (prefill)                    the blocks dequantized to a float32 panel of PANEL_ROWS output
+                                           rows at a time, then the float GEMM (torch's, oneDNN/MKL)
+
+Accuracy: the float path is the reference's (dequantize, matmul in float32). The integer path quantizes
+the activations to 8 bits, so it matches ``TorchGgufGemm`` only to within that rounding: it is checked
+against a reference that rounds the activations the same way (``gguf_blocks.quantize_activations_q8``,
+float summation order apart) and loosely against the float reference (tests/kernels/test_gguf_gemm.py).
+
+``HALSERVE_GGUF_ISA=avx2`` (or ``avx512_vnni``) forces an instruction path; by default the best this CPU
+runs. ``load_gguf_ops()`` builds ``gguf_gemm.cpp`` as its own small extension (``torch.ops.halserve_cpu_gguf``)
+the first time a GGUF model needs it, apart from the platform's main one.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+from halserve.kernels.base import Kernel
+from halserve.platforms.cpu_kernels.panel import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+QTYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # gguf_gemm.cpp's qtype argument
+ISA_CODES = {"avx2": 1, "avx512_vnni": 2}  # its isa argument
+PANEL_MIN_ROWS = 16  # from this many activation rows on, dequantize to a float panel and use the float GEMM
+PANEL_BYTES = 8 << 20  # float32 panel size (output rows x K) per GEMM call
+
+_lock = threading.Lock()
+_loaded = False
+_load_error: str | None = None
+
+
+def load_gguf_ops() -> str | None:
+    """Build gguf_gemm.cpp once per machine (cached by ``build.py``), registering ``torch.ops.halserve_cpu_gguf``;
+    None when its ops are there, else why not (logged once)."""
+    global _loaded, _load_error
+    with _lock:
+        if _loaded or _load_error is not None:
+            return _load_error
+        from halserve.platforms.cpu_kernels import toolchain_missing
+
+        _load_error = toolchain_missing()
+        if _load_error is None:
+            try:
+                from halserve.platforms.cpu_kernels.build import HERE, build_and_load
+
+                started = time.monotonic()
+                build_and_load("halserve_cpu_gguf_gemm", [os.path.join(HERE, "gguf_gemm.cpp")], is_python_module=False)
+                logger.debug("gguf_gemm.cpp ready in %.1f s", time.monotonic() - started)
+                _loaded = True
+            except Exception as exc:  # noqa: BLE001 - the kernel declines, loudly; the torch reference serves
+                _load_error = f"building gguf_gemm.cpp failed: {type(exc).__name__}: {exc}"
+                logger.warning(_load_error)
+    return _load_error
+
+
+def cpu_isa() -> str | None:
+    """The instruction path to use: ``HALSERVE_GGUF_ISA`` if set, else the best this CPU has (None: neither)."""
+    forced = os.environ.get("HALSERVE_GGUF_ISA")
+    if forced:
+        if forced not in ISA_CODES:
+            raise ValueError(f"HALSERVE_GGUF_ISA={forced!r}: use one of {', '.join(ISA_CODES)}")
+        return forced
+    flags = cpu_flags()
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= flags:
+        return "avx512_vnni"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2"
+    return None
+
+
+class NativeGgufGemm(Kernel):
+    op = "gguf_gemm"
+    name = "cpu_native"
+    platforms = ("cpu",)
+    priority = 30
+    description = ("C++ Q4_0/Q4_1/Q8_0: int8 activations per block of 32 and integer dot products (AVX-512 VNNI or "
+                   "AVX2) for few rows; a dequantized float32 panel into the float GEMM for many")
+
+    @classmethod
+    def capabilities(cls) -> dict:
+        return {"qtypes": list(QTYPE_CODES), "isa": cpu_isa() or "none"}
+
+    @classmethod
+    def _supports(cls, **problem) -> str | None:
+        qtype = problem.get("qtype")
+        if qtype is not None and qtype not in QTYPE_CODES:
+            return f"the native GGUF kernel covers {', '.join(QTYPE_CODES)}, not {qtype}"
+        k = problem.get("k")
+        if k is not None and k % 32:
+            return f"K = {k} is not a whole number of 32-value blocks"
+        isa = cpu_isa()
+        if isa is None:
+            return "the native GGUF kernel needs AVX2 with FMA and F16C (this CPU's /proc/cpuinfo flags lack them)"
+        error = load_gguf_ops()
+        if error is not None:
+            return error
+        if not torch.ops.halserve_cpu_gguf.gguf_isa_supported(ISA_CODES[isa]):
+            return f"HALSERVE_GGUF_ISA={isa}, which this CPU does not run"
+        return None
+
+    def __init__(self, isa: str | None = None) -> None:
+        reason = self._supports()
+        if reason is not None:
+            raise RuntimeError(f"the native GGUF kernel cannot run here: {reason}")
+        self.isa = isa or cpu_isa()
+        self.isa_code = ISA_CODES[self.isa]
+        self.ops = torch.ops.halserve_cpu_gguf
+
+    def dequantize(self, qweight: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+        """``uint8 [N, row bytes]`` -> float32 ``[N, k]`` (the panel path's first half, also for tests)."""
+        return self.ops.gguf_dequantize(qweight, QTYPE_CODES[qtype], k)
+
+    def __call__(self, x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None = None):
+        m, k = x.shape
+        code = QTYPE_CODES[qtype]
+        if m < PANEL_MIN_ROWS:
+            out = self.ops.gguf_gemv(x, qweight, code, self.isa_code)  # [M, N] float32
+        else:
+            xf = x.float()
+            n = qweight.shape[0]
+            rows = max(1, PANEL_BYTES // (4 * k))
+            if rows >= n:
+                out = F.linear(xf, self.ops.gguf_dequantize(qweight, code, k))
+            else:
+                out = torch.empty(m, n, dtype=torch.float32)
+                for n0 in range(0, n, rows):
+                    panel = self.ops.gguf_dequantize(qweight[n0:n0 + rows], code, k)  # [rows, K]
+                    out[:, n0:n0 + rows] = F.linear(xf, panel)
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype)

@@ -1,0 +1,95 @@
+"""GGUF models with their linear weights kept in GGUF blocks (the ``gguf`` quantization method, the default
+for a .gguf): tiny files written with the gguf package's writer (tests/models/test_gguf_loading.py's).
+
+- The layers hold the file's raw block rows (uint8), Q/K rows permuted as transformers permutes the floats.
+- With the float reference kernel pinned (``HALSERVE_KERNELS=gguf_gemm=torch``), greedy output is
+  token-identical to transformers' dequantized model: halserve computes in floats there.
+- With the platform's kernel (the CPU's quantizes activations to 8 bits), greedy output is compared with the
+  dequantized model's and must mostly agree (tiny random models amplify the 8-bit rounding; the measured
+  agreement is asserted, not identity).
+- ``--quantization unquantized`` keeps the dequantize-at-load path; a flag of another format is refused."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="the GGUF tests need the gguf package (pip install 'halserve[gguf]')")
+
+_spec = importlib.util.spec_from_file_location("gguf_loading_helpers",
+                                               os.path.join(os.path.dirname(__file__), "test_gguf_loading.py"))
+helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(helpers)
+T = gguf.GGMLQuantizationType
+
+CASES = {  # id -> (GGUF architecture, weight type, tied embeddings)
+    "llama-q4_1": ("llama", T.Q4_1, False),
+    "llama-q4_0-tied": ("llama", T.Q4_0, True),
+    "qwen2-q8_0": ("qwen2", T.Q8_0, False),
+    "phi3-q8_0": ("phi3", T.Q8_0, False),
+}
+
+
+def _load(path: str, **kwargs):
+    from halserve.attention_backends.torch_ref import TorchAttentionBackend
+    from halserve.config import EngineConfig
+    from halserve.models.loader import get_model_info, load_model
+    from halserve.platforms.cpu import CpuPlatform
+
+    config = EngineConfig(model=path, dtype="float32", **kwargs)
+    platform = CpuPlatform()
+    return load_model(config, get_model_info(config, platform), platform, TorchAttentionBackend, progress=False)
+
+
+def test_linear_layers_hold_the_files_blocks(tmp_path):
+    path = helpers.write_gguf(str(tmp_path / "q41.gguf"), "llama", qtype=T.Q4_1)
+    model = _load(path)
+    layer = model.model.layers[0]
+    qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
+    assert qkv.quant_method.name == "gguf" and down.quant_method.name == "gguf"
+    reader = gguf.GGUFReader(path)
+    raw = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    qweight = qkv.gguf_runs[0][1]
+    heads, kv_heads, head_dim = helpers.SHAPES["llama"]
+    assert qweight.dtype == torch.uint8 and qweight.shape == ((heads + 2 * kv_heads) * head_dim, 64 // 32 * 20)
+    # v is stored as is; q's rows are llama.cpp's rotary permutation undone (rows of blocks move whole)
+    v = raw["blk.0.attn_v.weight"]
+    assert torch.equal(qweight[-v.shape[0]:], v)
+    q = raw["blk.0.attn_q.weight"]
+    unpermuted = q.reshape(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(q.shape)
+    assert torch.equal(qweight[:q.shape[0]], unpermuted)
+    assert torch.equal(down.gguf_runs[0][1], raw["blk.0.ffn_down.weight"])
+    # the embedding stays in floats
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_unquantized_flag_dequantizes_at_load_and_other_formats_are_refused(tmp_path):
+    path = helpers.write_gguf(str(tmp_path / "q80.gguf"), "llama", qtype=T.Q8_0)
+    model = _load(path, quantization="none")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_method.name == "unquantized"
+    with pytest.raises(ValueError, match="--quantization awq does not apply to the GGUF checkpoint"):
+        _load(path, quantization="awq")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_float_reference_kernel_is_token_identical_to_transformers(case, tmp_path, monkeypatch):
+    arch, qtype, tied = CASES[case]
+    path = helpers.write_gguf(str(tmp_path / f"{case}.gguf"), arch, qtype=qtype, tied=tied)
+    batch = helpers.prompts()
+    monkeypatch.setenv("HALSERVE_KERNELS", "gguf_gemm=torch")
+    assert helpers.halserve_greedy(path, batch, quantization="gguf") == helpers.hf_greedy_gguf(path, batch), case
+
+
+def test_native_kernel_agrees_with_the_dequantized_model(tmp_path):
+    path = helpers.write_gguf(str(tmp_path / "q41.gguf"), "llama", qtype=T.Q4_1)
+    batch = helpers.prompts()
+    native = helpers.halserve_greedy(path, batch, quantization="gguf")
+    dequantized = helpers.halserve_greedy(path, batch, quantization="unquantized")
+    same = sum(a == b for x, y in zip(native, dequantized) for a, b in zip(x, y))
+    total = sum(len(x) for x in dequantized)
+    # the first token of each prompt: no earlier divergence to inherit
+    assert sum(x[0] == y[0] for x, y in zip(native, dequantized)) >= len(batch) - 1
+    assert same >= 0.5 * total, (same, total)

@@ -1,0 +1,125 @@
+"""The cpu platform's native GGUF kernel (platforms/cpu_kernels/gguf_gemm.cpp, native_gguf.py) for Q4_0, Q4_1
+and Q8_0, on both instruction paths (AVX2, AVX-512 VNNI; a path this CPU lacks is skipped, saying so).
+
+Tolerances. Few rows (M < PANEL_MIN_ROWS) quantize the activations to int8 per block of 32, so they are
+checked against the reference that does the same (``quantize_activations_q8``, then dequantize and matmul
+in float32): max error 1e-5 of max |ref| (float summation order only), and loosely against the float
+reference: within the bound the 8-bit rounding gives, sum_k d_k / 2 |w[n, k]|. Many rows (the dequantized float
+panel) match the float reference to 1e-5."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from halserve.kernels.gguf_blocks import dequantize, quantize_activations_q8, random_blocks
+from halserve.platforms.cpu_kernels.native_gguf import (
+    ISA_CODES,
+    PANEL_MIN_ROWS,
+    QTYPE_CODES,
+    NativeGgufGemm,
+    cpu_isa,
+)
+
+REASON = NativeGgufGemm.supports(dtype="float32", qtype="Q4_0", k=32)
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"the native GGUF kernel cannot run here: {REASON}")
+
+QTYPES = list(QTYPE_CODES)
+SHAPES = [(1, 32), (7, 96), (33, 576), (129, 1536)]  # (N, K): odd row counts, K of 1 to 48 blocks
+
+
+def _isa_or_skip(isa: str) -> None:
+    if not torch.ops.halserve_cpu_gguf.gguf_isa_supported(ISA_CODES[isa]):
+        pytest.skip(f"this CPU does not run the {isa} path")
+
+
+def _q8_reference(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
+    q, d = quantize_activations_q8(x)
+    xq = (q.float().reshape(x.shape[0], -1, 32) * d[..., None]).reshape(x.shape)
+    return xq @ dequantize(w, qtype, x.shape[1]).t()
+
+
+@pytest.mark.parametrize("isa", list(ISA_CODES))
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_few_rows_match_the_int8_activation_reference(qtype, isa):
+    _isa_or_skip(isa)
+    kernel = NativeGgufGemm(isa)
+    g = torch.Generator().manual_seed(QTYPE_CODES[qtype])
+    for n, k in SHAPES:
+        w = random_blocks(qtype, n, k, g)
+        for m in (1, 2, 3, 4, 5, 9):
+            x = torch.randn(m, k, generator=g)
+            got = kernel(x, w, qtype)
+            want = _q8_reference(x, w, qtype)
+            scale = want.abs().max().item()
+            assert (got - want).abs().max().item() <= 1e-5 * scale, (qtype, isa, m, n, k)
+            # against the float reference: within the rounding of the activations, |x - d q| <= d / 2 per value
+            dense = dequantize(w, qtype, k)
+            bound = (quantize_activations_q8(x)[1].repeat_interleave(32, dim=1) / 2) @ dense.abs().t()
+            assert ((got - x @ dense.t()).abs() <= bound + 1e-5 * scale).all(), (qtype, isa, m, n, k)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_both_paths_agree(qtype):
+    for isa in ISA_CODES:
+        _isa_or_skip(isa)
+    g = torch.Generator().manual_seed(7)
+    w = random_blocks(qtype, 65, 576, g)
+    x = torch.randn(3, 576, generator=g)
+    a, b = NativeGgufGemm("avx2")(x, w, qtype), NativeGgufGemm("avx512_vnni")(x, w, qtype)
+    assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_many_rows_take_the_float_panel_and_match_the_float_reference(qtype):
+    g = torch.Generator().manual_seed(11)
+    kernel = NativeGgufGemm()
+    for m, (n, k) in ((PANEL_MIN_ROWS, (33, 576)), (64, (129, 1536)), (64, (1, 32))):
+        w = random_blocks(qtype, n, k, g)
+        x = torch.randn(m, k, generator=g)
+        bias = torch.randn(n, generator=g)
+        want = x @ dequantize(w, qtype, k).t() + bias
+        got = kernel(x, w, qtype, bias)
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), (qtype, m, n, k)
+        assert torch.equal(kernel.dequantize(w, qtype, k), dequantize(w, qtype, k)) or torch.allclose(
+            kernel.dequantize(w, qtype, k), dequantize(w, qtype, k), rtol=1e-6, atol=0)
+
+
+def test_panel_chunks_over_output_rows(monkeypatch):
+    import halserve.platforms.cpu_kernels.native_gguf as native
+
+    monkeypatch.setattr(native, "PANEL_BYTES", 4 * 96 * 5)  # 5 output rows per panel
+    g = torch.Generator().manual_seed(3)
+    w = random_blocks("Q4_1", 23, 96, g)
+    x = torch.randn(40, 96, generator=g)
+    want = x @ dequantize(w, "Q4_1", 96).t()
+    assert torch.allclose(NativeGgufGemm()(x, w, "Q4_1"), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 64])
+def test_bfloat16_activations(m):
+    g = torch.Generator().manual_seed(5)
+    w = random_blocks("Q8_0", 48, 576, g)
+    x = torch.randn(m, 576, generator=g).to(torch.bfloat16)
+    got = NativeGgufGemm()(x, w, "Q8_0")
+    want = x.float() @ dequantize(w, "Q8_0", 576).t()
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max().item() <= 3e-2 * want.abs().max().item()
+
+
+def test_isa_is_forced_by_the_environment(monkeypatch):
+    monkeypatch.setenv("HALSERVE_GGUF_ISA", "avx2")
+    assert cpu_isa() == "avx2" and NativeGgufGemm().isa == "avx2"
+    monkeypatch.setenv("HALSERVE_GGUF_ISA", "sse2")
+    with pytest.raises(ValueError, match="HALSERVE_GGUF_ISA='sse2'.*avx2, avx512_vnni"):
+        cpu_isa()
+
+
+def test_declines_what_it_does_not_cover():
+    assert "Q4_K" in NativeGgufGemm.supports(dtype="float32", qtype="Q4_K", k=256)
+    assert "not a whole number" in NativeGgufGemm.supports(dtype="float32", qtype="Q4_0", k=48)
+
+
+def test_bad_weight_is_a_clear_error():
+    kernel = NativeGgufGemm()
+    with pytest.raises(RuntimeError, match="weight rows have 18 bytes, a row of 32 values of this type has 20"):
+        kernel(torch.randn(1, 32), torch.zeros(3, 18, dtype=torch.uint8), "Q4_1")
