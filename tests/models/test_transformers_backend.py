@@ -63,8 +63,12 @@ def _generate(path: str, prompts: list[list[int]], **kwargs) -> tuple[list[list[
 VARIANTS = {"chunked": dict(max_num_batched_tokens=BLOCK), "preempt": dict(num_kv_blocks=10, max_num_batched_tokens=64)}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(("arch", "variant"), [
+    ("llama", "chunked"),
+    pytest.param("llama", "preempt", marks=pytest.mark.slow),  # (slow: the default suite keeps one case)
+    pytest.param("qwen2", "chunked", marks=pytest.mark.slow),
+    pytest.param("qwen2", "preempt", marks=pytest.mark.slow),
+])
 def test_native_architecture_through_transformers_matches_native_and_hf(tmp_path, arch, variant):
     path = make_checkpoint(tmp_path / arch, arch, tie_word_embeddings=arch == "qwen2")
     prompts = _prompts()
@@ -102,7 +106,7 @@ FALLBACK = {
 }
 
 
-@pytest.mark.parametrize("name", list(FALLBACK))
+@pytest.mark.parametrize("name", [n if n == "olmo2" else pytest.param(n, marks=pytest.mark.slow) for n in FALLBACK])
 def test_architecture_without_native_code_falls_back_to_transformers(tmp_path, name, caplog):
     from halserve.models import supported_architectures
 
@@ -177,11 +181,16 @@ def test_model_impl_is_validated():
         EngineConfig(model="x", model_impl="vllm")
 
 
-def test_models_endpoint_and_plugins_say_which_implementation(tmp_path):
-    from halserve.entrypoints.openai.tokenize_protocol import ModelCard
+@pytest.mark.parametrize("impl", ["halserve", "transformers"])
+def test_models_endpoint_and_plugins_say_which_implementation(impl):
+    from types import SimpleNamespace
+
+    from halserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
     from halserve.models.transformers_backend import backend_status
 
-    card = ModelCard(id="m", created=0, model_impl="transformers")
-    assert json.loads(card.model_dump_json())["model_impl"] == "transformers"
+    serving = SimpleNamespace(served_model_names=["m"], created=0, model_path="/m", max_model_len=64,
+                              engine=SimpleNamespace(model_info=SimpleNamespace(model_impl=impl)), lora_modules={})
+    listed = json.loads(OpenAIServingTokenization(serving).models().model_dump_json())
+    assert listed["data"][0]["model_impl"] == impl
     status = backend_status()
     assert status["available"] and status["transformers_version"]
