@@ -71,6 +71,10 @@ class EngineConfig(BaseModel):
     sampled tokens. Outputs are the same as without it. A feature that cannot run asynchronously yet
     (``halserve.sched.async_steps.async_refusal``) turns it off at start-up with a warning. With no
     ``distributed_executor_backend`` named, the worker runs in a process of its own (``mp``)."""
+    scheduling_policy: str = "fcfs"
+    """vLLM's ``--scheduling-policy``: ``fcfs`` serves requests in arrival order (a request's ``priority``
+    must be 0); ``priority`` by (``priority``, arrival), lower first, preempting running requests of a
+    lower priority for a waiting one that cannot otherwise be admitted. Outputs are the same."""
     seed: int = 0
     tensor_parallel_size: int = Field(default=1, ge=1)
     pipeline_parallel_size: int = Field(default=1, ge=1)
@@ -146,6 +150,15 @@ class EngineConfig(BaseModel):
     def _model_impl(cls, value: str) -> str:
         if value not in MODEL_IMPLS:
             raise ValueError(f"model_impl {value!r} is not supported; use one of {', '.join(MODEL_IMPLS)}")
+        return value
+
+    @field_validator("scheduling_policy")
+    @classmethod
+    def _scheduling_policy(cls, value: str) -> str:
+        from halserve.sched.config import SCHEDULING_POLICIES
+
+        if value not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy {value!r} is not supported; use one of {', '.join(SCHEDULING_POLICIES)}")
         return value
 
     @field_validator("kv_cache_dtype")

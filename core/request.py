@@ -65,6 +65,9 @@ class Request:
     eos_token_ids: set[int] = field(default_factory=set)
     """The model's eos ids; the engine passes an empty set when ``ignore_eos``."""
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    """Under the ``priority`` scheduling policy: lower runs first (and is preempted last); ties go by
+    arrival. The ``fcfs`` policy takes only 0 (``Scheduler.add_request`` refuses others)."""
     output_token_ids: list[int] = field(default_factory=list)
     """Generated so far. Append through ``append_output_token_id`` (keeps ``all_token_ids`` in step)."""
     status: RequestStatus = RequestStatus.WAITING

@@ -29,6 +29,7 @@ from halserve.sched import (
     DraftRule,
     GrammarGate,
     PipelineStages,
+    PriorityWaitingQueue,
     SchedulerConfig,
     UnservedFeatures,
     make_spec_proposer,
@@ -89,9 +90,15 @@ class Scheduler:
                                                layer_specs=config.kv_cache_specs)
         self._hybrid = self.kv_cache_manager.num_groups > 1  # (groups 1.. tables go to the worker too)
         self.requests: dict[RequestId, Request] = {}  # every unfinished request
-        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
-        self.running: list[Request] = []  # kept in priority (arrival) order, earliest first
-        self._priority: dict[RequestId, int] = {}  # arrival rank: lower runs first, preempted last
+        # scheduling_policy "priority": by (Request.priority, arrival), lower first (sched/priority.py)
+        self._by_priority = config.scheduling_policy == "priority"
+        self._blocked_id: RequestId | None = None  # (priority) the request step 2 last found short of blocks
+        self.running: list[Request] = []  # kept in priority order, highest (lowest key) first
+        # fcfs: the arrival rank; priority: (Request.priority, arrival rank). Lower runs first, preempted last
+        self._priority: dict[RequestId, int | tuple[int, int]] = {}
+        # FCFS: a deque, preempted requests go back to the front; priority: sorted by the key above
+        self.waiting: deque[Request] | PriorityWaitingQueue = (
+            PriorityWaitingQueue(lambda r: self._priority[r.request_id]) if self._by_priority else deque())
         self._arrivals = itertools.count()
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self.num_preemptions = 0  # cumulative
@@ -151,6 +158,12 @@ class Scheduler:
             )
         if request.max_tokens < 1:
             raise ValueError(f"request {req_id!r}: max_tokens must be >= 1, got {request.max_tokens}")
+        if request.priority != 0 and not self._by_priority:
+            raise ValueError(
+                f"priority={request.priority} (request {req_id!r}) needs priority scheduling, but this engine "
+                f"schedules first come, first served (scheduling_policy 'fcfs'), which takes only priority 0; "
+                "start it with --scheduling-policy priority (LLM(scheduling_policy='priority')), or leave priority out"
+            )
         # Worst case it holds K/V for its whole length (capped by max_model_len); a request
         # that cannot fit in an otherwise empty cache would be preempted forever.
         num_tokens_needed = min(prompt_len + request.max_tokens, self.max_model_len)
@@ -168,7 +181,8 @@ class Scheduler:
             policy.on_added(request)
         request.status = RequestStatus.WAITING
         self.requests[req_id] = request
-        self._priority[req_id] = next(self._arrivals)
+        self._priority[req_id] = ((request.priority, next(self._arrivals)) if self._by_priority
+                                  else next(self._arrivals))
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
@@ -198,6 +212,9 @@ class Scheduler:
         """Decide this step's batch.
 
         Algorithm (one token budget, ``max_num_batched_tokens``, per step):
+        0. (``priority`` policy only) If the first waiting request the admission rules let in
+           outranks running requests but lacks a seat or blocks, preempt (recompute) those of a
+           strictly lower priority, the lowest and latest-arrived first (``_make_room``).
         1. Running requests, in priority order, each get what they still need (1 token for
            a decode, the rest of the prompt for an unfinished chunked prefill), cut to the
            remaining budget and to the step's image budget (``fit_encoder_budget``). A decode
@@ -208,7 +225,8 @@ class Scheduler:
            (``self.stages``), requests in an unreturned batch are skipped and never
            preempted, and a batch takes at most its share of the running requests.
         2. Unless step 1 preempted someone (memory is tight: let running requests drain),
-           admit waiting requests FCFS while budget, ``max_num_seqs`` and free blocks allow.
+           admit waiting requests in order (FCFS, or under the ``priority`` policy by (priority,
+           arrival)) while budget, ``max_num_seqs`` and free blocks allow.
            Each admission rule (``self._gates``: grammar compiled, LoRA slots, not in flight)
            may pass a request over (SKIP: it keeps its place) or end admission (STOP). An
            admitted request starts after its longest prefix-cache hit plus what the KV
@@ -217,7 +235,8 @@ class Scheduler:
            requests are not starved.
         3. Rules that add to the output: grammar masks, the KV connector's loads and saves.
         A request never waits forever: ``add_request`` guarantees each fits an empty cache,
-        and the earliest running request can always preempt all the others.
+        and the earliest running request can always preempt all the others (under ``priority``:
+        a request waits while requests of a higher priority keep coming, as in vLLM).
         """
         kv = self.kv_cache_manager
         token_budget = self.max_num_batched_tokens
@@ -225,7 +244,9 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         cached_reqs: list[CachedRequestData] = []
         new_reqs: list[NewRequestData] = []
-        num_preempted = 0
+        num_preempted = 0  # (by step 1: then no admissions this step)
+        # (priority policy: room for a waiting request that outranks running ones)
+        num_preempted_for_admission = self._make_room() if self._by_priority else 0
         encoder_left = self.max_num_batched_tokens  # image tokens the step may encode (multimodal/budget.py)
         drafter, stages, kv_loads, async_steps = self.drafter, self.stages, self.kv_loads, self.async_steps
 
@@ -312,6 +333,8 @@ class Scheduler:
                 new_block_ids = kv.allocate_slots(request, num_slots, computed_blocks)
             if new_block_ids is None:
                 assert self.running, f"{request.request_id} does not fit an empty KV cache (add_request should refuse it)"
+                if self._by_priority:  # (the next step preempts a lower priority for it: _make_room)
+                    self._blocked_id = request.request_id
                 break
             del self.waiting[num_skipped]
             for gate in gates:
@@ -351,7 +374,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=finished_req_ids,
-            num_preempted=num_preempted,
+            num_preempted=num_preempted + num_preempted_for_admission,
             scheduled_spec_decode_tokens=spec_tokens,
         )
         if self.grammars is not None:
@@ -387,6 +410,44 @@ class Scheduler:
             if self.running[j].request_id not in self.stages.in_flight:
                 return self.running.pop(j)
         raise AssertionError("every running request is in flight, including the one being scheduled")
+
+    def _make_room(self) -> int:
+        """(``priority`` policy, before step 1) Preempt, by recompute, running requests of a strictly
+        lower priority than the first waiting request the admission rules let in now, latest-arrived of
+        the lowest first, while it lacks a seat or the blocks of its first chunk (prefix hits not
+        counted), and at least one when its admission failed for blocks last step (step 1 took them:
+        each failed step costs a lower priority one more request, so it gets in). Returns how many."""
+        waiting, running = self.waiting, self.running
+        if not waiting or not running:
+            return 0
+        for gate in self._gates:
+            gate.begin_step(running)
+        for request in waiting:  # (in (priority, arrival) order)
+            if request.priority >= running[-1].priority:
+                return 0  # (running is sorted: it outranks nobody)
+            verdict = Admission.ADMIT
+            for gate in self._gates:
+                if (verdict := gate.check(request)) is not Admission.ADMIT:
+                    break
+            if verdict is Admission.ADMIT:
+                break
+            if verdict is Admission.STOP:
+                return 0
+        else:
+            return 0
+        kv, budget = self.kv_cache_manager, self.max_num_batched_tokens
+        num_blocks_needed = kv.max_num_blocks(min(request.num_tokens, budget), budget)
+        blocked, self._blocked_id = self._blocked_id == request.request_id, None
+        in_flight = self.stages.in_flight
+        num_preempted = 0
+        while blocked or len(running) >= self.max_num_seqs or kv.get_num_free_blocks() < num_blocks_needed:
+            j = next((j for j in range(len(running) - 1, -1, -1) if running[j].request_id not in in_flight), None)
+            if j is None or running[j].priority <= request.priority:
+                break
+            self._preempt(running.pop(j))
+            num_preempted += 1
+            blocked = False
+        return num_preempted
 
     def unschedule_empty(self, scheduler_output: SchedulerOutput) -> None:
         """Take back an empty step that will not be executed (batches in flight): its finished

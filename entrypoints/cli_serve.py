@@ -252,6 +252,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--block-size", type=int, default=16, help="KV-cache block size (tokens, a power of two)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache at this many blocks")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: arrival order (a request's priority must be 0); priority: by each request's "
+                   "priority field (lower first, then arrival), preempting lower priorities for a higher one "
+                   "that lacks room (vLLM's)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help="KV-cache size, e.g. 2GiB (default: sized from free memory)")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
                    help="share of free memory the KV cache may take when sized automatically (default 0.9; "
@@ -345,6 +349,7 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             async_scheduling=args.async_scheduling,
+            scheduling_policy=args.scheduling_policy,
             max_cudagraph_capture_size=args.max_cudagraph_capture_size,
             load_format=args.load_format,
             model_impl=args.model_impl,

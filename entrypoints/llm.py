@@ -86,13 +86,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string, ``{"prompt_token_ids": [...]}`` or ``{"prompt": str}``.
         A bad prompt or parameter raises ValueError and leaves the engine usable.
         ``lora_request``: one LoRA adapter for every prompt, or one (or None) per prompt
-        (needs ``enable_lora=True``).
+        (needs ``enable_lora=True``). ``priority``: one integer per prompt, lower runs first
+        (vLLM's; needs ``scheduling_policy="priority"`` unless all 0); None: all 0.
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None:
@@ -111,11 +113,14 @@ class LLM:
                     f"got {len(prompts)} prompts but {len(params_list)} sampling params; give one, or one per prompt"
                 )
         loras = _per_prompt_loras(lora_request, len(prompts))
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities; give one per prompt")
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
         try:
-            for rid, prompt, params, lora in zip(ids, prompts, params_list, loras):
-                engine.add_request(rid, prompt, params, lora_request=lora)
+            for rid, prompt, params, lora, prio in zip(ids, prompts, params_list, loras, priorities):
+                engine.add_request(rid, prompt, params, lora_request=lora, priority=prio)
         except BaseException:
             engine.abort_request(ids)
             raise

@@ -180,13 +180,16 @@ class AsyncLLM:
         request_id: str | None = None,
         prompt_text: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Validate, tokenize and queue one request; returns its stream.
 
         Raises ``ValueError`` (bad input: the caller's fault, a 400) before anything is
-        queued, and ``EngineDeadError`` when the engine cannot take requests.
+        queued, and ``EngineDeadError`` when the engine cannot take requests. ``priority``: lower
+        runs first (needs ``--scheduling-policy priority`` unless 0).
         """
-        return await self.submit(await self.prepare_request(prompt, params, request_id, prompt_text, lora_request))
+        return await self.submit(await self.prepare_request(prompt, params, request_id, prompt_text, lora_request,
+                                                            priority))
 
     async def prepare_request(
         self,
@@ -195,6 +198,7 @@ class AsyncLLM:
         request_id: str | None = None,
         prompt_text: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> PreparedRequest:
         """``add_request``'s first half: validate and tokenize, queue nothing (a batch checks
         every prompt before it queues any)."""
@@ -207,7 +211,7 @@ class AsyncLLM:
 
         arrival = time.time()
         params = apply_model_defaults(params, self.model_info)
-        process = functools.partial(self.input_processor.process, lora_request=lora_request)
+        process = functools.partial(self.input_processor.process, lora_request=lora_request, priority=priority)
         if _prompt_size(prompt) > _INLINE_PROMPT_LIMIT:
             text, core_requests = await asyncio.get_running_loop().run_in_executor(
                 self.tokenizer_pool, process, request_id, prompt, params, arrival
@@ -258,14 +262,15 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream cumulative ``RequestOutput``s of one request until it finishes (with the LoRA
-        adapter ``lora_request``, if given).
+        adapter ``lora_request``, if given; ``priority`` as in ``add_request``).
 
         Bad input raises ``ValueError`` before the first output. Cancelling the consuming
         task (or closing this generator early) aborts the request and frees its blocks.
         """
-        stream = await self.add_request(prompt, params, request_id, lora_request=lora_request)
+        stream = await self.add_request(prompt, params, request_id, lora_request=lora_request, priority=priority)
         try:
             async for output in stream:
                 yield output

@@ -130,6 +130,7 @@ class EngineCore:
                 lora_request=req.lora_request,
                 mm_features=req.mm_features,
                 mrope_positions=req.mrope_positions,
+                priority=req.priority,
             )
         )
 

@@ -51,15 +51,17 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         lora_request: Any = None,
+        priority: int = 0,
     ) -> None:
         """Validate, tokenize and queue. Raises ValueError (and queues nothing) on bad input.
-        ``lora_request``: a ``LoRARequest`` to run it with that adapter (needs enable_lora)."""
+        ``lora_request``: a ``LoRARequest`` to run it with that adapter (needs enable_lora);
+        ``priority``: lower runs first (needs ``scheduling_policy="priority"`` unless 0)."""
         request_id = str(request_id)
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
         params = apply_model_defaults(params, self.model_info)
         text, children = self.input_processor.process(request_id, prompt, params, arrival_time,
-                                                      lora_request=lora_request)
+                                                      lora_request=lora_request, priority=priority)
         added = []
         try:
             for child in children:

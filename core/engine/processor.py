@@ -171,8 +171,12 @@ class InputProcessor:
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
         lora_request: Any = None,
+        priority: int = 0,
     ) -> tuple[str | None, list[EngineCoreRequest]]:
-        """Validate and tokenize one request; returns (prompt text, one core request per sample)."""
+        """Validate and tokenize one request; returns (prompt text, one core request per sample).
+        ``priority``: lower runs first under the ``priority`` scheduling policy (the core checks it)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if lora_request is not None:
@@ -254,6 +258,7 @@ class InputProcessor:
                     lora_request=lora_request,
                     mm_features=mm_features,
                     mrope_positions=mrope_positions,
+                    priority=priority,
                 )
             )
         return text, children

@@ -26,6 +26,7 @@ class EngineCoreRequest:
     lora_request: LoRARequest | None = None  # its LoRA adapter; None: the base model
     mm_features: list[MultiModalFeature] | None = None  # its images (halserve.multimodal); None: none
     mrope_positions: MRopePositions | None = None  # an M-RoPE model's prompt positions with images
+    priority: int = 0  # lower runs first under --scheduling-policy priority; fcfs takes only 0
 
 
 @dataclass(slots=True)

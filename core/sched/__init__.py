@@ -5,7 +5,7 @@ rule (``base.py``); the rules: ``GrammarGate`` (structured outputs), ``PipelineS
 in flight), ``UnservedFeatures`` (refusals), and LoRA's ``halserve.lora.admission.LoRAAdmission``.
 Helpers the steps call: ``DraftRule`` (speculative decoding), ``ConnectorLoads`` (KV connector),
 and ``halserve.multimodal.budget.fit_encoder_budget`` (image budget); ``AsyncSteps`` (async
-scheduling's placeholders).
+scheduling's placeholders); ``PriorityWaitingQueue`` (the ``priority`` policy's waiting queue).
 """
 from halserve.sched.async_steps import AsyncSteps
 from halserve.sched.base import Admission, AdmissionPolicy, UnservedFeatures
@@ -13,6 +13,7 @@ from halserve.sched.config import SchedulerConfig
 from halserve.sched.drafts import DraftRule, make_spec_proposer
 from halserve.sched.grammar import GrammarGate
 from halserve.sched.kv_loads import ConnectorLoads
+from halserve.sched.priority import PriorityWaitingQueue
 from halserve.sched.stages import PipelineStages
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "DraftRule",
     "GrammarGate",
     "PipelineStages",
+    "PriorityWaitingQueue",
     "SchedulerConfig",
     "UnservedFeatures",
     "make_spec_proposer",

@@ -14,6 +14,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.config import EngineConfig
     from halserve.kv_cache.spec import KVCacheSpec
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # (vLLM's --scheduling-policy values)
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -30,8 +32,14 @@ class SchedulerConfig:
     async_scheduling: bool = False  # step N+1 is scheduled before step N's output is back (sched/async_steps.py)
     # each attention layer's KV-cache spec (halserve.kv_cache.spec), from the model; (): all full attention
     kv_cache_specs: tuple[KVCacheSpec, ...] = ()
+    # "fcfs": arrival order; "priority": by (Request.priority, arrival), preempting lower priorities
+    # for a higher one that cannot be admitted (halserve.sched.priority)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                      "max_concurrent_batches"):
             value = getattr(self, name)
@@ -62,4 +70,5 @@ class SchedulerConfig:
             enable_chunked_prefill=config.enable_chunked_prefill,
             async_scheduling=config.async_scheduling,
             kv_cache_specs=kv_cache_specs,
+            scheduling_policy=config.scheduling_policy,
         )

@@ -135,6 +135,7 @@ class SamplingRequest(OpenAIModel):
     spaces_between_special_tokens: bool | None = None
     use_beam_search: bool = False  # the n best beams are the choices (serving_beam_search)
     length_penalty: float | None = None  # use_beam_search's final ranking (vLLM's; default 1.0)
+    priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority (fcfs takes only 0)
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingRequest:

@@ -240,7 +240,7 @@ class OpenAIServingChat:
         request_id = random_id("chatcmpl")
         streams = await serving.add_requests([prompt], params, request_id, prompt_texts=[prompt_text],
                                              lora_request=serving.lora_request(model),
-                                             message_params=constraint_messages(req))
+                                             message_params=constraint_messages(req), priority=req.priority)
         created = int(time.time())
         top_n = req.top_logprobs or 0
         if req.stream:

@@ -74,7 +74,8 @@ class OpenAIServingCompletion:
         request_id = random_id("cmpl")
         try:
             streams = await serving.add_requests(prompts, params, request_id, lora_request=serving.lora_request(model),
-                                                 message_params=constraint_messages(req), raw_request=raw_request)
+                                                 message_params=constraint_messages(req), raw_request=raw_request,
+                                                 priority=req.priority)
         except ClientDisconnected:
             return Response(status_code=499)
         created = int(time.time())

@@ -136,6 +136,7 @@ class OpenAIServing:
         message_params: dict[str, str | None] | None = None,
         prompt_params: Sequence[str] | None = None,
         raw_request: Request | None = None,
+        priority: int = 0,
     ) -> list[RequestStream]:
         """Queue one engine request per prompt. Every prompt is checked before any is queued:
         an invalid one is a 400 and nothing runs (one the engine refuses when queued, e.g. it
@@ -155,7 +156,7 @@ class OpenAIServing:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 text = prompt_texts[i] if prompt_texts is not None else None
                 prepared.append(await self.engine.prepare_request(prompt, params.clone(), rid, prompt_text=text,
-                                                                  lora_request=lora_request))
+                                                                  lora_request=lora_request, priority=priority))
                 done += 1
                 if len(prompts) > 1:
                     await asyncio.sleep(0)  # (a batch of short prompts checked inline: let the loop breathe)
@@ -192,7 +193,7 @@ class OpenAIServing:
                     param = prompt_params[done]
                     message = f"{param}: {message}"
                 param = next((name for prefix, name in (message_params or {}).items()
-                              if str(exc).startswith(prefix)), param)
+                              if str(exc).startswith(prefix)), "priority" if str(exc).startswith("priority") else param)
                 raise BadRequestError(message, param=param) from None
             if isinstance(exc, EngineDeadError):
                 raise OpenAIError(str(exc), status_code=503, code="engine_dead") from None
