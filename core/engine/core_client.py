@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from halserve.engine.request_stream import EngineDeadError
+from halserve.engine.request_stream import EngineDeadError, EngineStoppedError
 from halserve.engine.serial import FrameReader, decode_outputs, decode_stats, encode_request, pack
 from halserve.engine.types import EngineStats
 
@@ -266,6 +266,7 @@ class MPEngineCoreClient(EngineCoreClient):
     def _read_loop(self) -> None:
         reader = FrameReader(self.sock)
         reason = None
+        stopped = None
         while True:
             messages = reader.read()
             if messages is None:
@@ -285,7 +286,12 @@ class MPEngineCoreClient(EngineCoreClient):
                         ack.set_result(message[2])
                 elif kind == "dead":
                     reason = message[1]
+                elif kind == "stopped":
+                    stopped = message[1]
         if self._stopping:
+            return
+        if stopped is not None and reason is None:
+            self._die(EngineStoppedError(stopped))
             return
         if reason is None:
             reason = "the engine-core process exited"
@@ -296,7 +302,10 @@ class MPEngineCoreClient(EngineCoreClient):
         self._die(EngineDeadError(reason))
 
     def _die(self, error: BaseException) -> None:
-        logger.error("engine core died: %s", error)
+        if isinstance(error, EngineStoppedError):
+            logger.warning("engine core stopped: %s", error)
+        else:
+            logger.error("engine core died: %s", error)
         with self._lock:
             self._dead = error
         self.fail_pending(EngineDeadError(f"the engine died: {error}"))

@@ -10,9 +10,10 @@
 
 Outputs go to the client that added the request; every client gets the stats (``/metrics`` of
 each API server reports the one engine). The process exits when told to (``shutdown``), on
-SIGTERM, once its last client has gone, or when its parent dies; a step that raises tells
-every client ``dead`` and exits 1, as does a worker found dead while idle (``check_health`` each
-poll). SIGINT is ignored: the API server drains first, then stops it.
+SIGTERM (telling every client ``stopped`` first), once its last client has gone, or when its
+parent dies; a step that raises tells every client ``dead`` and exits 1, as does a worker found
+dead while idle (``check_health`` each poll). SIGINT is ignored: the API server drains first, then
+stops it.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def run_engine_core(config: EngineConfig, socket_path: str, ready: Any, parent_p
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     from halserve.engine.core import EngineCore
 
     try:
@@ -125,6 +126,9 @@ class EngineCoreProc:
                     self._send_outputs(core.step())
                 elif busy:  # just went idle: everyone hears the final stats
                     self._send_outputs([])
+            if "SIGTERM" in self.stopping:  # (an orderly stop: the API servers tell it from a crash)
+                logger.info("received SIGTERM: stopping")
+                self._broadcast(pack(("stopped", "the engine-core process received SIGTERM")))
         except BaseException as exc:  # noqa: BLE001 - every client hears it, then the process exits 1
             logger.exception("engine core died")
             self._broadcast(pack(("dead", f"{type(exc).__name__}: {exc}")))
@@ -182,7 +186,7 @@ class EngineCoreProc:
                 result = exc
             self._reply(client, ("ack", ack, result))
         elif kind == "shutdown":
-            self.stopping.append(True)
+            self.stopping.append("shutdown")
         else:
             logger.error("unknown message %r from a client", kind)
 

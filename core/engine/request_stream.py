@@ -12,11 +12,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.types import EngineCoreRequest
     from halserve.outputs import RequestOutput
 
-__all__ = ["EngineDeadError", "PreparedRequest", "RequestState", "RequestStream", "StatsObserver"]
+__all__ = ["EngineDeadError", "EngineStoppedError", "PreparedRequest", "RequestState", "RequestStream", "StatsObserver"]
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (crashed or shut down); no request can make progress."""
+
+
+class EngineStoppedError(EngineDeadError):
+    """The engine-core process stopped on a signal (SIGTERM) and said so before it exited: an
+    orderly stop, not a crash. The API server exits 0 when it is shutting down on a signal too
+    (a signal to the whole process group); otherwise it is handled as the engine's death."""
 
 
 class StatsObserver(Protocol):

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from halserve import __version__
+from halserve.engine.request_stream import EngineStoppedError
 from halserve.entrypoints.anthropic import (
     AnthropicServingMessages,
     CountTokensRequest,
@@ -306,6 +307,9 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
 
 # After the engine died: how long /health answers 503 (and failed streams flush) before the server exits 1.
 ENGINE_DEATH_EXIT_DELAY_S = 1.0
+# After the engine core stopped on SIGTERM: how long the server waits for its own signal (a signal to
+# the process group reaches both at once) before it takes the stop for the engine's death.
+ENGINE_STOP_GRACE_S = 0.5
 
 
 def _make_server(config: EngineConfig, engine: AsyncLLM, url: str, served: str) -> Any:
@@ -346,6 +350,21 @@ def _make_server(config: EngineConfig, engine: AsyncLLM, url: str, served: str) 
                 logger.info("halserve is serving %s at %s", served, url)
 
         def _on_engine_death(self, exc: BaseException) -> None:
+            if isinstance(exc, EngineStoppedError):
+                # The engine core stopped on SIGTERM. With a signal to the whole process group
+                # (systemd, `kill -- -PGID`) this server has one too, or is about to: an orderly
+                # stop, exit 0. A SIGTERM to the engine core alone is its death.
+                asyncio.get_running_loop().call_later(ENGINE_STOP_GRACE_S, self._after_engine_stop, exc)
+                return
+            self._engine_death(exc)
+
+        def _after_engine_stop(self, exc: BaseException) -> None:
+            if self.should_exit:
+                logger.info("the engine core stopped with the server (%s)", exc)
+            else:
+                self._engine_death(exc)
+
+        def _engine_death(self, exc: BaseException) -> None:
             self.engine_died = True
             logger.error("the engine died (%s): exiting in %.0fs", exc, ENGINE_DEATH_EXIT_DELAY_S)
             asyncio.get_running_loop().call_later(ENGINE_DEATH_EXIT_DELAY_S, setattr, self, "should_exit", True)

@@ -145,6 +145,35 @@ def test_signal_mid_stream_exits_zero_and_leaves_no_process(slow_checkpoint, tmp
     assert not alive, [p.cmdline() for p in alive]
 
 
+def test_sigterm_to_the_process_group_exits_zero(slow_checkpoint, tmp_path):
+    """systemd, `kill -- -PGID`: every process gets SIGTERM at once. The engine core's is handled first
+    here (the order that raced: the server took the engine's exit for its death and exited 1)."""
+    srv = ServerProcess(_args(slow_checkpoint), str(tmp_path / "group.log")).wait_ready()
+    engine = _engine_process(srv)
+    family = [engine, *psutil.Process(srv.proc.pid).children(recursive=True)]
+    events: list[str] = []
+    started = threading.Event()
+    reader = threading.Thread(target=_stream, args=(srv.url, 1900, events, started))
+    reader.start()
+    assert started.wait(60)
+    start = time.monotonic()
+    os.kill(engine.pid, signal.SIGTERM)
+    # the widest form of the race: the server's own signal lands after it heard the engine stop
+    # (or, where the engine does not say so, after the engine is gone)
+    deadline = time.monotonic() + 5
+    while "engine core stopped" not in srv.log() and engine.is_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(15) == 0, srv.log()[-2000:]
+    assert time.monotonic() - start < 10
+    srv.stop()
+    reader.join(10)
+    assert events[-1] == "data: [DONE]"
+    assert "the engine died" not in srv.log()
+    gone, alive = psutil.wait_procs(family, timeout=5)
+    assert not alive, [p.cmdline() for p in alive]
+
+
 def test_killed_api_server_takes_the_engine_with_it(checkpoint, tmp_path):
     srv = ServerProcess(server_args(checkpoint), str(tmp_path / "kill.log")).wait_ready()
     engine = _engine_process(srv)
