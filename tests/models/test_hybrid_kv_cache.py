@@ -112,3 +112,28 @@ def test_long_request_holds_a_window_not_its_length(tmp_path):
         assert by_group[0] <= window_blocks
     assert kv.get_num_free_blocks() == kv.num_usable_blocks
 
+
+def test_gemma3_4k_prompt_512_window(tmp_path):
+    """The issue's acceptance case: a 4096-token prompt through Gemma-3-style layers (3 sliding with a
+    512-token window : 1 full), chunked in 512-token steps. At every step the blocks in use are at most
+    the full layer's share plus a window's worth (and a chunk) per sliding group; greedy tokens match."""
+    window, chunk, block_size = 512, 512, 16
+    path = make_gemma_checkpoint(tmp_path, 3, num_hidden_layers=4, sliding_window=window,
+                                 max_position_embeddings=4224, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    prompt = [1] + [(37 * i) % 500 + 3 for i in range(4095)]
+    want = hf_greedy(path, [prompt], max_new_tokens=8)
+    llm = LLM(path, platform="cpu", dtype="float32", block_size=block_size, max_num_batched_tokens=chunk,
+              max_model_len=4224, num_kv_blocks=1024)
+    seen = record_blocks(llm)
+    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0]
+    for computed, by_group in seen[:-1]:
+        (n,) = computed.values()
+        full_share = cdiv(n, block_size)
+        assert by_group[-1] == full_share
+        # the last step's chunk (<= 512 tokens) read from its first position - 511: a window plus a chunk
+        assert all(held <= cdiv(window - 1 + chunk, block_size) + 1 for held in by_group[:-1]), (n, by_group)
+        assert sum(by_group) <= full_share + 3 * (cdiv(window - 1 + chunk, block_size) + 1)
+    # decoding: a window's blocks per sliding group
+    assert all(held <= cdiv(window - 1, block_size) + 1 for held in seen[-2][1][:-1]), seen[-2]
