@@ -89,7 +89,7 @@ def test_preemption_for_blocks_keeps_outputs_identical_to_fcfs():
     # 6 usable blocks (24 tokens): two low-priority requests hold them; a high-priority one waits
     # for blocks (there is a free seat), preempts the latest-arrived low one, and every request's
     # tokens are those FCFS produces.
-    specs = [("a", range(0, 8), 3), ("b", range(100, 108), 3), ("hi", range(200, 208), 0)]
+    specs = [("a", range(8), 3), ("b", range(100, 108), 3), ("hi", range(200, 208), 0)]
 
     def run(policy):
         sched = make_scheduler(policy, num_blocks=7, max_num_seqs=8)
