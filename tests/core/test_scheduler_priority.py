@@ -209,3 +209,43 @@ def test_abort_under_priority():
     sched.abort_requests(["c", "b"])
     results, order = drv.finish()
     assert order == ["a"]
+
+
+def test_async_scheduling_with_priority_preemption_keeps_outputs():
+    # the engine's async loop (step N+1 scheduled before step N's output is applied), with later,
+    # higher-priority arrivals preempting running requests whose steps are in flight
+    from collections import deque
+
+    rng = random.Random(3)
+    specs = [(f"r{i}", [rng.randrange(500) for _ in range(rng.randrange(1, 10))], rng.randrange(2, 9), -i // 3)
+             for i in range(12)]
+
+    def run(policy, async_scheduling, **kw):
+        sched = Scheduler(SchedulerConfig(max_num_seqs=kw.get("max_num_seqs", 8), max_num_batched_tokens=16,
+                                          max_model_len=64, block_size=BS, num_blocks=kw.get("num_blocks", 200),
+                                          scheduling_policy=policy, async_scheduling=async_scheduling))
+        worker, results, in_flight = FakeWorker(), {}, deque()
+        pending = list(specs)
+        for k in range(2000):
+            while pending and k >= 2 * int(pending[0][0][1:]):  # (one arrival every other step)
+                req_id, prompt, max_tokens, prio = pending.pop(0)
+                sched.add_request(prioritized(req_id, prompt, prio if policy == "priority" else 0, max_tokens))
+            if not sched.has_unfinished_requests() and not in_flight and not pending:
+                break
+            if sched.has_unfinished_requests():
+                so = sched.schedule()
+                if not so.is_empty:
+                    in_flight.append((so, worker.execute(so)))
+                    if async_scheduling and len(in_flight) == 1:
+                        continue
+                elif async_scheduling:
+                    sched.unschedule_empty(so)
+            if in_flight:
+                for o in sched.update_from_output(*in_flight.popleft()):
+                    results[o.request_id] = results.get(o.request_id, []) + o.new_token_ids
+        assert not sched.has_unfinished_requests() and not in_flight and sched.kv_cache_usage == 0.0
+        return results, sched
+
+    reference, _ = run("fcfs", False)
+    got, sched = run("priority", True, max_num_seqs=3, num_blocks=12)
+    assert got == reference and sched.num_preemptions > 0
