@@ -9,6 +9,7 @@ one that names the nearest halserve flag (``unrecognized_message``).
     --[no-]enable-chunked-prefill     EngineConfig.enable_chunked_prefill
     --generation-config auto|vllm|DIR EngineConfig.generation_config
     --max-logprobs N                  EngineConfig.max_logprobs
+    --scheduling-policy fcfs|priority EngineConfig.scheduling_policy (a flag of halserve serve's scheduler group)
     --model MODEL                     the MODEL argument
     --disable-log-requests, --enable-log-requests, --disable-log-stats,
     --swap-space, --disable-custom-all-reduce   accepted; one log line each (NO_EFFECT)
