@@ -14,7 +14,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from halserve.engine_core_output import EngineCoreOutput
 from halserve.kv_cache.manager import KVCacheManager
@@ -98,7 +98,8 @@ class Scheduler:
         self._priority: dict[RequestId, int | tuple[int, int]] = {}
         # FCFS: a deque, preempted requests go back to the front; priority: sorted by the key above
         self.waiting: deque[Request] | PriorityWaitingQueue = (
-            PriorityWaitingQueue(lambda r: self._priority[r.request_id]) if self._by_priority else deque())
+            PriorityWaitingQueue(lambda r: cast("tuple[int, int]", self._priority[r.request_id]))
+            if self._by_priority else deque())
         self._arrivals = itertools.count()
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self.num_preemptions = 0  # cumulative

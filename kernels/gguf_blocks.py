@@ -1,6 +1,6 @@
 """GGUF (ggml) quantization blocks in torch: sizes, dequantizers, and the activation quantizer of the
 native CPU kernels. The dequantizers are the definition of correct for ``gguf_gemm`` (checked against
-the ``gguf`` package's ``gguf.quants.dequantize`` in tests/kernels/test_gguf_gemm.py).
+the ``gguf`` package's ``gguf.quants.dequantize`` in tests/kernels/test_gguf_blocks.py).
 
 A quantized weight ``[N, K]`` is stored as GGUF stores it: ``uint8 [N, K / B * S]``, each row K / B
 blocks of S bytes for B values (llama.cpp's ``block_q4_0`` ... ``block_q6_K``, little-endian)::

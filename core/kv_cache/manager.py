@@ -26,7 +26,7 @@ other groups' tables go to the worker through ``new_group_block_ids`` / ``get_gr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from halserve.kv_cache.block import BlockId, KVCacheBlock
 from halserve.kv_cache.block_pool import BlockPool
@@ -202,13 +202,14 @@ class KVCacheManager:
         if self.num_groups > 1:
             return self._allocate_hybrid(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens)
         assert num_new_tokens > 0, f"allocate_slots needs num_new_tokens > 0, got {num_new_tokens}"
+        hit_blocks = cast("Sequence[KVCacheBlock]", new_computed_blocks)  # (one group: one list of blocks)
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id)
         is_first = req_blocks is None
-        assert is_first or not new_computed_blocks, "prefix hits only on a request's first allocation"
-        if self._windowed and not is_first:  # (a model whose every layer slides: one windowed group)
+        assert is_first or not hit_blocks, "prefix hits only on a request's first allocation"
+        if self._windowed and req_blocks is not None:  # (a model whose every layer slides: one windowed group)
             self._release_skipped(request, 0, req_blocks)
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = request.num_computed_tokens + len(hit_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
         assert num_total <= request.num_tokens + request.num_output_placeholders, (
             f"{req_id}: scheduling up to token {num_total} but only {request.num_tokens} exist"
@@ -216,10 +217,10 @@ class KVCacheManager:
         num_known = min(num_total, request.num_tokens)  # (async scheduling: the last may be placeholders)
         assert self.max_model_len is None or num_total + num_lookahead_tokens <= self.max_model_len
 
-        num_have = (0 if req_blocks is None else len(req_blocks)) + len(new_computed_blocks)
+        num_have = (0 if req_blocks is None else len(req_blocks)) + len(hit_blocks)
         num_new_blocks = max(0, cdiv(num_total + num_lookahead_tokens, self.block_size) - num_have)
         # Hits on free cached blocks take them out of the free queue too.
-        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0 and not block.is_null)
+        num_revived = sum(1 for block in hit_blocks if block.ref_cnt == 0 and not block.is_null)
         if num_new_blocks + num_revived > self.block_pool.get_num_free_blocks():
             return None
 
@@ -228,12 +229,12 @@ class KVCacheManager:
             req_blocks = self.req_to_blocks[req_id] = []
             self.num_cached_block[req_id] = 0
             if self._windowed:
-                self._num_released[req_id] = [_count_null(new_computed_blocks)]
+                self._num_released[req_id] = [_count_null(hit_blocks)]
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += len(new_computed_blocks) * self.block_size
-        self._touch(new_computed_blocks)
-        req_blocks.extend(new_computed_blocks)
+                self.prefix_cache_hits += len(hit_blocks) * self.block_size
+        self._touch(hit_blocks)
+        req_blocks.extend(hit_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         assert new_blocks is not None
         req_blocks.extend(new_blocks)
@@ -245,7 +246,7 @@ class KVCacheManager:
             self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, self.num_cached_block[req_id], num_full)
             self.num_cached_block[req_id] = max(num_full, self.num_cached_block[req_id])
 
-        return [block.block_id for block in (*new_computed_blocks, *new_blocks)]
+        return [block.block_id for block in (*hit_blocks, *new_blocks)]
 
     def _allocate_hybrid(self, request: Request, num_new_tokens: int, new_computed_blocks: ComputedBlocks,
                          num_lookahead_tokens: int) -> list[BlockId] | None:
@@ -253,13 +254,13 @@ class KVCacheManager:
         assert num_new_tokens > 0, f"allocate_slots needs num_new_tokens > 0, got {num_new_tokens}"
         req_id = request.request_id
         bs = self.block_size
-        hits: tuple[list[KVCacheBlock], ...] = (tuple(new_computed_blocks) if new_computed_blocks  # type: ignore[assignment]
-                                                else ([],) * self.num_groups)
+        hits = (cast("tuple[list[KVCacheBlock], ...]", tuple(new_computed_blocks)) if new_computed_blocks
+                else cast("tuple[list[KVCacheBlock], ...]", ([],) * self.num_groups))
         assert len(hits) == self.num_groups and len({len(h) for h in hits}) == 1, "one hit list per group, equal lengths"
         tables = self._tables(req_id)
         is_first = tables is None
         assert is_first or not hits[0], "prefix hits only on a request's first allocation"
-        if not is_first:
+        if tables is not None:
             for g in self._windowed:
                 self._release_skipped(request, g, tables[g])
         num_hit = len(hits[0])

@@ -10,7 +10,7 @@ blocks as the file stores them (no repacking), the scales applied once per block
 Accuracy: the float path is the reference's (dequantize, matmul in float32). The integer path quantizes
 the activations to 8 bits, so it matches ``TorchGgufGemm`` only to within that rounding: it is checked
 against a reference that rounds the activations the same way (``gguf_blocks.quantize_activations_q8``,
-float summation order apart) and loosely against the float reference (tests/kernels/test_gguf_gemm.py).
+float summation order apart) and loosely against the float reference (tests/platforms/test_cpu_native_gguf.py).
 
 ``HALSERVE_GGUF_ISA=avx2`` (or ``avx512_vnni``) forces an instruction path; by default the best this CPU
 runs. ``load_gguf_ops()`` builds ``gguf_gemm.cpp`` as its own small extension (``torch.ops.halserve_cpu_gguf``)
