@@ -22,6 +22,9 @@ VARIANTS = {
     # 12 usable blocks (192 tokens) for 12 requests of up to ~125 tokens: forces preemption
     "preempt": dict(num_kv_blocks=13),
 }
+# Gemma 2/3 mix sliding and full layers: one KV-cache group per layer here (3 layers), each pool block
+# holds one layer, so the same memory as 12 whole-model blocks is 36 pool blocks (still forces preemption).
+HYBRID_PREEMPT_BLOCKS = {"gemma2": 1 + 12 * 3, "gemma3": 1 + 12 * 3}
 
 
 def _moe(tmp_dir, arch: str, **overrides) -> str:
@@ -68,7 +71,10 @@ def test_greedy_matches_transformers_through_the_engine(arch_case, variant):
 
     arch, path, prompts, expected = arch_case
     kwargs = dict(platform="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=BUDGET)
-    llm = LLM(path, **(kwargs | VARIANTS[variant]))
+    extra = VARIANTS[variant]
+    if variant == "preempt" and arch in HYBRID_PREEMPT_BLOCKS:
+        extra = dict(num_kv_blocks=HYBRID_PREEMPT_BLOCKS[arch])
+    llm = LLM(path, **(kwargs | extra))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for attempt in range(2):  # the second pass starts from the first's cached blocks
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
