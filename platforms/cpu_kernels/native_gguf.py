@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 QTYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # gguf_gemm.cpp's qtype argument
 ISA_CODES = {"avx2": 1, "avx512_vnni": 2}  # its isa argument
-PANEL_MIN_ROWS = 64  # from this many activation rows on, dequantize to a float panel and use the float GEMM (the integer path is faster below: benchmarks/kernels/cpu_gguf_gemm.py kernels --rows M, BENCHMARKS.md)
+PANEL_MIN_ROWS = 16  # from this many activation rows on, dequantize to a float panel and use the float GEMM
 PANEL_BYTES = 8 << 20  # float32 panel size (output rows x K) per GEMM call
 
 _lock = threading.Lock()
