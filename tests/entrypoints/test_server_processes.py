@@ -66,6 +66,16 @@ def _stream(url: str, max_tokens: int, events: list, started: threading.Event) -
     started.set()
 
 
+def _start_stream(url: str) -> tuple[list[str], threading.Thread]:
+    """A long stream in a thread, once its first event has arrived: (its events so far, the thread)."""
+    events: list[str] = []
+    started = threading.Event()
+    reader = threading.Thread(target=_stream, args=(url, 1900, events, started))
+    reader.start()
+    assert started.wait(60)
+    return events, reader
+
+
 def test_engine_core_runs_in_its_own_process(checkpoint, tmp_path):
     srv = ServerProcess(server_args(checkpoint), str(tmp_path / "tree.log")).wait_ready()
     try:
@@ -97,11 +107,7 @@ def test_engine_death_fails_streams_turns_health_503_and_exits_nonzero(slow_chec
     srv = ServerProcess(_args(slow_checkpoint), str(tmp_path / "death.log")).wait_ready()
     try:
         engine = _engine_process(srv)
-        events: list[str] = []
-        started = threading.Event()
-        reader = threading.Thread(target=_stream, args=(srv.url, 1900, events, started))
-        reader.start()
-        assert started.wait(60)
+        events, reader = _start_stream(srv.url)
         killed = time.monotonic()
         os.kill(engine.pid, sig)
         saw_503 = False
@@ -128,11 +134,7 @@ def test_signal_mid_stream_exits_zero_and_leaves_no_process(slow_checkpoint, tmp
     srv = ServerProcess(_args(slow_checkpoint), str(tmp_path / "term.log")).wait_ready()
     engine = _engine_process(srv)
     family = [engine, *psutil.Process(srv.proc.pid).children(recursive=True)]
-    events: list[str] = []
-    started = threading.Event()
-    reader = threading.Thread(target=_stream, args=(srv.url, 1900, events, started))
-    reader.start()
-    assert started.wait(60)
+    events, reader = _start_stream(srv.url)
     start = time.monotonic()
     srv.proc.send_signal(sig)
     assert srv.proc.wait(15) == 0
@@ -151,11 +153,7 @@ def test_sigterm_to_the_process_group_exits_zero(slow_checkpoint, tmp_path):
     srv = ServerProcess(_args(slow_checkpoint), str(tmp_path / "group.log")).wait_ready()
     engine = _engine_process(srv)
     family = [engine, *psutil.Process(srv.proc.pid).children(recursive=True)]
-    events: list[str] = []
-    started = threading.Event()
-    reader = threading.Thread(target=_stream, args=(srv.url, 1900, events, started))
-    reader.start()
-    assert started.wait(60)
+    events, reader = _start_stream(srv.url)
     start = time.monotonic()
     os.kill(engine.pid, signal.SIGTERM)
     # the widest form of the race: the server's own signal lands after it heard the engine stop
@@ -246,11 +244,7 @@ def test_worker_death_fails_streams_and_exits_nonzero(slow_checkpoint, tmp_path)
         engine = _engine_process(srv)
         workers = [c for c in engine.children() if "spawn_main" in " ".join(c.cmdline())]
         assert len(workers) == 2, [c.cmdline() for c in engine.children()]
-        events: list[str] = []
-        started = threading.Event()
-        reader = threading.Thread(target=_stream, args=(srv.url, 1900, events, started))
-        reader.start()
-        assert started.wait(60)
+        events, reader = _start_stream(srv.url)
         killed = time.monotonic()
         workers[1].kill()
         assert srv.proc.wait(10) != 0
