@@ -128,6 +128,10 @@ class EngineConfig(BaseModel):
     kv_offloading_size: float | None = Field(default=None, gt=0)
     """GiB of host memory for a second prefix-cache tier (vLLM's ``--kv-offloading-size``): shorthand
     for the ``OffloadingConnector`` with that ``cpu_bytes_to_use``. None: off."""
+    enable_sleep_mode: bool = False
+    """vLLM's ``enable_sleep_mode`` (``--enable-sleep-mode``): the engine may ``sleep(level)`` between
+    bursts of work, releasing its KV cache (level 1) or its weights and KV cache (level 2) to the OS or
+    the device driver, and ``wake_up()`` again (halserve.worker.sleep_mode)."""
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -245,6 +249,19 @@ class EngineConfig(BaseModel):
             raise ValueError(f"generation_config {value!r}: not 'auto', 'vllm' or a folder holding "
                              "generation_config.json")
         return value
+
+    @model_validator(mode="after")
+    def _sleep_mode(self) -> EngineConfig:
+        if not self.enable_sleep_mode:
+            return self
+        if self.kv_transfer_config is not None:
+            raise ValueError("enable_sleep_mode cannot be combined with a KV connector (kv_transfer_config or "
+                             "kv_offloading_size) yet: the connector holds the KV cache that sleep drops; drop one")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("enable_sleep_mode cannot be combined with a draft model (speculative_config) yet: "
+                             "its weights and KV cache are not released; use method 'ngram' or no speculation")
+        return self
 
     @model_validator(mode="after")
     def _memory_share(self) -> EngineConfig:

@@ -159,6 +159,42 @@ class Platform:
     def empty_cache(self) -> None:
         """Release cached allocator memory (optional) default: no-op."""
 
+    # -- worker lifecycle: sleep mode (halserve.worker.sleep_mode) -----------------------
+    def release_memory(self) -> None:
+        """(optional) default: ``gc.collect()``, then ``empty_cache()`` (on CUDA and ROCm,
+        ``torch.cuda.empty_cache``: the caching allocator's free blocks go back to the driver).
+
+        Hand the memory the worker just freed back to the OS or the device driver, so that other
+        programs can use it while the engine sleeps. Called by the worker after ``sleep`` dropped
+        the KV cache (and at level 2 the weights), and after ``update_weights`` dropped the old
+        weights. A platform whose allocator keeps freed memory overrides it (the CPU trims glibc's
+        heap)."""
+        import gc
+
+        gc.collect()
+        self.empty_cache()
+
+    def offload_weights(self, model: Any) -> None:
+        """(optional) default: every parameter and buffer of ``model`` moved to pinned host memory.
+
+        Sleep level 1 keeps the weights in host memory and frees their device memory; called by the
+        worker before ``release_memory``. ``restore_weights`` undoes it at ``wake_up``. A platform
+        whose weights already live in host memory (the CPU) makes it a no-op."""
+        import torch
+
+        for tensor in _weight_tensors(model):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+            host.copy_(tensor.data)
+            tensor.data = host
+
+    def restore_weights(self, model: Any) -> None:
+        """(optional) default: every parameter and buffer moved back to ``self.device()``. Called by
+        the worker at ``wake_up`` after a level-1 sleep (``offload_weights``)."""
+        device = self.device()
+        for tensor in _weight_tensors(model):
+            tensor.data = tensor.data.to(device, non_blocking=True)
+        self.synchronize()
+
     def supports_fp8(self) -> bool:
         return self.fp8_dtype is not None
 
@@ -199,3 +235,14 @@ class Platform:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _weight_tensors(model: Any) -> list:
+    """The parameters and buffers of ``model``, each once (tied weights share one)."""
+    seen: set[int] = set()
+    tensors = []
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors.append(tensor)
+    return tensors
