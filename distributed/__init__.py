@@ -14,6 +14,10 @@ Each stage is one tensor-parallel group (its own process group, or the default g
 there is one stage); a rank sends its stage's output to the rank of the same
 tensor-parallel index in the next stage (``pp_send`` / ``pp_recv``).
 ``destroy_distributed()`` undoes it all.
+
+Every op between ranks goes through a ``DeviceCommunicator`` (``distributed/communicator.py``):
+the platform's (``Platform.make_device_communicator``), set by the worker with
+``set_tp_communicator`` / ``set_pp_communicator``, else the torch.distributed default.
 """
 from __future__ import annotations
 
@@ -24,13 +28,16 @@ from typing import Any
 
 import torch
 
+from halserve.distributed.communicator import DeviceCommunicator
+
 
 @dataclass(frozen=True, slots=True)
 class TensorParallelState:
     rank: int  # this process's index in the tensor-parallel group
     size: int  # ranks in the group
     group: Any = None  # torch.distributed ProcessGroup; None = the default group
-    comm: Any = None  # the platform's faster collectives for this group (all_reduce, all_gather), if any
+    comm: Any = None  # (plugin API 1) the platform's faster all_reduce/all_gather for the tensors it supports(), if any
+    device_comm: DeviceCommunicator | None = None  # this group's ops; None: torch.distributed (the default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +46,7 @@ class PipelineParallelState:
     size: int  # stages
     prev_rank: int | None = None  # global rank this stage receives from; None on the first stage
     next_rank: int | None = None  # global rank this stage sends to; None on the last stage
+    comm: DeviceCommunicator | None = None  # the whole world's communicator (send/recv); None: torch.distributed
 
     @property
     def is_first(self) -> bool:
@@ -117,10 +125,44 @@ def init_distributed(backend: str, init_method: str | None, rank: int, world_siz
 
 
 def set_tp_communicator(comm: Any) -> None:
-    """Use ``comm`` (``supports(x)``, ``all_reduce(x)``, ``all_gather(x, dim)``) for this process's
-    tensor-parallel collectives on the tensors it supports (``Platform.make_tp_communicator``)."""
+    """Use ``comm`` for this process's tensor-parallel ops: a ``DeviceCommunicator``
+    (``Platform.make_device_communicator``) for every op, or (plugin API 1) an object with
+    ``supports(x)``, ``all_reduce(x)``, ``all_gather(x, dim)`` (``Platform.make_tp_communicator``)
+    tried first for the tensors it supports. None clears both."""
     global _state
-    _state = TensorParallelState(rank=_state.rank, size=_state.size, group=_state.group, comm=comm)
+    if comm is None:
+        _state = TensorParallelState(rank=_state.rank, size=_state.size, group=_state.group)
+    elif isinstance(comm, DeviceCommunicator):
+        _state = TensorParallelState(rank=_state.rank, size=_state.size, group=_state.group, comm=_state.comm,
+                                     device_comm=comm)
+    else:
+        _state = TensorParallelState(rank=_state.rank, size=_state.size, group=_state.group, comm=comm,
+                                     device_comm=_state.device_comm)
+
+
+def set_pp_communicator(comm: DeviceCommunicator | None) -> None:
+    """Use ``comm`` (over the whole world: ``group`` None, global ranks) for the pipeline stages'
+    ``send``/``recv``; None: torch.distributed."""
+    global _pp_state
+    if comm is not None and not isinstance(comm, DeviceCommunicator):
+        raise TypeError(f"set_pp_communicator takes a DeviceCommunicator, got {type(comm).__name__}")
+    s = _pp_state
+    _pp_state = PipelineParallelState(rank=s.rank, size=s.size, prev_rank=s.prev_rank, next_rank=s.next_rank, comm=comm)
+
+
+def get_tp_communicator() -> DeviceCommunicator:
+    """This process's tensor-parallel communicator (the torch.distributed default when none was set)."""
+    return _state.device_comm or DeviceCommunicator(_state.group, _state.rank, _state.size)
+
+
+def get_pp_communicator() -> DeviceCommunicator:
+    """The world communicator the pipeline stages send and receive through (default: torch.distributed)."""
+    if _pp_state.comm is not None:
+        return _pp_state.comm
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return DeviceCommunicator(None, dist.get_rank(), dist.get_world_size())
+    return DeviceCommunicator(None, 0, 1)
 
 
 def destroy_distributed() -> None:
@@ -158,8 +200,9 @@ def pp_send(tensors: dict[str, torch.Tensor]) -> None:
     dst = _pp_state.next_rank
     if dst is None:
         raise RuntimeError("the last pipeline stage has no next stage to send to")
+    comm = get_pp_communicator()
     for key in sorted(tensors):
-        torch.distributed.send(tensors[key].contiguous(), dst=dst)
+        comm.send(tensors[key], dst=dst)
 
 
 def pp_recv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -168,8 +211,9 @@ def pp_recv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     src = _pp_state.prev_rank
     if src is None:
         raise RuntimeError("the first pipeline stage has no previous stage to receive from")
+    comm = get_pp_communicator()
     for key in sorted(tensors):
-        torch.distributed.recv(tensors[key], src=src)
+        comm.recv(tensors[key], src=src)
     return tensors
 
 
@@ -205,6 +249,8 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     if _state.comm is not None and _state.comm.supports(x):
         return _state.comm.all_reduce(x)
+    if _state.device_comm is not None:
+        return _state.device_comm.all_reduce(x)
     torch.distributed.all_reduce(x, group=_state.group)
     return x
 
@@ -215,28 +261,51 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
         return x
     if _state.comm is not None and _state.comm.supports(x):
         return _state.comm.all_gather(x, dim)
+    if _state.device_comm is not None:
+        return _state.device_comm.all_gather(x, dim)
     parts = [torch.empty_like(x) for _ in range(_state.size)]
     torch.distributed.all_gather(parts, x.contiguous(), group=_state.group)
     return torch.cat(parts, dim=dim)
 
 
+def tensor_model_parallel_all_to_all(x: torch.Tensor) -> torch.Tensor:
+    """Chunk ``i`` of ``x`` (dim 0 split in ``size`` equal parts) to rank ``i``; the received chunks
+    in rank order (``DeviceCommunicator.all_to_all``; expert parallelism). ``x`` for one rank."""
+    if _state.size == 1:
+        return x
+    return get_tp_communicator().all_to_all(x)
+
+
+def tensor_model_parallel_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Tensor-parallel rank ``src``'s ``x`` on every rank (no-op for one rank)."""
+    if _state.size == 1:
+        return x
+    return get_tp_communicator().broadcast(x, src)
+
+
 __all__ = [
+    "DeviceCommunicator",
     "PipelineParallelState",
     "TensorParallelState",
     "destroy_distributed",
     "destroy_tensor_parallel",
     "divide",
+    "get_pp_communicator",
     "get_pp_state",
     "get_tp_group",
     "get_tp_rank",
+    "get_tp_communicator",
     "get_tp_size",
     "get_tp_state",
     "init_distributed",
     "init_tensor_parallel",
     "pp_recv",
     "pp_send",
+    "set_pp_communicator",
     "set_tp_communicator",
     "whole_model_stage",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
+    "tensor_model_parallel_all_to_all",
+    "tensor_model_parallel_broadcast",
 ]

@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from halserve.config import EngineConfig
+    from halserve.distributed.communicator import DeviceCommunicator
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +84,26 @@ class Platform:
         return result
 
     def make_tp_communicator(self, group: Any, rank: int, size: int) -> Any:
-        """Faster tensor-parallel collectives than torch.distributed's for this platform, or None.
+        """(optional, plugin API 1) default: None. A faster all-reduce/all-gather than the device
+        communicator's for some tensors: an object with ``supports(x)``, ``all_reduce(x)`` and
+        ``all_gather(x, dim)``, tried first for the tensors it supports (the CPU's shared memory).
         Called by every rank of a tensor-parallel group (``group``: its process group, None for the
         default one) after torch.distributed is initialised; see ``halserve.distributed.set_tp_communicator``."""
         return None
+
+    def make_device_communicator(self, group: Any, rank: int, size: int) -> DeviceCommunicator:
+        """(optional, plugin API 2) default: ``halserve.distributed.communicator.DeviceCommunicator``,
+        torch.distributed on ``dist_backend``. This platform's collectives and point-to-point ops
+        (all_reduce, all_gather, all_to_all, broadcast, send, recv) for one group of ranks: return a
+        subclass overriding the ops your collective library does (the kit's ``communicator`` check
+        compares each with gloo's result on two processes).
+
+        Called after torch.distributed is initialised, by every rank of each tensor-parallel group
+        (``group``: its process group; ``rank``/``size``: within it) and, with pipeline stages, of
+        the whole world (``group`` None) for the stages' send/recv."""
+        from halserve.distributed.communicator import DeviceCommunicator
+
+        return DeviceCommunicator(group, rank, size)
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
@@ -100,6 +117,10 @@ class Platform:
             "fp8_dtype": cls.fp8_dtype,
             "preferred_attention_backends": list(cls.preferred_attention_backends),
             "graph_mode": cls.graph_mode,
+            # (plugin API 2) whose collectives: the platform's own communicator or torch.distributed's
+            "device_communicator": (f"{cls.__module__}.{cls.__qualname__}.make_device_communicator"
+                                    if cls.make_device_communicator is not Platform.make_device_communicator
+                                    else f"torch.distributed ({cls.dist_backend})"),
         }
 
     # -- device handling (instance level: only for the selected platform) -------------
