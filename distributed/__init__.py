@@ -128,10 +128,11 @@ def set_tp_communicator(comm: Any) -> None:
     """Use ``comm`` for this process's tensor-parallel ops: a ``DeviceCommunicator``
     (``Platform.make_device_communicator``) for every op, or (plugin API 1) an object with
     ``supports(x)``, ``all_reduce(x)``, ``all_gather(x, dim)`` (``Platform.make_tp_communicator``)
-    tried first for the tensors it supports. None clears both."""
+    tried first for the tensors it supports. None (a platform without a fast path) clears the fast path."""
     global _state
     if comm is None:
-        _state = TensorParallelState(rank=_state.rank, size=_state.size, group=_state.group)
+        _state = TensorParallelState(rank=_state.rank, size=_state.size, group=_state.group,
+                                     device_comm=_state.device_comm)
     elif isinstance(comm, DeviceCommunicator):
         _state = TensorParallelState(rank=_state.rank, size=_state.size, group=_state.group, comm=_state.comm,
                                      device_comm=comm)
