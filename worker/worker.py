@@ -46,7 +46,7 @@ class Worker:
         if self.platform.device_count() > 1:
             self.platform.set_device(local_rank)
         if self.world_size > 1:
-            from halserve.distributed import init_distributed, set_tp_communicator
+            from halserve.distributed import init_distributed, set_pp_communicator, set_tp_communicator
 
             tp = init_distributed(
                 backend=self.platform.dist_backend,
@@ -55,8 +55,11 @@ class Worker:
                 world_size=self.world_size,
                 tensor_parallel_size=self.config.tensor_parallel_size,
             )
-            if tp.size > 1:
+            if tp.size > 1:  # the platform's ops for the group, and its API 1 fast all-reduce/all-gather
+                set_tp_communicator(self.platform.make_device_communicator(tp.group, tp.rank, tp.size))
                 set_tp_communicator(self.platform.make_tp_communicator(tp.group, tp.rank, tp.size))
+            if tp.size < self.world_size:  # pipeline stages: their send/recv over the whole world
+                set_pp_communicator(self.platform.make_device_communicator(None, self.rank, self.world_size))
         self.platform.seed_everything(self.config.seed)
         module, _, cls_name = self.platform.model_runner_cls.partition(":")
         runner_cls = getattr(importlib.import_module(module), cls_name)
