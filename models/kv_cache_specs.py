@@ -8,18 +8,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from halserve.kv_cache.spec import KVCacheSpec, spec_for_window
+from halserve.kv_cache.spec import KVCacheSpec, MLASpec, spec_for_window
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.models.loader import ModelInfo
 
 
 def model_kv_cache_specs(info: ModelInfo) -> tuple[KVCacheSpec, ...]:
-    """One spec per attention layer of the decoder, in order; () when every layer is full attention."""
+    """One spec per attention layer of the decoder, in order; () when every layer is full attention
+    (DeepSeek-V2/V3 served natively: an ``MLASpec`` per layer)."""
     from halserve.models.llama import layer_sliding_windows
 
     hf_config = info.hf_config
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if getattr(info, "model_impl", "halserve") == "halserve":
+        from halserve.models.deepseek import is_deepseek_mla
+
+        if is_deepseek_mla(text_config):  # one latent per position: MLASpec on every layer
+            spec = MLASpec(text_config.kv_lora_rank, text_config.qk_rope_head_dim)
+            return (spec,) * text_config.num_hidden_layers
     windows = layer_sliding_windows(text_config)
     if all(w is None for w in windows):
         return ()

@@ -32,6 +32,18 @@ def select_attention_backend(config: EngineConfig, platform: Platform, info: Mod
         num_heads=info.num_heads,
         num_kv_heads=info.num_kv_heads,
     )
+    # the KV-cache kinds its layers keep (halserve.kv_cache.spec): a backend must serve each
+    from halserve.models.kv_cache_specs import model_kv_cache_specs
+
+    kinds = sorted({spec.kind for spec in model_kv_cache_specs(info)} - {"full_attention", "sliding_window"})
+
+    def refusal(cls: type) -> str | None:
+        missing = [kind for kind in kinds if kind not in cls.kv_cache_spec_kinds()]
+        if missing:
+            return (f"it does not serve the {', '.join(missing)} KV-cache kind of {info.architecture}'s layers "
+                    f"(it serves {', '.join(cls.kv_cache_spec_kinds())})")
+        return cls.supports(**query)
+
     forced = config.attention_backend or os.environ.get("HALSERVE_ATTENTION_BACKEND")
     if forced:
         reg = registry.get(forced)
@@ -40,10 +52,10 @@ def select_attention_backend(config: EngineConfig, platform: Platform, info: Mod
         cls = reg.obj
         if not cls.runs_on(platform.name):
             raise ValueError(f"attention backend {forced!r} does not run on platform {platform.name!r} (it runs on {cls.platforms})")
-        reason = cls.supports(**query)
+        reason = refusal(cls)
         if reason:
             able = [n for n in platform.preferred_attention_backends
-                    if n in registry and registry[n].obj.supports(**query) is None]
+                    if n in registry and refusal(registry[n].obj) is None]
             raise ValueError(f"attention backend {forced!r} cannot run this model: {reason}; on platform "
                              f"{platform.name!r} use one of: {', '.join(able) or 'none'} (or unset attention_backend "
                              "and HALSERVE_ATTENTION_BACKEND to choose automatically)")
@@ -54,7 +66,7 @@ def select_attention_backend(config: EngineConfig, platform: Platform, info: Mod
         if reg is None:
             reasons.append(f"{name}: not registered")
             continue
-        reason = reg.obj.supports(**query)
+        reason = refusal(reg.obj)
         if reason is None:
             if reasons:
                 logger.info("attention backend %s selected; skipped %s", name, "; ".join(reasons))

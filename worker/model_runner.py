@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from halserve.kv_cache.spec import group_layers, group_size
+from halserve.kv_cache.spec import MLASpec, group_layers, group_size
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from halserve.spec_decode.verify import count_accepted, expand_rows
 from halserve.structured_output.logits import apply_step_bitmask
@@ -98,6 +98,10 @@ class ModelRunner:
                                          if groups else self.max_blocks_per_req)
         if self.kv_cache_groups is not None:
             self._check_hybrid(config)
+        # an MLA model (DeepSeek-V2/V3) keeps one latent per position and layer, not per-head K/V
+        self.mla_spec = next((s for s in self.kv_cache_specs if isinstance(s, MLASpec)), None)
+        if self.mla_spec is not None:
+            self._check_mla(config)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
@@ -135,6 +139,21 @@ class ModelRunner:
         if spec is not None and spec.method == "draft_model":
             raise ValueError(f"{what}: a draft model shares one block table; use speculative method 'ngram' or none")
 
+    def _check_mla(self, config: EngineConfig) -> None:
+        """What an MLA latent cache does not run with yet (they move or share per-head K/V blocks)."""
+        what = f"{self.info.architecture} keeps an MLA latent cache"
+        if config.kv_transfer_config is not None:
+            raise ValueError(f"{what}; KV connectors move per-head K/V blocks: drop kv_transfer_config")
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError(f"{what}; a draft model shares its block tables: use speculative method 'ngram' or none")
+
+    def _layer_cache_shape(self, num_blocks: int, num_kv_heads: int) -> tuple[int, ...]:
+        """One attention layer's cache tensor: the backend's K/V layout, or an MLA model's latent pages."""
+        if self.mla_spec is not None:
+            return self.mla_spec.cache_shape(num_blocks, self.block_size)
+        return self.attn_backend_cls.kv_cache_shape(num_blocks, self.block_size, num_kv_heads, self.info.head_size)
+
     # -- setup -----------------------------------------------------------------------
     def load_model(self) -> None:
         from halserve.models.loader import load_model
@@ -164,7 +183,7 @@ class ModelRunner:
         return torch.float8_e5m2  # "fp8_e5m2", the last of KV_CACHE_DTYPES
 
     def bytes_per_block(self) -> int:
-        shape = self.attn_backend_cls.kv_cache_shape(1, self.block_size, self._local_kv_heads(), self.info.head_size)
+        shape = self._layer_cache_shape(1, self._local_kv_heads())
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         draft = 0 if self.drafter is None else self.drafter.bytes_per_block(self.kv_cache_dtype)
         # a hybrid model's block holds one layer of each of its group_size tensors (kv_cache/spec.py)
@@ -203,7 +222,7 @@ class ModelRunner:
         if self.kv_cache_groups is not None:
             self._initialize_hybrid_kv_cache(num_blocks)
         for layer in self.model.attention_layers if self.kv_cache_groups is None else ():
-            shape = self.attn_backend_cls.kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, self.info.head_size)
+            shape = self._layer_cache_shape(num_blocks, layer.num_kv_heads)
             cache = self.platform.allocate_kv_cache(shape, self.kv_cache_dtype)
             layer.kv_cache = cache
             self.kv_caches.append(cache)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, cast
 from halserve.kv_cache.block import BlockId, KVCacheBlock
 from halserve.kv_cache.block_pool import BlockPool
 from halserve.kv_cache.hashing import extend_block_hashes
-from halserve.kv_cache.spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, group_layers
+from halserve.kv_cache.spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec, group_layers
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.request import Request, RequestId
@@ -64,8 +64,9 @@ class KVCacheManager:
                                            else [KVCacheGroup(FullAttentionSpec(), (0,))])
         self.specs = [group.spec for group in self.groups]
         self.num_groups = len(self.groups)
-        # the only release of blocks while a request runs: sliding windows (other specs skip nothing)
-        self._windowed = [g for g, spec in enumerate(self.specs) if not isinstance(spec, FullAttentionSpec)]
+        # the only release of blocks while a request runs: sliding windows (full attention and MLA
+        # latents keep every position)
+        self._windowed = [g for g, spec in enumerate(self.specs) if isinstance(spec, SlidingWindowSpec)]
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.req_to_blocks: dict[RequestId, list[KVCacheBlock]] = {}  # group 0's tables
         # groups 1..: req -> one table per group (hybrid models only)
@@ -142,7 +143,7 @@ class KVCacheManager:
         block before it), searched from the right, as vLLM's SlidingWindowManager."""
         pool = self.block_pool
         spec = self.specs[group]
-        if isinstance(spec, FullAttentionSpec):
+        if not isinstance(spec, SlidingWindowSpec):  # every position: the cached prefix
             hits: list[KVCacheBlock] = []
             for block_hash in block_hashes[:max_blocks]:
                 block = pool.get_cached_block(block_hash, group)

@@ -64,8 +64,53 @@ class SlidingWindowSpec:
         return min(cdiv(num_tokens, block_size), cdiv(live, block_size) + 1)
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
-SPEC_KINDS = ("full_attention", "sliding_window")
+@dataclass(frozen=True, slots=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3): per position one compressed latent of
+    ``kv_lora_rank`` values plus the rotary key of ``qk_rope_head_dim`` values, shared by every head
+    (no per-head K/V). Blocks live like full attention's: every position, the whole request.
+
+    One layer's page (one block of it)::
+
+        slot 0: | latent c_kv [kv_lora_rank] | k_pe [qk_rope_head_dim] |
+        slot 1: | ...                                                   |
+        ...     block_size slots -> block_size * (kv_lora_rank + qk_rope_head_dim) elements
+
+    DeepSeek-V3 (512 + 64) stores 576 values per token and layer where per-head K/V of its 128
+    heads would take 2 * 128 * 192 = 49152: 85x less.
+    """
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    kind: ClassVar[str] = "mla"
+
+    def __post_init__(self) -> None:
+        if self.kv_lora_rank < 1 or self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2:
+            raise ValueError(f"an MLA cache needs kv_lora_rank >= 1 and an even qk_rope_head_dim >= 0, got "
+                             f"{self.kv_lora_rank} and {self.qk_rope_head_dim}; check the checkpoint's config.json")
+
+    @property
+    def entry_size(self) -> int:
+        """Values per position and layer: the latent, then the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int]:
+        """One layer's cache tensor: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]."""
+        return (num_blocks, block_size, self.entry_size)
+
+    def page_size_bytes(self, block_size: int, element_size: int) -> int:
+        """Bytes of one block of one layer (``element_size``: the cache dtype's, 1 for fp8)."""
+        return block_size * self.entry_size * element_size
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return 0
+
+    def max_num_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
+        return cdiv(num_tokens, block_size)
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec
+SPEC_KINDS = ("full_attention", "sliding_window", "mla")
 """The spec kinds halserve's KV-cache manager serves (``AttentionBackend.kv_cache_spec_kinds``)."""
 
 
