@@ -22,6 +22,17 @@ Measured on CPU fp32, one thread, 64 decodes x 256 context x 12/4 heads x 64: SD
 workspace instead of fresh tensors took a layer from ~70 ms to ~15 ms (page faults of
 multi-MB allocations dominated). The explicit matmul path (~40 ms) is kept for logits
 soft-capping, which SDPA cannot do.
+
+MLA layers (DeepSeek-V2/V3, ``forward_mla``; ``halserve.layers.mla``) keep one latent row
+``cat(kv_c, k_pe)`` per position in a ``[num_blocks, block_size, r + dr]`` cache. Prefills expand
+the gathered latents into per-head keys and values through W_UK / W_UV and run SDPA (the naive
+path, as the checkpoint computes it); decodes absorb W_UK into the query and W_UV into the output
+and attend over the latent rows themselves (one shared "head" of r + dr values)::
+
+    q_lat  = W_UK^T q_nope                      [Nd, H, r]
+    scores = cat(q_lat, q_pe) . cache rows      [Nd, H, L]   (x scale, masked past seq_len)
+    o_lat  = softmax(scores) @ kv_c rows        [Nd, H, r]
+    out    = W_UV o_lat                         [Nd, H, dv]
 """
 from __future__ import annotations
 
@@ -89,6 +100,10 @@ class TorchAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     description = "plain torch (SDPA over gathered blocks); the reference every backend is checked against"
+
+    @classmethod
+    def kv_cache_spec_kinds(cls) -> tuple[str, ...]:
+        return ("full_attention", "sliding_window", "mla")
 
     @classmethod
     def build_metadata(cls, common: AttentionMetadata) -> TorchAttentionMetadata:
@@ -275,4 +290,63 @@ class TorchAttentionBackend(AttentionBackend):
             q_pre = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
             o = self._attend(q_pre, keys, values, mask, is_causal=mask is None)
             out[span.token_start : span.token_end] = o.squeeze(0).transpose(0, 1)
+        return out
+
+    # -- MLA (module docstring) -------------------------------------------------------------
+    def _write_mla(self, cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, scale: float) -> None:
+        """cache [num_blocks, B, E]; rows [n, E]; slots [n]."""
+        flat = cache.view(-1, cache.shape[-1])  # [num_slots, E]
+        if self.fp8_dtype is None:
+            flat.index_copy_(0, slots, rows.to(flat.dtype))
+            return
+        fp8 = self._cache_fp8(cache)
+        fmax = torch.finfo(fp8).max
+        q = (rows.float() / scale).clamp_(-fmax, fmax).to(fp8)
+        flat.view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
+
+    def _read_mla(self, cache: torch.Tensor, block_ids: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """cache [num_blocks, B, E], block_ids [n] -> [n * B, E] in ``dtype``."""
+        rows = cache.view(cache.shape[0], -1)  # [num_blocks, B * E]
+        if self.fp8_dtype is None:
+            return torch.index_select(rows, 0, block_ids).view(-1, cache.shape[-1])
+        raw = torch.index_select(rows.view(torch.uint8), 0, block_ids)
+        return (raw.view(self._cache_fp8(cache)).to(dtype) * scale).view(-1, cache.shape[-1])
+
+    def forward_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                    kv_cache: torch.Tensor, metadata: Any, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                    k_scale: float = 1.0) -> torch.Tensor:
+        """q_nope [T, H, dn], q_pe [T, H, dr], kv_c [T, r], k_pe [T, dr], kv_cache [num_blocks, B, r + dr],
+        w_uk [H, dn, r], w_uv [H, dv, r] -> [T, H, dv]. Writes the step's latents, then attends."""
+        if not isinstance(metadata, TorchAttentionMetadata):
+            raise TypeError("TorchAttentionBackend.forward_mla needs the metadata from its build_metadata, got "
+                            f"{type(metadata).__name__}")
+        n = metadata.num_actual_tokens
+        rank = kv_c.shape[-1]
+        block_size = kv_cache.shape[1]
+        self._write_mla(kv_cache, torch.cat([kv_c[:n], k_pe[:n]], dim=-1), metadata.slot_mapping[:n].long(), k_scale)
+        num_heads, v_dim = w_uv.shape[0], w_uv.shape[1]
+        out = q_nope.new_zeros(q_nope.shape[0], num_heads, v_dim)  # padded tokens past n stay zero
+        device, dtype = q_nope.device, q_nope.dtype
+        if metadata.decode_req_indices:  # absorbed: attention over the latent rows
+            block_ids, token_idx, visible = self._decode_inputs(metadata, block_size, device)
+            num_decodes = token_idx.shape[0]
+            rows = self._read_mla(kv_cache, block_ids, k_scale, dtype).view(num_decodes, -1, kv_cache.shape[-1])
+            q_lat = torch.einsum("thd,hdr->thr", q_nope.index_select(0, token_idx), w_uk)  # [Nd, H, r]
+            q_full = torch.cat([q_lat, q_pe.index_select(0, token_idx)], dim=-1)  # [Nd, H, r + dr]
+            scores = torch.matmul(q_full, rows.transpose(1, 2)).float() * self.scale  # [Nd, H, L]
+            scores.masked_fill_(~visible.view(num_decodes, 1, -1), float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(dtype)
+            o_lat = torch.matmul(probs, rows[..., :rank])  # [Nd, H, r]
+            out.index_copy_(0, token_idx, torch.einsum("thr,hvr->thv", o_lat, w_uv))
+        for span in metadata.prefills:  # naive: expand the latents into per-head K/V
+            block_ids, mask = self._prefill_inputs(metadata, span, block_size, device)
+            rows = self._read_mla(kv_cache, block_ids, k_scale, dtype)[: span.seq_len]  # [S, r + dr]
+            latent, rope = rows[:, :rank], rows[:, rank:]
+            k_nope = torch.einsum("sr,hdr->hsd", latent, w_uk)  # [H, S, dn]
+            values = torch.einsum("sr,hvr->hsv", latent, w_uv)  # [H, S, dv]
+            keys = torch.cat([k_nope, rope.unsqueeze(0).expand(num_heads, -1, -1)], dim=-1)  # [H, S, dn + dr]
+            q = torch.cat([q_nope[span.token_start : span.token_end], q_pe[span.token_start : span.token_end]], dim=-1)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                               attn_mask=mask, is_causal=mask is None, scale=self.scale)
+            out[span.token_start : span.token_end] = o.squeeze(0).transpose(0, 1)  # [Lq, H, dv]
         return out
