@@ -119,7 +119,8 @@ class EngineConfig(BaseModel):
     decode steps run eagerly. None: ``min(max_num_seqs, 512)`` (halserve.worker.capture_sizes)."""
     load_format: str = "auto"
     """``auto``/``safetensors``: read the checkpoint; ``dummy``: random weights of the right shapes
-    and dtypes made on the device from ``seed`` (benchmarks without a download; vLLM's)."""
+    and dtypes made on the device from ``seed`` (benchmarks without a download; vLLM's); another name:
+    a plugin's format (``halserve_load_formats``, ``halserve.plugins.LoadFormat``)."""
     model_impl: str = "auto"
     """Which code runs the model (vLLM's ``--model-impl``): ``halserve`` its native implementation;
     ``transformers`` transformers' own modeling code with halserve's paged attention plugged in
@@ -145,9 +146,11 @@ class EngineConfig(BaseModel):
     @field_validator("load_format")
     @classmethod
     def _load_format(cls, value: str) -> str:
-        if value not in LOAD_FORMATS:
-            raise ValueError(f"load_format {value!r} is not supported; use one of {', '.join(LOAD_FORMATS)}")
-        return value
+        if value in LOAD_FORMATS:
+            return value
+        from halserve.plugins.load_formats import check_load_format_name  # plugins' formats (plugin API 2)
+
+        return check_load_format_name(value)
 
     @field_validator("model_impl")
     @classmethod

@@ -32,7 +32,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--quick", action="store_true", help="trimmed grids (a few cases per op and backend)")
     parser.add_argument("--checks", default=None, metavar="LIST",
-                        help="comma-separated subset of: platforms, kernels, attention, e2e (default: all)")
+                        help="comma-separated subset of: platforms, kernels, attention, e2e, layers, communicator, variants "
+                        "(default: all)")
     parser.set_defaults(func=run)
 
 

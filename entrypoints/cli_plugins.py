@@ -5,7 +5,7 @@
     halserve plugins --platform rocm  resolve kernels/attention for that platform
 
 JSON keys: ``api_version``, ``plugins``, ``platforms``, ``attention_backends``,
-``kernels``, ``quant_methods``, ``kv_connectors``, ``executors``, ``models``,
+``kernels``, ``quant_methods``, ``kv_connectors``, ``executors``, ``models``, ``load_formats``,
 ``selected_platform`` (+ ``selected_platform_error``), ``resolved_for``,
 ``resolved_kernels`` ({op: kernel name | null}), ``resolution_errors`` ({op: reason}),
 ``kernels_skipped`` ({op: ["name: reason", ...]}: kernels passed over before the chosen one),
@@ -56,7 +56,7 @@ _DEFAULT_PROBLEM_VALUE = 128
 # Representative attention configuration (a Llama-style layer).
 _ATTENTION_PROBLEM = {"head_size": 128, "block_size": 16, "num_heads": 32, "num_kv_heads": 8}
 
-_KINDS = ("attention_backends", "kernels", "quant_methods", "kv_connectors", "executors", "models")
+_KINDS = ("attention_backends", "kernels", "quant_methods", "kv_connectors", "executors", "models", "load_formats")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -386,6 +386,7 @@ def render(report: dict[str, Any]) -> str:
         ("quant_methods", "Quantization methods"),
         ("kv_connectors", "KV connectors"),
         ("executors", "Executors"),
+        ("load_formats", "Load formats (--load-format; besides halserve's auto, safetensors, dummy)"),
     ):
         out += ["", title]
         rows = report[kind]

@@ -487,8 +487,13 @@ def load_model(config: EngineConfig, info: ModelInfo, platform: Platform, attn_b
     # parameters are created directly on the device, in ctx.dtype (layers pass it explicitly)
     with torch.device(platform.device()):
         model = model_cls(info.hf_config, ctx)
-    if getattr(config, "load_format", "auto") == "dummy":  # random weights, no checkpoint read (benchmarks)
+    load_format = getattr(config, "load_format", "auto")
+    if load_format == "dummy":  # random weights, no checkpoint read (benchmarks)
         loaded = initialize_dummy_weights(model, config.seed)
+    elif load_format not in ("auto", "safetensors"):  # a plugin's format (halserve_load_formats)
+        from halserve.plugins.load_formats import get_load_format
+
+        loaded = get_load_format(load_format)(config).load_weights(model, info.model_path)
     elif info.gguf_file is not None:  # dequantized to info.dtype as it streams, or kept in blocks (gguf method)
         from halserve.models.gguf import iterate_gguf_weights
 

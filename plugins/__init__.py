@@ -8,6 +8,7 @@ A plugin is a module named by an entry point in the ``halserve.plugins`` group::
 and implements ``halserve_manifest`` plus any of the hooks in ``hookspecs``.
 """
 from halserve.plugins.hookspecs import hookimpl
+from halserve.plugins.load_formats import LoadFormat, LoadFormatError
 from halserve.plugins.manager import (
     API_VERSION,
     ENTRY_POINT_GROUP,
@@ -26,6 +27,8 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "LayerOverride",
     "LayerOverrideError",
+    "LoadFormat",
+    "LoadFormatError",
     "ModelArchitecture",
     "PluginConflictError",
     "PluginManager",

@@ -111,6 +111,17 @@ def halserve_layer_overrides() -> list:
 
 
 @hookspec
+def halserve_load_formats() -> list[type]:
+    """(plugin API 2) Return ``halserve.plugins.LoadFormat`` subclasses, keyed by their ``name``: what
+    ``--load-format NAME`` (``LLM(load_format=NAME)``) picks to fill a built model's weights.
+
+    halserve's own names (``auto``, ``safetensors``, ``dummy``) are reserved: taking one, or returning
+    something that is no ``LoadFormat`` subclass, fails the plugin naming the format. An unknown
+    ``--load-format`` lists every registered name.
+    """
+
+
+@hookspec
 def halserve_update_config(config: EngineConfig, platform: str) -> None:
     """Adjust an ``EngineConfig`` in place before it is validated.
 

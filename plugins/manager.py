@@ -23,6 +23,7 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any, Literal
 
 from halserve.plugins.hookimpls import FoundHook, HookManager, check_hookimpls, find_hookimpls
+from halserve.plugins.load_formats import check_load_format
 from halserve.plugins.manifest import PluginManifest
 from halserve.plugins.overrides import check_layer_override, check_model_variant
 from halserve.plugins.registry import PluginConflictError, Registry
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 API_VERSION = 2
 # The oldest plugin API still loaded (deprecation policy, docs/plugins.md): a plugin whose manifest
 # range holds no version from here to API_VERSION is refused. API 2 only added hooks and members
-# (layer overrides, platform-scoped model variants), so an API 1 plugin runs unchanged, with a
+# (layer overrides, platform-scoped model variants, load formats, Platform.make_device_communicator), so an API 1 plugin runs unchanged, with a
 # DeprecationWarning asking its author to test under API 2 and widen its range.
 OLDEST_SUPPORTED_API = 1
 ENTRY_POINT_GROUP = "halserve.plugins"
@@ -52,6 +53,7 @@ CONTRIBUTION_HOOKS = {
     "halserve_executors": "executors",
     "halserve_model_architectures": "models",
     "halserve_layer_overrides": "layer_overrides",  # (plugin API 2)
+    "halserve_load_formats": "load_formats",  # (plugin API 2)
 }
 # kinds the hooks above fill besides their own: platform-scoped architectures (plugin API 2)
 EXTRA_KINDS = {"model_variants": "model variant", "layer_overrides": "layer override"}
@@ -141,6 +143,11 @@ class PluginManager:
     def model_variants(self) -> Registry:
         """``"<platform>/<architecture>"`` -> a ``ModelArchitecture`` declaring ``override=True``."""
         return self.registries["model_variants"]
+
+    @property
+    def load_formats(self) -> Registry:
+        """``--load-format`` name -> a ``LoadFormat`` subclass (plugins' formats; halserve's own are not here)."""
+        return self.registries["load_formats"]
 
     @property
     def layer_overrides(self) -> Registry:
@@ -282,6 +289,8 @@ def _items(kind: str, result: Any, plugin: str) -> Iterable[tuple[str, str, Any]
     for obj in result:
         if kind == "kernels":
             items.append((kind, f"{obj.op}/{obj.name}", obj))
+        elif kind == "load_formats":
+            items.append((kind, check_load_format(plugin, obj).name, obj))  # a reserved name fails the plugin
         elif kind == "layer_overrides":
             override = check_layer_override(plugin, obj)  # a contract mismatch: the plugin fails, naming it
             items.append((kind, override.key, override))

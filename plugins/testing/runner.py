@@ -5,7 +5,8 @@ from typing import Any
 
 from halserve.plugins.testing.results import ConformanceReport
 
-CHECKS = ("platforms", "kernels", "attention", "e2e", "layers")  # layers: plugin API 2 overrides
+# plugin API 2: layers (overrides), communicator (Platform.make_device_communicator), variants (model variants)
+CHECKS = ("platforms", "kernels", "attention", "e2e", "layers", "communicator", "variants")
 
 
 class ConformanceSetupError(ValueError):
@@ -21,7 +22,7 @@ def run_conformance(plugin: str, *, platform: str | None = None, quick: bool = F
     kernels may have to run on the CPU. A plugin that failed to load yields one failed row.
     """
     from halserve.plugins import get_plugin_manager
-    from halserve.plugins.testing import attention, e2e, kernels, layers, platform_checks
+    from halserve.plugins.testing import attention, communicator, e2e, kernels, layers, platform_checks, variants
     from halserve.plugins.testing.target import TargetResolver, interpreting
 
     unknown = [c for c in checks if c not in CHECKS]
@@ -64,6 +65,10 @@ def run_conformance(plugin: str, *, platform: str | None = None, quick: bool = F
         e2e.check_e2e(report, manager, resolver, quick)
     if "layers" in checks:
         layers.check_layer_overrides(report, manager, plugin)
+    if "communicator" in checks:
+        communicator.check_communicators(report, manager, resolver)
+    if "variants" in checks:
+        variants.check_model_variants(report, manager, resolver)
     if len(report.results) == 1:
         report.add("plugin", plugin, "contributions", "warned",
                    "the plugin registers no platform, kernel or attention backend: nothing to check")
