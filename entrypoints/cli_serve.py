@@ -241,8 +241,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "say so at start-up and run synchronously)")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
                    help="largest decode batch captured as a graph (default: min(max-num-seqs, 512))")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
-                   help="dummy: random weights of the model's shapes, no checkpoint read (benchmarks)")
+    g.add_argument("--load-format", default="auto", metavar="NAME",
+                   help="auto | safetensors | dummy (random weights of the model's shapes, no checkpoint read: "
+                   "benchmarks) | a plugin's format (halserve_load_formats; `halserve plugins` lists them)")
     g.add_argument("--model-impl", default="auto", choices=["auto", "halserve", "transformers"],
                    help="which code runs the model: halserve (native), transformers (transformers' modeling "
                    "code with halserve's paged attention), auto (native when registered, else transformers)")
