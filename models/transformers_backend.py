@@ -133,6 +133,10 @@ def halserve_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     if scaling is not None and scaling != attn.scale:
         raise RuntimeError(f"{attn.prefix}: transformers asks for attention scaling {scaling}, the layer was "
                            f"built with {attn.scale}")
+    if "sliding_window" in kwargs and kwargs["sliding_window"] != attn.sliding_window:
+        raise RuntimeError(f"{attn.prefix}: transformers asks for a sliding window of {kwargs['sliding_window']} "
+                           f"tokens, the layer's KV cache was built for {attn.sliding_window} (from the config's "
+                           "layer_types / sliding_window)")
     num_tokens = query.shape[2]
     q = query[0].transpose(0, 1).reshape(num_tokens, -1)  # [T, Hq * D]
     k = key[0].transpose(0, 1).reshape(num_tokens, -1)  # [T, Hk * D]
@@ -146,6 +150,15 @@ def register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, halserve_attention)
+
+
+def _module_window(module: nn.Module) -> int | None:
+    """The window a transformers attention module slides over (None: full attention). EXAONE 4 keeps the
+    config's window on every module and says which slide in ``is_sliding``."""
+    window = getattr(module, "sliding_window", None)
+    if getattr(module, "is_sliding", True) is False:
+        return None
+    return window
 
 
 # -- building ---------------------------------------------------------------------------------
@@ -272,7 +285,7 @@ class TransformersForCausalLM(nn.Module):
             module_head = getattr(module, "head_dim", head_size)
             if module_head != head_size:
                 refuse(f"{name} has head_dim {module_head}, the config {head_size}")
-            window = getattr(module, "sliding_window", None)
+            window = _module_window(module)
             if window != windows[i]:
                 refuse(f"{name} slides over {window} tokens where the config says {windows[i]}; this sliding-"
                        "window pattern is not one halserve's KV cache manager reads from the config")

@@ -97,18 +97,37 @@ def test_sharded_tied_checkpoint_loads(tmp_path):
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-# architectures with no native code in halserve: served by auto's fallback
+# architectures with no native code in halserve, served by auto's fallback: (config class, architecture,
+# overrides that make each exercise its own code). A sliding layer then a full one with a 24-token window,
+# shorter than the longest requests (53 + 12 tokens): two KV-cache groups, the window's blocks released.
+HYBRID = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=24)
 FALLBACK = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     # attention/embedding/residual multipliers and a logits divisor (its head's own arithmetic)
     "granite": ("GraniteConfig", "GraniteForCausalLM",
                 dict(attention_multiplier=0.2, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0)),
+    # a NoPE layer (no rotary) after a sliding rotary one
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0], use_sliding_window=True, **HYBRID)),
+    # every module keeps the config's window; is_sliding says which slide (the full layer is NoPE)
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", HYBRID),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=16, use_bias=True)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16, attention_bias=True)),
+    # LayerNorm, parallel attention + MLP, a logit scale on the head
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(logit_scale=0.5, **HYBRID)),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", dict(head_dim=16)),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", HYBRID),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),  # ReLU-squared MLP without a gate
 }
+DEFAULT_FALLBACK = ("olmo2", "exaone4")  # (the rest are slow: the default suite keeps a full and a hybrid one)
 
 
-@pytest.mark.parametrize("name", [n if n == "olmo2" else pytest.param(n, marks=pytest.mark.slow) for n in FALLBACK])
+@pytest.mark.parametrize("name", [n if n in DEFAULT_FALLBACK else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in FALLBACK])
 def test_architecture_without_native_code_falls_back_to_transformers(tmp_path, name, caplog):
+    """One engine per architecture: 16-token chunks, a 10-block cache that forces preemption, and a second
+    pass served from the first's cached prefixes, all token-identical to transformers' generate()."""
     from halserve.models import supported_architectures
+    from halserve.models.kv_cache_specs import model_kv_cache_specs
 
     config_name, arch, overrides = FALLBACK[name]
     assert arch not in supported_architectures(), f"{arch} became native: pick another fallback architecture"
@@ -116,10 +135,16 @@ def test_architecture_without_native_code_falls_back_to_transformers(tmp_path, n
     prompts = _prompts()
     expected = hf_greedy(path, prompts, NEW_TOKENS)
     with caplog.at_level("WARNING", logger="halserve.models.loader"):
-        got, llm = _generate(path, prompts, max_num_batched_tokens=BLOCK)  # model_impl "auto"
-    assert llm.llm_engine.model_info.model_impl == "transformers"
+        got, llm = _generate(path, prompts, max_num_batched_tokens=BLOCK, num_kv_blocks=10)  # model_impl "auto"
+    info = llm.llm_engine.model_info
+    assert info.model_impl == "transformers"
     assert any("no native halserve implementation" in r.getMessage() for r in caplog.records)
     assert got == expected
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0, "the 10-block cache should have forced preemption"
+    assert stats.prefix_cache_hits > 0, "the second pass should have been served from cached prefixes"
+    windows = [getattr(spec, "window", None) for spec in model_kv_cache_specs(info)]
+    assert windows == ([24, None] if "layer_types" in overrides else []), "the KV cache's layer specs"
 
 
 def test_fallback_refused_with_model_impl_halserve(tmp_path):
@@ -148,6 +173,10 @@ def _config_only(tmp_path, config_name: str, arch: str, **overrides) -> str:
      "AttentionInterface|recurrent"),
     ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(hidden_size=64, num_hidden_layers=4, vocab_size=512),
      r"layer types \['linear_attention'\]"),
+    # a plain decoder whose attention module calls its own code, not transformers' AttentionInterface
+    ("StableLmConfig", "StableLmForCausalLM", dict(hidden_size=64, num_hidden_layers=2, vocab_size=512,
+                                                   num_attention_heads=4, num_key_value_heads=2),
+     r"StableLmForCausalLM\) does not route attention through transformers' AttentionInterface"),
 ])
 def test_unsupported_model_is_refused_with_the_reason(tmp_path, config_name, arch, overrides, reason, model_impl):
     from halserve.config import EngineConfig
