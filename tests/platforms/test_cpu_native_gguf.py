@@ -1,10 +1,13 @@
 """The cpu platform's native GGUF kernel (platforms/cpu_kernels/gguf_gemm.cpp, native_gguf.py) for Q4_0, Q4_1
 and Q8_0, on both instruction paths (AVX2, AVX-512 VNNI; a path this CPU lacks is skipped, saying so).
 
-Tolerances. Few rows (M < PANEL_MIN_ROWS) quantize the activations to int8 per block of 32, so they are
+Tolerances. Few rows (M < TWO_LEVEL_MIN_ROWS) quantize the activations to int8 per block of 32, so they are
 checked against the reference that does the same (``quantize_activations_q8``, then dequantize and matmul
 in float32): max error 1e-5 of max |ref| (float summation order only), and loosely against the float
-reference: within the bound the 8-bit rounding gives, sum_k d_k / 2 |w[n, k]|. Many rows (the dequantized float
+reference: within the bound the 8-bit rounding gives, sum_k d_k / 2 |w[n, k]|. From TWO_LEVEL_MIN_ROWS rows the
+activations and their rounding error are each int8 (x ~ d q + d2 q2): checked against the same two-level
+rounding in torch to 1e-4 of max |ref| (a fused multiply-add may round the residual differently at a tie), and
+against the float reference within sum_k d2_k / 2 |w[n, k]|, at least 50x closer than one level. Many rows (the dequantized float
 panel) match the float reference to 1e-5."""
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from halserve.platforms.cpu_kernels.native_gguf import (
     ISA_CODES,
     PANEL_MIN_ROWS,
     QTYPE_CODES,
+    TWO_LEVEL_MIN_ROWS,
     NativeGgufGemm,
     cpu_isa,
 )
@@ -56,6 +60,44 @@ def test_few_rows_match_the_int8_activation_reference(qtype, isa):
             dense = dequantize(w, qtype, k)
             bound = (quantize_activations_q8(x)[1].repeat_interleave(32, dim=1) / 2) @ dense.abs().t()
             assert ((got - x @ dense.t()).abs() <= bound + 1e-5 * scale).all(), (qtype, isa, m, n, k)
+
+
+def _dequantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x rounded to int8 blocks as floats, the blocks' d repeated per value)."""
+    q, d = quantize_activations_q8(x)
+    d = d.repeat_interleave(32, dim=1)
+    return q.float() * d, d
+
+
+@pytest.mark.parametrize("isa", list(ISA_CODES))
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_two_int8_levels_match_their_reference_and_are_near_exact(qtype, isa):
+    _isa_or_skip(isa)
+    kernel = NativeGgufGemm(isa)
+    g = torch.Generator().manual_seed(20 + QTYPE_CODES[qtype])
+    for n, k in SHAPES[1:]:
+        w = random_blocks(qtype, n, k, g)
+        dense = dequantize(w, qtype, k)
+        for m in (1, 5, TWO_LEVEL_MIN_ROWS):
+            x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 4  # uneven block scales
+            got = kernel.ops.gguf_gemv(x, w, QTYPE_CODES[qtype], ISA_CODES[isa], 2)
+            if m == TWO_LEVEL_MIN_ROWS:  # the kernel's own choice at this many rows
+                assert torch.equal(kernel(x, w, qtype), got)
+            x1, _ = _dequantize_q8(x)
+            x2, d2 = _dequantize_q8(x - x1)
+            want = (x1 + x2) @ dense.t()
+            scale = want.abs().max().item()
+            assert (got - want).abs().max().item() <= 1e-4 * scale, (qtype, isa, m, n, k)
+            exact = x @ dense.t()
+            bound = (d2 / 2) @ dense.abs().t()
+            assert ((got - exact).abs() <= bound + 1e-4 * scale).all(), (qtype, isa, m, n, k)
+            one = kernel.ops.gguf_gemv(x, w, QTYPE_CODES[qtype], ISA_CODES[isa], 1)
+            assert (got - exact).norm() * 50 < (one - exact).norm(), (qtype, isa, m, n, k)
+
+
+def test_levels_other_than_one_or_two_are_refused():
+    with pytest.raises(RuntimeError, match="levels must be 1 or 2 int8 levels, got 3"):
+        NativeGgufGemm().ops.gguf_gemv(torch.randn(1, 32), random_blocks("Q8_0", 2, 32), 2, 1, 3)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
