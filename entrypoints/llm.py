@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -273,6 +273,45 @@ class LLM:
                                      prompt_token_ids=outputs[i].prompt_token_ids + outputs[j].prompt_token_ids,
                                      outputs=ScoringOutput(score))
                 for (i, j), score in zip(batch.pairs, scores)]
+
+    # -- sleep mode and weight updates (vLLM's) ----------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Put the engine to sleep (needs ``LLM(..., enable_sleep_mode=True)``), handing its memory back to
+        the OS (CPU) or the device driver (GPU) until ``wake_up``.
+
+        Level 1 drops the KV cache and keeps the weights in host memory (on the CPU they already live
+        there: level 1 frees the KV cache alone); level 2 drops the weights too, and ``wake_up`` reloads
+        them from the checkpoint (or from the one ``update_weights`` loaded). The prefix cache is reset.
+        While asleep, ``generate`` and friends raise ``EngineSleepingError`` (a ValueError) naming
+        ``wake_up``."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Take back the weights and the KV cache; requests run again (a no-op when awake)."""
+        self.llm_engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. after changing the weights by ``collective_rpc``); True when done."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def update_weights(self, path: str) -> None:
+        """Serve the weights of the checkpoint folder ``path`` (config.json and *.safetensors of the same
+        architecture and sizes) from now on, awake or asleep. A checkpoint that does not match is a
+        ValueError naming the mismatch, and the old weights keep serving. The prefix cache is reset."""
+        self.llm_engine.update_weights(path)
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's: ``Worker.<method>(*args, **kwargs)`` on every worker (``halserve.worker.worker.Worker``;
+        a function is called as ``method(worker, *args, **kwargs)``); one result per worker, by rank.
+        ``timeout`` is not supported (None); the mp executor's HALSERVE_MP_RPC_TIMEOUT_S bounds every call."""
+        if timeout is not None:
+            raise ValueError(f"collective_rpc: timeout={timeout!r} is not supported; pass None (set "
+                             "HALSERVE_MP_RPC_TIMEOUT_S to bound the mp executor's calls)")
+        return self.llm_engine.collective_rpc(method, tuple(args), kwargs)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

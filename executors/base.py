@@ -132,7 +132,8 @@ class Executor:
         return handle
 
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """(subclasses) Call ``Worker.<method>(*args, **kwargs)`` on every rank; results by rank."""
+        """(subclasses) Call ``Worker.<method>(*args, **kwargs)`` on every rank; results by rank. ``method``
+        may also be a (picklable, module-level) function, called as ``method(worker, *args, **kwargs)``."""
         raise NotImplementedError
 
     def check_health(self) -> None:

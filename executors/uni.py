@@ -6,6 +6,7 @@ schedules the next step while this one runs (the kernels release the GIL).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +36,11 @@ class UniExecutor(Executor):
     def _call(self, fn, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs) if self._thread is None else self._thread.submit(fn, *args, **kwargs).result()
 
-    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def collective_rpc(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``Worker.<method>(*args, **kwargs)``; a function ``method`` is called as ``method(worker, ...)``."""
         assert self.worker is not None, "the executor is shut down"
+        if callable(method):
+            return [self._call(method, self.worker, *args, **kwargs)]
         return [self._call(getattr(self.worker, method), *args, **kwargs)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -66,7 +66,10 @@ class Worker:
         self.model_runner = runner_cls(self.config, self.platform, self.model_info)
 
     def load_model(self) -> None:
+        from halserve.worker.sleep_mode import SleepState
+
         self.model_runner.load_model()
+        self.sleep_state = SleepState(self.config, self.model_info)
 
     def determine_num_kv_blocks(self) -> int:
         return self.model_runner.determine_num_kv_blocks()
@@ -92,6 +95,33 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's output; None on ranks before the last pipeline stage (they do not sample)."""
         return self.model_runner.execute_model(scheduler_output)
+
+    # -- lifecycle hooks: sleep mode and weight updates (worker/sleep_mode.py) ------------
+    # Called by the engine core through ``collective_rpc`` on every rank, only while no request is
+    # unfinished. They free and take back memory through the platform's hooks
+    # (``Platform.offload_weights`` / ``restore_weights`` / ``release_memory``).
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: drop the KV cache, weights to host memory; level 2: drop both. Then release the memory."""
+        from halserve.worker import sleep_mode
+
+        sleep_mode.sleep(self.model_runner, self.sleep_state, level)
+
+    def wake_up(self) -> None:
+        """Take back what ``sleep`` dropped (level 2: the weights reloaded from their checkpoint)."""
+        from halserve.worker import sleep_mode
+
+        sleep_mode.wake_up(self.model_runner, self.sleep_state)
+
+    def update_weights(self, path: str) -> None:
+        """Serve the weights of checkpoint folder ``path`` (same architecture); ValueError, old weights kept,
+        when it does not match."""
+        from halserve.worker import sleep_mode
+
+        sleep_mode.update_weights(self.model_runner, self.sleep_state, path)
+
+    def memory_in_use(self) -> int:
+        """Bytes this rank holds on its device (the CPU: its process's RSS); ``Platform.memory_in_use``."""
+        return self.platform.memory_in_use()
 
     # -- LoRA adapters (enable_lora) -------------------------------------------------
     def add_lora(self, lora_request) -> bool:

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from halserve.config import EngineConfig
 from halserve.engine.types import EngineCoreRequest, EngineStats
@@ -18,6 +18,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
+
+
+class EngineSleepingError(ValueError):
+    """A request arrived while the engine sleeps (``EngineCore.sleep``); ``wake_up`` first. The engine is
+    unharmed (the HTTP server answers 503)."""
 
 
 class EngineCore:
@@ -93,6 +98,7 @@ class EngineCore:
             self.lora_registry = LoRARegistry(config.resolved_max_cpu_loras, self.executor.collective_rpc,
                                               self._loras_in_use)
         self.num_steps = 0
+        self.sleep_level = 0  # 0: awake; 1 or 2 (sleep): requests are refused until wake_up
         logger.info(
             "engine ready in %.1fs: platform %s, %s, %d KV blocks",
             time.perf_counter() - start,
@@ -117,6 +123,9 @@ class EngineCore:
         """Queue a request; raises ValueError if it can never fit in the KV cache."""
         from halserve.request import Request, RequestId
 
+        if self.sleep_level:
+            raise EngineSleepingError(f"request {req.request_id!r} arrived while the engine is asleep (sleep level "
+                                      f"{self.sleep_level}): call wake_up() (POST /wake_up) first, then send it again")
         if req.lora_request is not None:
             self.add_lora(req.lora_request)
         self.scheduler.add_request(
@@ -159,6 +168,68 @@ class EngineCore:
 
     def list_loras(self) -> set[int]:
         return set() if self.lora_registry is None else self.lora_registry.ids()
+
+    # -- sleep mode and weight updates (the workers' side: halserve.worker.sleep_mode) --
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep: level 1 drops the KV cache and keeps the weights in host memory, level 2 drops
+        both; the memory goes back to the OS (CPU) or the driver (GPU). The prefix cache is reset (its
+        K/V is gone). Needs ``enable_sleep_mode`` and no unfinished request; until ``wake_up``, new
+        requests are refused with ``EngineSleepingError``. Sleeping again at a deeper level drops more."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is not enabled; start the engine with enable_sleep_mode=True "
+                             "(--enable-sleep-mode)")
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (drop the KV cache, keep the weights in host memory) or 2 "
+                             f"(drop the weights too), got {level!r}")
+        self._check_idle("sleep")
+        if level <= self.sleep_level:
+            return
+        if not self.scheduler.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset though no request runs")  # (a bug)
+        self.executor.collective_rpc("sleep", level)
+        self.sleep_level = level
+        logger.info("engine asleep at level %d", level)
+
+    def wake_up(self) -> None:
+        """Take back the weights (level 2: reloaded from the checkpoint, or from the one ``update_weights``
+        loaded) and a zeroed KV cache; requests are accepted again. A no-op when awake."""
+        if not self.sleep_level:
+            return
+        self.executor.collective_rpc("wake_up")
+        self.sleep_level = 0
+        logger.info("engine awake")
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's); False when some are in use by unfinished requests."""
+        return self.scheduler.reset_prefix_cache()
+
+    def update_weights(self, path: str) -> None:
+        """Serve the weights of the checkpoint folder ``path`` (the same architecture and sizes) from now on,
+        on every worker; allowed asleep or awake with no unfinished request. A mismatch is a ValueError
+        that names it, and the old weights keep serving. The prefix cache is reset (its K/V came from the
+        old weights)."""
+        self._check_idle("update_weights")
+        self.executor.collective_rpc("update_weights", path)
+        if not self.scheduler.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset though no request runs")  # (a bug)
+        logger.info("weights updated from %s", path)
+
+    def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict | None = None) -> list:
+        """``Worker.<method>(*args, **kwargs)`` on every worker (vLLM's); one result per worker, by rank.
+        ``method`` may be a worker method's name or a picklable function called as ``method(worker, ...)``."""
+        if not (isinstance(method, str) or callable(method)):
+            raise ValueError(f"collective_rpc: method must be a worker method's name or a function, got {method!r}")
+        if isinstance(method, str) and method.startswith("_"):
+            raise ValueError(f"collective_rpc: {method!r} is private; call a public worker method")
+        return self.executor.collective_rpc(method, *tuple(args), **(kwargs or {}))
+
+    def _check_idle(self, what: str) -> None:
+        if self.has_unfinished_requests():
+            raise ValueError(f"{what}: {len(self.scheduler.requests)} requests are unfinished; wait for them to "
+                             "finish (or abort them) first")
 
     def _loras_in_use(self) -> set[int]:
         return {r.lora_request.lora_int_id for r in self.scheduler.requests.values() if r.lora_request is not None}

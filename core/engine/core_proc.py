@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["EngineCoreProc", "run_engine_core"]
 
 # What a client may call on the core by name (``("call", ack, method, args)``).
-UTILITY_METHODS = frozenset({"add_lora", "remove_lora", "list_loras", "hold_lora", "get_stats"})
+UTILITY_METHODS = frozenset({"add_lora", "remove_lora", "list_loras", "hold_lora", "get_stats",
+                             "sleep", "wake_up", "is_sleeping", "reset_prefix_cache", "update_weights",
+                             "collective_rpc"})
 STATS_INTERVAL_S = 0.05  # a client that got no outputs hears the stats at most this often while busy
 IDLE_POLL_S = 1.0  # how long an idle loop blocks (then checks that its parent lives)
 

@@ -96,6 +96,25 @@ class LLMEngine:
     def list_loras(self) -> set[int]:
         return self.core.list_loras()
 
+    # -- sleep mode and weight updates (EngineCore's) -------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        self.core.sleep(level)
+
+    def wake_up(self) -> None:
+        self.core.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
+    def update_weights(self, path: str) -> None:
+        self.core.update_weights(path)
+
+    def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict | None = None) -> list:
+        return self.core.collective_rpc(method, args, kwargs)
+
     def has_unfinished_requests(self) -> bool:
         # The core is the source of truth: the output processor drops a parent as soon as
         # its last sample finishes (stop strings included).

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from halserve.engine.async_llm import EngineDeadError, RequestStream
+from halserve.engine.core import EngineSleepingError
 from halserve.entrypoints.openai.errors import BadRequestError, NotFoundError, OpenAIError
 from halserve.entrypoints.openai.reasoning import get_reasoning_parser
 from halserve.entrypoints.openai.serving_lora import LoRAModules
@@ -181,6 +182,8 @@ class OpenAIServing:
                 from halserve.entrypoints.openai.offload import release_in_thread
 
                 release_in_thread(prepared)
+            if isinstance(exc, EngineSleepingError):  # (not the request's fault: 503, try again after /wake_up)
+                raise OpenAIError(str(exc), status_code=503, code="engine_sleeping") from None
             if isinstance(exc, ValueError):
                 from halserve.sampling_params import FIELD_NAMES
 
