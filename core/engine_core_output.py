@@ -21,6 +21,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0  # prefix-cache hit (tokens) found when first scheduled
     prompt_logprobs: list[SampleLogprobs] | None = None  # prompt tokens 1.. (prompt_logprobs), with the first token
     pooled: list[float] | None = None  # a pooling request's result (embedding or class probs), as it ends
+    scheduled_time: float | None = None  # time.time() it was first scheduled: on its first output only
 
     @property
     def finished(self) -> bool:

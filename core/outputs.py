@@ -47,6 +47,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    first_scheduled_time: float | None = None  # when the scheduler first admitted it (queue time = this - arrival)
 
 
 @dataclass

@@ -75,6 +75,9 @@ class Request:
     """Tokens whose K/V is in the cache (prefix-cache hits included)."""
     num_cached_tokens: int | None = None
     """Prefix-cache hit (tokens) found when first scheduled; None until then. Reported to the user."""
+    first_scheduled_time: float | None = None
+    """``time.time()`` when the scheduler first admitted it (kept across preemption); None until then.
+    Reported once, with its first output (the queue and prefill times of metrics and traces)."""
     block_hashes: list[BlockHash] = field(default_factory=list)
     """Chained hashes of the request's full blocks, in order; extended as tokens arrive."""
     stop_reason: int | str | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -45,7 +46,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.sched.drafts import Proposer
     from halserve.structured_output import StructuredOutputManager
 
-__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "make_spec_proposer"]
+__all__ = ["ITERATION_TOKENS_BUCKETS", "Scheduler", "SchedulerConfig", "SchedulerStats", "make_spec_proposer"]
+
+# upper bounds (tokens) of the tokens-per-step histogram's buckets (vLLM's iteration_tokens_total), then +Inf
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(slots=True)
@@ -64,6 +68,13 @@ class SchedulerStats:
     spec_num_accepted_tokens: int = 0  # cumulative: of which accepted
     # per KV-cache group (one for a plain model): fraction of usable blocks its tables hold
     kv_cache_group_usage: tuple[float, ...] = ()
+    kv_cache_group_kinds: tuple[str, ...] = ()  # per KV-cache group: its spec's kind ("full_attention", ...)
+    # cumulative: executed steps by tokens scheduled, one count per ITERATION_TOKENS_BUCKETS bound, then +Inf
+    iteration_tokens_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0  # cumulative: tokens scheduled over all executed steps
+    running_lora_adapters: tuple[str, ...] = ()  # names of the adapters of running requests (sorted)
+    waiting_lora_adapters: tuple[str, ...] = ()  # names of the adapters of waiting requests (sorted)
+    max_loras: int = 0  # most adapters in one batch (0: LoRA off)
 
 
 class Scheduler:
@@ -103,6 +114,8 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self.num_preemptions = 0  # cumulative
+        self._iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # steps per bucket (stats)
+        self._iteration_tokens_sum = 0
         self.structured_outputs = structured_outputs
         self.kv_connector = kv_connector
         # the feature rules (halserve.sched); a feature that is off has none
@@ -344,6 +357,8 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
             if num_external and kv_loads is not None:
                 kv_loads.on_admitted(request, num_local, num_external)
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
@@ -491,6 +506,10 @@ class Scheduler:
         stops, free finished requests. Returns one output per request that got a token or
         ended (one whose constraints left no token ends with none, as does a pooling request,
         which ends with its pooled result: vLLM's finish_reason "stop")."""
+        if scheduler_output.total_num_scheduled_tokens:
+            num = scheduler_output.total_num_scheduled_tokens
+            self._iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num)] += 1
+            self._iteration_tokens_sum += num
         if model_runner_output.invalid_block_ids:
             self._recover_failed_loads(model_runner_output.invalid_block_ids)
         position = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
@@ -558,6 +577,9 @@ class Scheduler:
                     num_cached_tokens=request.num_cached_tokens or 0,
                     prompt_logprobs=prompt_logprobs[i] if i is not None and i < len(prompt_logprobs) else None,
                     pooled=pooled[i] if i is not None and i < len(pooled) else None,
+                    # (once: with the first output, which carries every output token so far)
+                    scheduled_time=(request.first_scheduled_time
+                                    if request.num_output_tokens <= len(new_token_ids) else None),
                 )
             )
             if request.is_finished:
@@ -629,9 +651,18 @@ class Scheduler:
             spec_num_draft_tokens=self.drafter.num_draft_tokens,
             spec_num_accepted_tokens=self.drafter.num_accepted_tokens,
             kv_cache_group_usage=self.kv_cache_group_usage,
+            kv_cache_group_kinds=tuple(spec.kind for spec in self.kv_cache_manager.specs),
+            iteration_tokens_counts=tuple(self._iteration_tokens),
+            iteration_tokens_sum=self._iteration_tokens_sum,
+            running_lora_adapters=_lora_names(self.running),
+            waiting_lora_adapters=_lora_names(self.waiting),
+            max_loras=self.config.max_loras or 0,
         )
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; only possible (True) when no request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
 
+
+def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))

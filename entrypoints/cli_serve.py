@@ -585,8 +585,12 @@ def serve_http(args: argparse.Namespace, engine: AsyncLLM, served: list[str], mo
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     check_tool_parser_flags(args)  # (an API server process of --api-server-count loads the plugin file too)
+    from halserve.entrypoints.vllm_flags import request_observers
+
     metrics = ServerMetrics(served[0], engine.get_stats, prefix=args.metrics_prefix)
     engine.stat_observers.append(metrics)
+    observers = request_observers(args, served[0])  # (--enable-log-requests, --otlp-traces-endpoint)
+    engine.stat_observers.extend(observers)
     serving = OpenAIServing(
         engine, served, model_path=getattr(engine.model_info, "model_path", None) or model,
         chat_template=chat_template, tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
@@ -598,5 +602,10 @@ def serve_http(args: argparse.Namespace, engine: AsyncLLM, served: list[str], mo
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("HALSERVE_API_KEY"):
         api_keys = [os.environ["HALSERVE_API_KEY"]]
-    return run_server(serving, metrics, args.host, args.port, api_keys, args.log_level, args.max_request_body_size,
-                      sock=sock)
+    try:
+        return run_server(serving, metrics, args.host, args.port, api_keys, args.log_level,
+                          args.max_request_body_size, sock=sock)
+    finally:
+        for observer in observers:  # (the tracer exports the spans still queued)
+            if hasattr(observer, "shutdown"):
+                observer.shutdown()

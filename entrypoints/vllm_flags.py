@@ -11,7 +11,10 @@ one that names the nearest halserve flag (``unrecognized_message``).
     --max-logprobs N                  EngineConfig.max_logprobs
     --scheduling-policy fcfs|priority EngineConfig.scheduling_policy (a flag of halserve serve's scheduler group)
     --model MODEL                     the MODEL argument
-    --disable-log-requests, --enable-log-requests, --disable-log-stats,
+    --enable-log-requests             one JSON log line per finished request (entrypoints/request_logger.py);
+                                      prompts only with --log-request-prompts (halserve's), cut to --max-log-len
+    --otlp-traces-endpoint URL        an OpenTelemetry span per request, over OTLP/HTTP (halserve.tracing)
+    --disable-log-requests, --disable-log-stats,
     --swap-space, --disable-custom-all-reduce   accepted; one log line each (NO_EFFECT)
     (--trust-remote-code, --enforce-eager, --disable-frontend-multiprocessing, ... are halserve's own flags)
 """
@@ -23,14 +26,13 @@ import logging
 from typing import Any
 
 __all__ = ["NO_EFFECT", "SuggestingArgumentParser", "VLLM_EQUIVALENTS", "add_vllm_flags", "apply_vllm_flags",
-           "config_kwargs", "unrecognized_message"]
+           "config_kwargs", "request_observers", "unrecognized_message"]
 
 logger = logging.getLogger("halserve.serve")
 
 # flag dest -> why the flag changes nothing in halserve (logged once at start-up when given)
 NO_EFFECT = {
-    "disable_log_requests": "halserve writes no per-request log lines, so there are none to turn off",
-    "enable_log_requests": "halserve has no per-request log (the access log and /metrics show requests)",
+    "disable_log_requests": "halserve's per-request log lines are off unless --enable-log-requests is given",
     "disable_log_stats": "halserve logs no periodic throughput stats (GET /metrics has them)",
     "swap_space": "halserve preempts by recomputation and never swaps KV blocks to host memory "
                   "(--kv-offloading-size gives the KV cache a host-memory prefix tier)",
@@ -82,8 +84,22 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-prefix", default="halserve", choices=["halserve", "vllm"],
                    help="GET /metrics names: halserve:* or vllm:* (vllm also adds the older names vLLM's stock "
                    "Grafana dashboard reads, so it works unchanged)")
-    g.add_argument("--disable-log-requests", action="store_true", help="accepted; changes nothing (see the log)")
-    g.add_argument("--enable-log-requests", action="store_true", help="accepted; changes nothing (see the log)")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted; changes nothing: request logs are off unless --enable-log-requests")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log one line per finished request on the halserve.requests logger: 'request {json}' with "
+                   "id, model, lora, token counts, finish_reason and the queue/ttft/prefill/decode/inference/e2e "
+                   "times in seconds (no prompt text unless --log-request-prompts)")
+    g.add_argument("--log-request-prompts", action="store_true",
+                   help="with --enable-log-requests: also log each request's prompt text (it may hold personal "
+                   "data; cut to --max-log-len characters)")
+    g.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="with --log-request-prompts: log at most N characters of each prompt (default: whole)")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export an OpenTelemetry span per request (vLLM's name 'llm_request' and gen_ai.* "
+                   "attributes) to this OTLP/HTTP collector URL, e.g. http://localhost:4318/v1/traces; a request's "
+                   "W3C traceparent header makes its span a child of the caller's (needs: pip install "
+                   "'halserve[otel]')")
     g.add_argument("--disable-log-stats", action="store_true", help="accepted; changes nothing (see the log)")
     g.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                    help="accepted; changes nothing: halserve preempts by recomputation (see the log)")
@@ -92,18 +108,47 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_vllm_flags(args: argparse.Namespace) -> None:
-    """Fold ``--model`` into MODEL and log one line per given flag that changes nothing here.
-    ValueError for contradictions (MODEL twice)."""
+    """Fold ``--model`` into MODEL, check the request-log and tracing flags (the OpenTelemetry SDK
+    installed), and log one line per given flag that changes nothing here. ValueError for
+    contradictions (MODEL twice, --log-request-prompts without --enable-log-requests, ...)."""
     if args.vllm_model is not None:
         if args.model is not None and args.model != args.vllm_model:
             raise ValueError(f"MODEL given twice: {args.model!r} as the argument and {args.vllm_model!r} as --model; "
                              "give one")
         args.model = args.vllm_model
+    if getattr(args, "log_request_prompts", False) and not args.enable_log_requests:
+        raise ValueError("--log-request-prompts needs --enable-log-requests (the request log it adds prompts to)")
+    if getattr(args, "max_log_len", None) is not None:
+        if args.max_log_len < 0:
+            raise ValueError(f"--max-log-len {args.max_log_len}: must be >= 0 (characters of each logged prompt)")
+        if not args.log_request_prompts:
+            raise ValueError("--max-log-len needs --log-request-prompts (it cuts the prompts that flag logs)")
+    if getattr(args, "otlp_traces_endpoint", None) is not None:
+        from halserve.tracing import check_otel_installed, traces_url
+
+        traces_url(args.otlp_traces_endpoint)
+        check_otel_installed()
     for dest, why in NO_EFFECT.items():
         value = getattr(args, dest, None)
         if value not in (None, False):
             flag = "--" + dest.replace("_", "-")
             logger.info("%s changes nothing in halserve: %s", flag, why)
+
+
+def request_observers(args: argparse.Namespace, model_name: str) -> list[Any]:
+    """The ``AsyncLLM`` stats observers the request-log and tracing flags ask for (each has a
+    ``shutdown()`` when it must flush at exit)."""
+    observers: list[Any] = []
+    if getattr(args, "enable_log_requests", False):
+        from halserve.entrypoints.request_logger import RequestLogger
+
+        observers.append(RequestLogger(model_name, log_prompts=args.log_request_prompts,
+                                       max_prompt_chars=args.max_log_len))
+    if getattr(args, "otlp_traces_endpoint", None) is not None:
+        from halserve.tracing import RequestTracer
+
+        observers.append(RequestTracer(args.otlp_traces_endpoint, model_name))
+    return observers
 
 
 def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:

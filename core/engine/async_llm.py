@@ -33,12 +33,14 @@ from halserve.engine.core_client import EngineCoreClient
 from halserve.engine.engine_thread import EngineThread
 from halserve.engine.request_stream import (
     EngineDeadError,
+    FinishedRequestStats,
     PreparedRequest,
     RequestState,
     RequestStream,
     StatsObserver,
 )
 from halserve.engine.types import EngineStats
+from halserve.tracing import current_trace_headers
 
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Sequence
@@ -237,6 +239,10 @@ class AsyncLLM:
             num_outputs=len(core_requests),
             prompt_token_ids=list(core_requests[0].prompt_token_ids),
             prompt_text=prompt_text,
+            params=core_requests[0].sampling_params,
+            max_tokens=core_requests[0].sampling_params.max_tokens,
+            lora_name=None if core_requests[0].lora_request is None else core_requests[0].lora_request.lora_name,
+            trace_headers=current_trace_headers(),
         )
         self.output_processor.add_request(prompt_text, core_requests)
         self._requests[request_id] = state
@@ -419,9 +425,38 @@ class AsyncLLM:
             observer.on_new_tokens(new, ttft, itl)
 
     def _record_finished(self, state: RequestState, reason: str) -> None:
-        e2e = time.time() - state.arrival_time
+        now = time.time()
+        e2e = now - state.arrival_time
         for observer in self.stat_observers:
             observer.on_request_finished(reason, e2e)
+        observers = [o.on_request_stats for o in self.stat_observers if hasattr(o, "on_request_stats")]
+        if not observers:
+            return
+        last = state.last_output
+        metrics = last.metrics if last is not None else None
+        stats = FinishedRequestStats(
+            request_id=state.request_id,
+            finish_reason=reason,
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=state.num_tokens,
+            num_cached_tokens=last.num_cached_tokens if last is not None else 0,
+            params=state.params,
+            n=state.num_outputs,
+            max_tokens=state.max_tokens,
+            lora_name=state.lora_name,
+            arrival_time=state.arrival_time,
+            first_scheduled_time=metrics.first_scheduled_time if metrics is not None else None,
+            first_token_time=state.first_token_time,
+            last_token_time=state.last_token_time,
+            finished_time=now,
+            prompt_text=state.prompt_text,
+            trace_headers=state.trace_headers,
+        )
+        for on_request_stats in observers:
+            try:
+                on_request_stats(stats)
+            except Exception:  # noqa: BLE001 - a log or trace exporter bug must not break the stream
+                logger.exception("request stats observer failed")
 
     def _on_dead(self, exc: BaseException) -> None:
         if self.dead_error is None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from halserve.engine.types import EngineCoreRequest
-from halserve.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
+from halserve.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from halserve.sampling_params import SamplingParams
 
 
@@ -38,7 +38,11 @@ class _ParentState:
     samples: dict[str, _SampleState]  # child request id -> state
     arrival_time: float
     num_cached_tokens: int = 0
+    # time.time() stamps (RequestOutput.metrics): the core's first admission of any sample, and
+    # when this process saw the first and the latest new tokens
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     prompt_logprobs: list | None = None  # [None, {token: Logprob}, ...] once the prompt is scored
     embedding: list[float] | None = None  # an embedding request's, once computed
     probs: list[float] | None = None  # a classify request's class probabilities (or logits), once computed
@@ -126,9 +130,14 @@ class OutputProcessor:
                 parent.probs = out.pooled
             elif out.pooled is not None:
                 parent.embedding = out.pooled
+            if out.scheduled_time is not None and (parent.first_scheduled_time is None
+                                                   or out.scheduled_time < parent.first_scheduled_time):
+                parent.first_scheduled_time = out.scheduled_time
             new_ids = list(out.new_token_ids)
-            if new_ids and parent.first_token_time is None:
-                parent.first_token_time = now
+            if new_ids:
+                parent.last_token_time = now
+                if parent.first_token_time is None:
+                    parent.first_token_time = now
             # A request ended by eos or a stop token id: that token's text is not output (vLLM).
             stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
             stop_str = None
@@ -179,13 +188,21 @@ class OutputProcessor:
                     text_offsets=_text_offsets(sample.detokenizer, len(text)),
                 )
             )
+        finished = all(s.finished for s in parent.samples.values())
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=outputs,
-            finished=all(s.finished for s in parent.samples.values()),
+            finished=finished,
             num_cached_tokens=parent.num_cached_tokens,
+            metrics=RequestMetrics(
+                arrival_time=parent.arrival_time,
+                first_token_time=parent.first_token_time,
+                last_token_time=parent.last_token_time,
+                finished_time=now if finished else None,
+                first_scheduled_time=parent.first_scheduled_time,
+            ),
             prompt_logprobs=parent.prompt_logprobs,
             embedding=parent.embedding,
             probs=parent.probs,

@@ -1,6 +1,7 @@
 """What AsyncLLM hands its callers and keeps per request on the asyncio side: a request's
 output stream (``RequestStream``), a request validated but not yet queued
-(``PreparedRequest``), the metrics observer protocol, and ``EngineDeadError``."""
+(``PreparedRequest``), the metrics observer protocol with a finished request's figures
+(``FinishedRequestStats``), and ``EngineDeadError``."""
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.async_llm import AsyncLLM
     from halserve.engine.types import EngineCoreRequest
     from halserve.outputs import RequestOutput
+    from halserve.sampling_params import SamplingParams
 
-__all__ = ["EngineDeadError", "EngineStoppedError", "PreparedRequest", "RequestState", "RequestStream", "StatsObserver"]
+__all__ = ["EngineDeadError", "EngineStoppedError", "FinishedRequestStats", "PreparedRequest", "RequestState",
+           "RequestStream", "StatsObserver"]
 
 
 class EngineDeadError(RuntimeError):
@@ -36,6 +39,66 @@ class StatsObserver(Protocol):
 
     def on_request_finished(self, finish_reason: str, e2e_latency: float) -> None: ...
 
+    # (optional) default: absent. Called by ``AsyncLLM`` once per finished or aborted request, after
+    # ``on_request_finished``, with every figure of it (request logs, traces, per-phase histograms).
+    # def on_request_stats(self, stats: FinishedRequestStats) -> None: ...
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else max(0.0, end - start)
+
+
+@dataclass(slots=True)
+class FinishedRequestStats:
+    """One finished (or aborted) request as the engine saw it. Times are ``time.time()`` seconds;
+    a phase the request never reached (aborted while waiting: no scheduling, no token) is None.
+
+        arrival --queue--> first scheduled --prefill--> first token --decode--> last token   finished
+           |<------------------------------ e2e ----------------------------------------------->|
+                           |<---------------------- inference ------------------>|
+    """
+
+    request_id: str
+    finish_reason: str  # "stop" | "length" | "abort" (the first sample's that has one)
+    num_prompt_tokens: int
+    num_generation_tokens: int  # every sample's
+    num_cached_tokens: int  # prompt tokens found in the prefix cache
+    params: SamplingParams | None  # the first sample's (None: unknown)
+    n: int  # samples asked for
+    max_tokens: int | None  # as the request asked (None: up to the context length)
+    lora_name: str | None  # its adapter; None: the base model
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float
+    prompt_text: str | None  # None when it came as token ids
+    trace_headers: dict[str, str] | None  # the W3C trace context it arrived with (traceparent, tracestate)
+
+    @property
+    def queue_time(self) -> float | None:
+        return _span(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def ttft(self) -> float | None:
+        return _span(self.arrival_time, self.first_token_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _span(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _span(self.first_token_time, self.last_token_time)
+
+    @property
+    def inference_time(self) -> float | None:
+        return _span(self.first_scheduled_time, self.last_token_time)
+
+    @property
+    def e2e_time(self) -> float:
+        return max(0.0, self.finished_time - self.arrival_time)
+
 
 @dataclass(slots=True)
 class RequestState:
@@ -52,6 +115,10 @@ class RequestState:
     last_output: RequestOutput | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_text: str | None = None
+    params: SamplingParams | None = None  # the first sample's
+    max_tokens: int | None = None  # as asked (params.max_tokens)
+    lora_name: str | None = None
+    trace_headers: dict[str, str] | None = None  # W3C trace context of the HTTP request that made it
 
 
 @dataclass(slots=True)

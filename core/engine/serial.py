@@ -111,7 +111,7 @@ def encode_outputs(outputs: list) -> tuple:
     """One step's ``EngineCoreOutput``s as ``(request ids, counts, flat new token ids, rare fields)``.
 
     ``rare`` maps an output's index to its non-default fields after the token ids
-    (new_logprobs, finish_reason, stop_reason, num_cached_tokens, prompt_logprobs, pooled).
+    (new_logprobs, finish_reason, stop_reason, num_cached_tokens, prompt_logprobs, pooled, scheduled_time).
     A 256-request decode step encodes, round-trips a socket and decodes in about 0.3 ms on
     one CPU core (tests/engine/test_core_proc.py::test_output_batch_round_trip_cost prints it).
     """
@@ -122,9 +122,9 @@ def encode_outputs(outputs: list) -> tuple:
     for i, o in enumerate(outputs):
         tokens.extend(o.new_token_ids)
         if (o.new_logprobs is not None or o.finish_reason is not None or o.num_cached_tokens
-                or o.prompt_logprobs is not None or o.pooled is not None):
+                or o.prompt_logprobs is not None or o.pooled is not None or o.scheduled_time is not None):
             rare[i] = (o.new_logprobs, o.finish_reason, o.stop_reason, o.num_cached_tokens, o.prompt_logprobs,
-                       o.pooled)
+                       o.pooled, o.scheduled_time)
     return request_ids, counts, tokens, rare
 
 
@@ -142,9 +142,9 @@ def decode_outputs(batch: tuple) -> list:
         if extra is None:
             outputs.append(EngineCoreOutput(request_id, new, None))
         else:
-            logprobs, finish_reason, stop_reason, num_cached, prompt_logprobs, pooled = extra
+            logprobs, finish_reason, stop_reason, num_cached, prompt_logprobs, pooled, scheduled = extra
             outputs.append(EngineCoreOutput(request_id, new, logprobs, finish_reason, stop_reason, num_cached,
-                                            prompt_logprobs, pooled))
+                                            prompt_logprobs, pooled, scheduled))
     return outputs
 
 

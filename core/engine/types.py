@@ -46,3 +46,10 @@ class EngineStats:
     num_steps: int = 0
     extra: dict = field(default_factory=dict)
     kv_cache_group_usage: tuple[float, ...] = ()  # per KV-cache group (SchedulerStats' field of that name)
+    # (the SchedulerStats fields of these names)
+    kv_cache_group_kinds: tuple[str, ...] = ()
+    iteration_tokens_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0

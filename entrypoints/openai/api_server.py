@@ -58,6 +58,7 @@ from halserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from halserve.entrypoints.openai.serving_score import OpenAIServingScore
 from halserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from halserve.entrypoints.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
+from halserve.tracing import TraceContextMiddleware
 
 if TYPE_CHECKING:  # pragma: no cover
     import socket
@@ -300,6 +301,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
     async def show_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(TraceContextMiddleware)  # (W3C traceparent -> the requests' spans: halserve.tracing)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=list(api_keys))
     return app

@@ -5,11 +5,12 @@ vllm``: under ``vllm:``, plus the older names vLLM's stock Grafana dashboard sti
 Two sources, one registry (never the global one, so several servers or tests in one
 process do not collide):
 
-- engine state (running/waiting requests, KV-cache usage, prefix-cache and preemption
-  counters) is read from ``AsyncLLM.get_stats()`` when Prometheus scrapes;
+- engine state (running/waiting requests, KV-cache usage overall and per KV-cache group,
+  prefix-cache and preemption counters, tokens per engine step, the LoRA adapters of running and
+  waiting requests) is read from ``AsyncLLM.get_stats()`` when Prometheus scrapes;
 - per-request figures (prompt/generation tokens, TTFT, inter-token latency, end-to-end
-  latency, finished requests by reason) are pushed by the engine as they happen
-  (``ServerMetrics`` is an ``AsyncLLM`` stats observer).
+  latency, the queue / prefill / decode / inference phases, finished requests by reason) are
+  pushed by the engine as they happen (``ServerMetrics`` is an ``AsyncLLM`` stats observer).
 
 With several API-server processes (``--api-server-count``, ``PROMETHEUS_MULTIPROC_DIR`` set) the
 per-request figures are prometheus_client's multiprocess values, summed over the servers at
@@ -18,13 +19,16 @@ scrape time; the engine state is the engine's own (every server holds its latest
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from halserve.engine.request_stream import FinishedRequestStats
 from halserve.engine.types import EngineStats
+from halserve.scheduler import ITERATION_TOKENS_BUCKETS
 
 __all__ = ["CONTENT_TYPE_LATEST", "METRICS_PREFIXES", "ServerMetrics"]
 
@@ -73,6 +77,40 @@ class _EngineStatsCollector(Collector):
             counter = CounterMetricFamily(f"{self._prefix}:{name}", doc, labels=labels)
             counter.add_metric(values, float(value))
             yield counter
+        yield from self._kv_cache_groups(stats, labels, values)
+        yield from self._iteration_tokens(stats, labels, values)
+        if stats.max_loras:
+            # vLLM's: one series, its labels the adapters' names, its value when the snapshot was read
+            info = GaugeMetricFamily(f"{self._prefix}:lora_requests_info", "LoRA adapters of running and waiting "
+                                     "requests (comma-separated names); the value is the time of the snapshot.",
+                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            info.add_metric([",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters),
+                             str(stats.max_loras)], time.time())
+            yield info
+
+    def _kv_cache_groups(self, stats: EngineStats, labels: list[str], values: list[str]) -> Iterator[Metric]:
+        """Per KV-cache group (a Gemma-style model: its full-attention and sliding-window groups): the
+        share of the pool's usable blocks that group's requests hold (the groups sum to kv_cache_usage_perc)."""
+        gauge = GaugeMetricFamily(
+            f"{self._prefix}:kv_cache_group_usage_perc", "KV-cache usage of one KV-cache group: blocks its "
+            "requests hold over the pool's usable blocks (the groups sum to kv_cache_usage_perc).",
+            labels=[*labels, "kv_cache_group", "kind"])
+        kinds = stats.kv_cache_group_kinds or ("full_attention",) * len(stats.kv_cache_group_usage)
+        for index, (usage, kind) in enumerate(zip(stats.kv_cache_group_usage, kinds)):
+            gauge.add_metric([*values, str(index), kind], float(usage))
+        yield gauge
+
+    def _iteration_tokens(self, stats: EngineStats, labels: list[str], values: list[str]) -> Iterator[Metric]:
+        """Tokens scheduled per engine step (prefill chunks and decodes together), cumulated in the core."""
+        counts = stats.iteration_tokens_counts or (0,) * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        histogram = HistogramMetricFamily(f"{self._prefix}:iteration_tokens_total", "Tokens per engine step.",
+                                          labels=labels)
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(str, map(float, ITERATION_TOKENS_BUCKETS)), "+Inf"], counts):
+            cumulative += count
+            buckets.append((bound, float(cumulative)))
+        histogram.add_metric(values, buckets, sum_value=float(stats.iteration_tokens_sum))
+        yield histogram
 
 
 class ServerMetrics:
@@ -108,6 +146,15 @@ class ServerMetrics:
                               "older name).", _ITL_BUCKETS).labels(model_name) if prefix == "vllm" else None
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish.",
                              _E2E_BUCKETS).labels(model_name)
+        # a finished request's phases (FinishedRequestStats): the names and buckets of vLLM's
+        self.queue_time = histogram("request_queue_time_seconds", "Time waiting, arrival to first scheduled.",
+                                    _E2E_BUCKETS).labels(model_name)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Prefill time, first scheduled to first "
+                                      "token.", _E2E_BUCKETS).labels(model_name)
+        self.decode_time = histogram("request_decode_time_seconds", "Decode time, first token to last token.",
+                                     _E2E_BUCKETS).labels(model_name)
+        self.inference_time = histogram("request_inference_time_seconds", "Inference time, first scheduled to "
+                                        "last token.", _E2E_BUCKETS).labels(model_name)
         if multiprocess_dir:
             from prometheus_client import multiprocess
 
@@ -132,6 +179,13 @@ class ServerMetrics:
     def on_request_finished(self, finish_reason: str, e2e_latency: float) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()
         self.e2e.observe(e2e_latency)
+
+    def on_request_stats(self, stats: FinishedRequestStats) -> None:
+        """The phases a request went through (an abort while waiting has none: nothing observed)."""
+        for histogram, value in ((self.queue_time, stats.queue_time), (self.prefill_time, stats.prefill_time),
+                                 (self.decode_time, stats.decode_time), (self.inference_time, stats.inference_time)):
+            if value is not None:
+                histogram.observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
