@@ -2,8 +2,10 @@
 # The vendor path, end to end, with the example plugin (plugins/examples/halserve-plugin-example):
 #   1. build its wheel; install it into a fresh venv (--system-site-packages: torch and halserve
 #      come from the system Python, nothing is installed there);
-#   2. `halserve plugins` lists it;  3. `halserve conformance example` passes;
-#   4. its own tests pass (pytest tests/);  5. `halserve serve --platform example <tiny checkpoint>` answers a completion (then SIGTERM);
+#   2. `halserve plugins` lists it, with its layer override, model variant and communicator (plugin API 2);
+#   3. `halserve conformance example` passes (the layers, communicator and variants checks included);
+#   4. its own tests pass (pytest tests/);  5. `halserve serve --platform example <tiny checkpoint>` answers a
+#      completion (then SIGTERM) and its log shows the plugin's ExampleRMSNorm and ExampleLlamaForCausalLM ran;
 #   6. the new-vendor path: copy the folder, rename everything "example" -> "acme" with sed,
 #      build, install, and `halserve conformance acme` passes.
 # Usage: scripts/vendor_example_check.sh [--quick]     (--quick: trimmed conformance grids)
@@ -66,7 +68,16 @@ plugin = [p for p in report["plugins"] if p["name"] == "example"]
 assert plugin and plugin[0]["status"] == "loaded", plugin
 assert any(p["name"] == "example" and p["available"] for p in report["platforms"]), report["platforms"]
 print("plugin example:", plugin[0]["status"], plugin[0]["distribution"], plugin[0]["version"])
-' || fail "halserve plugins --json does not show plugin/platform example as loaded and available"
+# plugin API 2: its layer override, model variant and communicator, scoped to platform example
+(override,) = [r for r in report["layer_overrides"] if r["plugin"] == "example"]
+assert (override["platform"], override["replaces"]) == ("example", "RMSNorm"), override
+(variant,) = [v for v in report["model_variants"] if v["plugin"] == "example"]
+assert (variant["platform"], variant["architecture"]) == ("example", "LlamaForCausalLM"), variant
+(platform,) = [p for p in report["platforms"] if p["name"] == "example"]
+assert platform["device_communicator"].endswith("ExamplePlatform.make_device_communicator"), platform
+print("plugin example (API 2):", override["cls"], "for RMSNorm,", variant["target"], "for LlamaForCausalLM,",
+      "its own communicator, all on platform example")
+' || fail "halserve plugins --json does not show plugin/platform example as loaded and available, with its API 2 hooks"
 
 step "halserve conformance example ${QUICK[*]}"
 "${HALSERVE[@]}" conformance example "${QUICK[@]}" || fail "halserve conformance example did not pass"
@@ -112,6 +123,11 @@ PY
 kill -TERM "$SERVER_PID"
 wait "$SERVER_PID" || true  # a SIGTERM'd server may exit non-zero; it must exit, which wait ensures
 SERVER_PID=""
+# the completion ran the plugin's own layer and model (each logs once in the engine's process)
+grep -m1 "ExampleRMSNorm: first forward" "$WORK/serve.log" | sed 's/^/override used: /' | grep . \
+  || { tail -n 40 "$WORK/serve.log"; fail "the server's log does not show the plugin's ExampleRMSNorm running"; }
+grep -q "ExampleLlamaForCausalLM: built for platform example" "$WORK/serve.log" \
+  || { tail -n 40 "$WORK/serve.log"; fail "the server did not build the plugin's ExampleLlamaForCausalLM"; }
 
 step "new vendor path: copy, rename example -> acme, install, run the kit"
 cp -r "$EXAMPLE" "$WORK/halserve-plugin-acme"

@@ -11,6 +11,7 @@ of the same inputs::
     all_to_all     [6, 4]: rows 0-2 to rank 0, rows 3-5 to rank 1
     broadcast      rank 1's tensor on both
     send/recv      rank 0 -> rank 1, then rank 1 -> rank 0
+    all_reduce     in each half-precision dtype the platform supports, against the exact sum
 
 Results must equal gloo's within 1e-5 of max |gloo| (a sum may be ordered differently). The
 platform's API 1 fast path (``make_tp_communicator``), when it returns one, is checked the same way
@@ -28,6 +29,7 @@ from halserve.plugins.testing.results import ConformanceReport
 from halserve.plugins.testing.target import TargetResolver
 
 TOLERANCE = 1e-5  # relative to max |gloo's result|
+HALF_TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}  # one rounding of the exact sum (relative)
 TIMEOUT_S = 60.0  # per rank, for everything (process start included)
 CASES = ("all_reduce", "all_gather", "all_to_all", "broadcast", "send/recv")
 WORLD = 2
@@ -116,6 +118,7 @@ def _run_rank(rank: int, port: int, target: str, rows: list[tuple[str, str, str]
     import datetime
     import importlib
 
+    import torch
     import torch.distributed as dist
 
     module, _, qualname = target.partition(":")
@@ -136,9 +139,30 @@ def _run_rank(rank: int, port: int, target: str, rows: list[tuple[str, str, str]
     device = platform.device(rank if platform.device_count() > 1 else 0)
     comm = platform.make_device_communicator(None, rank, WORLD)
     _check_ops(comm, gloo, device, rank, rows, prefix="")
+    for dtype_name in platform.supported_dtypes:  # half-precision sums (a device may accumulate wider)
+        if dtype_name in ("float16", "bfloat16"):
+            _check_half_all_reduce(comm, gloo, device, rank, rows, getattr(torch, dtype_name))
     fast = platform.make_tp_communicator(None, rank, WORLD)
     if fast is not None:
         _check_ops(fast, gloo, device, rank, rows, prefix="make_tp_communicator ", only=("all_reduce", "all_gather"))
+
+
+def _check_half_all_reduce(comm: Any, gloo: Any, device: Any, rank: int, rows: list, dtype: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    case = f"all_reduce {str(dtype).replace('torch.', '')}"
+    try:
+        x = _inputs(case, rank, (5, 8)).to(dtype)
+        want = x.float()
+        dist.all_reduce(want, group=gloo)  # the exact sum of the two half-precision inputs
+        got = comm.all_reduce(x.clone().to(device)).to("cpu", torch.float32)
+        err = float((got - want).abs().max()) / (float(want.abs().max()) or 1.0)
+        tolerance = HALF_TOLERANCE[str(dtype).replace('torch.', '')]
+        rows.append((case, "passed" if err <= tolerance else "failed",
+                     f"max error {err:.1e} of max |exact sum| (tolerance {tolerance:.0e}: one rounding)"))
+    except Exception as exc:  # noqa: BLE001
+        rows.append((case, "failed", f"{type(exc).__name__}: {exc} ({_where(exc)})"))
 
 
 def _inputs(case: str, rank: int, shape: tuple[int, ...]) -> Any:

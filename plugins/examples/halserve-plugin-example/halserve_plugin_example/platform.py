@@ -36,3 +36,9 @@ class ExamplePlatform(Platform):
     def kv_cache_budget(self, fraction: float) -> int:
         free, _total = self.memory_info()
         return int(min(free * fraction * 0.5, 1 << 30))  # host memory is shared: at most 1 GiB
+
+    def make_device_communicator(self, group, rank: int, size: int):
+        # (plugin API 2) this device's collectives and send/recv for one group of ranks
+        from halserve_plugin_example.communicator import ExampleCommunicator
+
+        return ExampleCommunicator(group, rank, size)

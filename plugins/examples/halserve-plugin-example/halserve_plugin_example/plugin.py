@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from halserve.plugins import PluginManifest, hookimpl
+from halserve.plugins import LayerOverride, ModelArchitecture, PluginManifest, hookimpl
 from halserve_plugin_example import __version__
 
 MAX_BATCHED_TOKENS = 8192  # what this device's scheduler budget is capped at
@@ -16,8 +16,9 @@ def halserve_manifest() -> PluginManifest:
     return PluginManifest(
         name="example",
         version=__version__,
-        api=">=1,<2",
-        description="example CPU-backed device: platform example, attention example_attn, gemm example_gemm",
+        api=">=2,<3",  # plugin API 2: layer overrides, model variants, the device communicator
+        description="example CPU-backed device: platform example, attention example_attn, gemm example_gemm, "
+                    "RMSNorm and LlamaForCausalLM of its own, its communicator",
     )
 
 
@@ -40,6 +41,23 @@ def halserve_kernels() -> list[type]:
     from halserve_plugin_example.kernels import ExampleGemm
 
     return [ExampleGemm]
+
+
+@hookimpl
+def halserve_layer_overrides() -> list:
+    """Models built for platform example get ExampleRMSNorm wherever they would build RMSNorm."""
+    from halserve.layers import RMSNorm
+    from halserve_plugin_example.layers import ExampleRMSNorm
+
+    return [LayerOverride(replaces=RMSNorm, cls=ExampleRMSNorm, platform="example")]
+
+
+@hookimpl
+def halserve_model_architectures() -> dict:
+    """LlamaForCausalLM checkpoints are built as ExampleLlamaForCausalLM on platform example only
+    (imported when a checkpoint asks for it); other platforms keep halserve's own."""
+    return {"LlamaForCausalLM": ModelArchitecture("halserve_plugin_example.models:ExampleLlamaForCausalLM",
+                                                  platform="example", override=True)}
 
 
 @hookimpl

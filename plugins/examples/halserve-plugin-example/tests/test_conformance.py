@@ -23,3 +23,8 @@ def test_conformance_kit_passes():
     assert ("attention", "example_attn") in checked
     assert ("platform", "example") in checked
     assert ("e2e", "example") in checked
+    # plugin API 2: each hook this plugin implements was checked against halserve's own
+    assert ("layer", "ExampleRMSNorm (example/RMSNorm)") in checked  # vs RMSNorm on the same weights
+    assert ("variant", "LlamaForCausalLM on example") in checked  # greedy vs the built-in
+    ops = {r.case for r in report.results if r.check == "communicator" and r.status == "passed"}
+    assert ops >= {"all_reduce", "all_gather dim=0", "all_to_all", "broadcast", "send/recv"}, report.table()
