@@ -194,6 +194,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "loaded by a KV connector",
     )
     g.add_argument(
+        "--enable-sleep-mode", action="store_true",
+        help="vLLM's sleep mode: POST /sleep?level=1|2 hands the KV cache (1) or the weights and KV cache (2) "
+        "back to the OS or the device, POST /wake_up takes them back, GET /is_sleeping, POST /reset_prefix_cache "
+        "and POST /update_weights {\"path\": CHECKPOINT} (without the flag these routes do not exist)",
+    )
+    g.add_argument(
         "--disable-frontend-multiprocessing", action="store_true",
         help="run the engine core (scheduler, KV cache, executor) as a thread of the API-server process "
         "instead of a process of its own",
@@ -357,6 +363,7 @@ def build_config(args: argparse.Namespace, model: str) -> Any:
             trust_remote_code=args.trust_remote_code,
             pooler_config=args.pooler_config,
             enable_lora=args.enable_lora,
+            enable_sleep_mode=args.enable_sleep_mode,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
@@ -604,7 +611,7 @@ def serve_http(args: argparse.Namespace, engine: AsyncLLM, served: list[str], mo
         api_keys = [os.environ["HALSERVE_API_KEY"]]
     try:
         return run_server(serving, metrics, args.host, args.port, api_keys, args.log_level,
-                          args.max_request_body_size, sock=sock)
+                          args.max_request_body_size, sock=sock, enable_sleep_mode=args.enable_sleep_mode)
     finally:
         for observer in observers:  # (the tracer exports the spans still queued)
             if hasattr(observer, "shutdown"):

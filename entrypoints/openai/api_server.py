@@ -3,7 +3,8 @@
 Routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /classify, /score (and
 /v1/score), /rerank (and /v1/rerank, /v2/rerank), /tokenize, /detokenize, /v1/load_lora_adapter,
 /v1/unload_lora_adapter, Anthropic's /v1/messages and /v1/messages/count_tokens (``halserve.entrypoints.anthropic``);
-GET /v1/models, /v1/models/{model}, /health (and HEAD), /version, /metrics.
+GET /v1/models, /v1/models/{model}, /health (and HEAD), /version, /metrics; with --enable-sleep-mode, POST /sleep,
+/wake_up, /reset_prefix_cache, /update_weights and GET /is_sleeping (serving_sleep.py).
 Request bodies are parsed here (not by FastAPI) so malformed JSON and wrong types are OpenAI-shaped
 400s, and a body over ``max_body_bytes`` is a 413 before it is all read. Large bodies are parsed
 (and large /detokenize calls served) in a worker process (offload.py), so no single request
@@ -156,7 +157,7 @@ class APIKeyMiddleware:
 
 
 def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence[str] | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_sleep_mode: bool = False) -> FastAPI:
     engine = serving.engine
     offloader = RequestOffloader(serving.tokenizer)
 
@@ -285,6 +286,11 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, api_keys: Sequence
         req = parse_body(DetokenizeRequest, raw)
         return JSONResponse((await tokenization.detokenize(req)).model_dump())
 
+    if enable_sleep_mode:  # (vLLM's dev endpoints: absent, hence 404, without the flag)
+        from halserve.entrypoints.openai.serving_sleep import add_sleep_routes
+
+        add_sleep_routes(app, engine, max_body_bytes)
+
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if engine.dead_error is not None:
@@ -383,12 +389,13 @@ def run_server(
     log_level: str = "info",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     sock: socket.socket | None = None,
+    enable_sleep_mode: bool = False,
 ) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0) or the engine's death (1); returns the exit
     code. ``sock``: an already bound listening socket to serve on (``--api-server-count``)."""
     import uvicorn
 
-    app = build_app(serving, metrics, api_keys, max_body_bytes)
+    app = build_app(serving, metrics, api_keys, max_body_bytes, enable_sleep_mode)
     config = uvicorn.Config(
         app,
         host=host,
