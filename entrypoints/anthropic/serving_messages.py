@@ -2,29 +2,18 @@
 pipeline (``OpenAIServingChat``: the chat template, images, sampling, the tool-call parser and
 the reasoning parser), answered in Anthropic's shapes.
 
-A streamed reply is Anthropic's event sequence::
-
-    message_start
-    content_block_start (thinking) ping  content_block_delta (thinking_delta)*  content_block_stop
-    content_block_start (text)           content_block_delta (text_delta)*      content_block_stop
-    content_block_start (tool_use)       content_block_delta (input_json_delta) content_block_stop  (per call)
-    message_delta (stop_reason, stop_sequence, usage)
-    message_stop
-
-``ping`` follows the first block's start (or comes before message_delta if there is no block).
-Thinking and text stream as they are generated. With tools the calls are known once the reply
-is whole, so the text and the calls then come at the end, each call's input in one delta.
+A streamed reply is Anthropic's event sequence (``streaming``).
 """
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from halserve.entrypoints.anthropic.blocks import THINKING_BLOCK, ReplyItem, content_blocks
 from halserve.entrypoints.anthropic.errors import anthropic_error_event
 from halserve.entrypoints.anthropic.protocol import (
     CountTokensRequest,
@@ -35,10 +24,11 @@ from halserve.entrypoints.anthropic.protocol import (
     MessagesUsage,
     anthropic_id,
 )
+from halserve.entrypoints.anthropic.streaming import MessageEvents, stop_reason_of
 from halserve.entrypoints.openai.constraints import constraint_messages
-from halserve.entrypoints.openai.errors import BadRequestError, OpenAIError
+from halserve.entrypoints.openai.errors import BadRequestError
 from halserve.entrypoints.openai.serving_chat import OpenAIServingChat, load_images, render_chat
-from halserve.entrypoints.openai.serving_engine import ClientDisconnected, sendable_end
+from halserve.entrypoints.openai.serving_engine import ClientDisconnected
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.async_llm import RequestStream
@@ -48,25 +38,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["AnthropicServingMessages"]
 
-ABORTED = "the request was aborted before it finished (the server is shutting down); send it again"
-
-
-def sse(kind: str, payload: dict[str, Any]) -> str:
-    """One Anthropic SSE event: its type as the event name and in the data."""
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
-
-
-def stop_reason_of(output: CompletionOutput, finish: str | None, has_calls: bool) -> tuple[str, str | None]:
-    """``(stop_reason, stop_sequence)`` of a finished reply."""
-    if finish == "abort":
-        raise OpenAIError(ABORTED, status_code=503)
-    if finish == "length":
-        return "max_tokens", None
-    if has_calls:
-        return "tool_use", None
-    if isinstance(output.stop_reason, str):  # (a stop token id ends the turn like EOS)
-        return "stop_sequence", output.stop_reason
-    return "end_turn", None
+AUTO_TOOLS_NEED_A_PARSER = (
+    'tools with tool_choice {"type": "auto"} (the default) need the server started with '
+    "--enable-auto-tool-choice --tool-call-parser NAME (the model's call format); or set tool_choice to "
+    '{"type": "any"} or {"type": "tool", "name": ...} (the call is generated to the tool\'s input_schema)'
+)
 
 
 class AnthropicServingMessages:
@@ -118,13 +94,7 @@ class AnthropicServingMessages:
         serving, chat = self.serving, self.chat
         chat_req = self._check(req)
         model = serving.check_model(req.model)
-        if chat_req.auto_tools and serving.tool_parser is None:
-            raise BadRequestError(
-                'tools with tool_choice {"type": "auto"} (the default) need the server started with '
-                "--enable-auto-tool-choice --tool-call-parser NAME (the model's call format); or set tool_choice to "
-                '{"type": "any"} or {"type": "tool", "name": ...} (the call is generated to the tool\'s input_schema)',
-                param="tool_choice",
-            )
+        chat.check_tools(chat_req, AUTO_TOOLS_NEED_A_PARSER)
         params = serving.sampling_params(chat_req.sampling_kwargs())
         prompt_text, prompt = await chat.render(chat_req)
         start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
@@ -144,127 +114,55 @@ class AnthropicServingMessages:
         except ClientDisconnected:
             return Response(status_code=499)
         output = final.outputs[0]
-        blocks, finish = self.reply_blocks(chat_req, output, start)
-        stop_reason, stop_sequence = stop_reason_of(output, finish, any(b["type"] == "tool_use" for b in blocks))
+        blocks = self.reply_blocks(chat_req, output, start)
+        has_calls = any(b["type"] == "tool_use" for b in blocks)
+        stop_reason, stop_sequence = stop_reason_of(output, output.finish_reason, has_calls)
         response = MessagesResponse(
             id=message_id, model=model, content=blocks, stop_reason=stop_reason, stop_sequence=stop_sequence,
             usage=MessagesUsage(input_tokens=len(final.prompt_token_ids), output_tokens=len(output.token_ids)),
         )
         return JSONResponse(response.model_dump())
 
-    def reply_blocks(self, chat_req: ChatCompletionRequest, output: CompletionOutput, start: ReplyStart | None,
-                     ) -> tuple[list[dict[str, Any]], str | None]:
-        """The reply's content blocks (thinking, text, tool_use) and the chat finish reason."""
-        message, finish = self.chat.reply_message(chat_req, output, start)
-        blocks: list[dict[str, Any]] = []
-        if message.reasoning:
-            blocks.append({"type": "thinking", "thinking": message.reasoning, "signature": ""})
-        return blocks + list(self._text_and_calls(message.content, message.tool_calls)), finish
+    def reply_items(self, chat_req: ChatCompletionRequest, output: CompletionOutput, start: ReplyStart | None,
+                    ) -> tuple[str | None, list[ReplyItem]]:
+        """A whole reply's thinking (``None``: none, or left out) and its text and calls in order."""
+        if not chat_req.auto_tools:  # (no tools, or forced calls: the reply is text, or calls only)
+            message, _ = self.chat.reply_message(chat_req, output, start)
+            calls = [(call.function.name, call.function.arguments) for call in message.tool_calls]
+            return message.reasoning, [*([message.content] if message.content else []), *calls]
+        reasoning, text = self.chat.reply_parts(chat_req, output, start)
+        items = [] if text is None else self.chat.make_tool_parser(chat_req).parse_items(text)
+        if not any(isinstance(item, tuple) for item in items):
+            items = [text] if text else []  # (no call: the text as generated)
+        return reasoning if chat_req.include_reasoning else None, items
 
-    @staticmethod
-    def _text_and_calls(text: str | None, tool_calls: list[Any]) -> Iterator[dict[str, Any]]:
-        """A text block (unless empty) and a tool_use block per call. A call whose arguments are no
-        JSON object (a named call cut short by max_tokens) stays text, as the model wrote it."""
-        calls, kept = [], [text] if text else []
-        for call in tool_calls:
-            try:
-                arguments = json.loads(call.function.arguments)
-            except ValueError:
-                arguments = None
-            if isinstance(arguments, dict):
-                calls.append({"type": "tool_use", "id": anthropic_id("toolu"), "name": call.function.name,
-                              "input": arguments})
-            else:
-                kept.append(call.function.arguments)
-        if kept:
-            yield {"type": "text", "text": "".join(kept)}
-        yield from calls
+    def reply_blocks(self, chat_req: ChatCompletionRequest, output: CompletionOutput, start: ReplyStart | None,
+                     ) -> list[dict[str, Any]]:
+        """The reply's content blocks: thinking, then text and tool_use in the order written."""
+        reasoning, items = self.reply_items(chat_req, output, start)
+        thinking = [{**THINKING_BLOCK, "thinking": reasoning}] if reasoning else []
+        return thinking + content_blocks(items)
+
+    def message_events(self, chat_req: ChatCompletionRequest, start: ReplyStart | None, holdback: int
+                       ) -> MessageEvents:
+        """The event writer of one streamed reply to ``chat_req``."""
+        tool_parser = self.chat.make_tool_parser(chat_req) if chat_req.auto_tools else None
+        return MessageEvents(chat_req, self.serving.reasoning_parser, start, tool_parser,
+                             lambda output: self.reply_items(chat_req, output, start)[1], holdback)
 
     async def stream_reply(self, chat_req: ChatCompletionRequest, stream: RequestStream, message_id: str, model: str,
                            start: ReplyStart | None, holdback: int) -> AsyncIterator[str]:
-        parser = self.serving.reasoning_parser
-        tools = chat_req.auto_tools or chat_req.calls_tools  # (the reply is parsed whole: text and calls at the end)
-        sent_text = sent_reasoning = sent_content = 0
-        block: list[Any] = [-1, None]  # [index of the open block, its type or None when closed]
-        pinged = False
+        events = self.message_events(chat_req, start, holdback)
         started = False
-
-        def open_block(content_block: dict[str, Any]) -> Iterator[str]:
-            nonlocal pinged
-            yield from close_block()
-            block[0] += 1
-            block[1] = content_block["type"]
-            yield sse("content_block_start", {"index": block[0], "content_block": content_block})
-            if not pinged:
-                pinged = True
-                yield sse("ping", {})
-
-        def close_block() -> Iterator[str]:
-            if block[1] is not None:
-                yield sse("content_block_stop", {"index": block[0]})
-                block[1] = None
-
-        def delta(kind: str, body: dict[str, Any], content_block: dict[str, Any]) -> Iterator[str]:
-            if block[1] != content_block["type"]:
-                yield from open_block(content_block)
-            yield sse("content_block_delta", {"index": block[0], "delta": {"type": kind, **body}})
-
         try:
             async for _, out in self.serving.merge([stream]):
                 if not started:
                     started = True
-                    usage = {"input_tokens": len(out.prompt_token_ids), "output_tokens": 0}
-                    yield sse("message_start", {"message": {
-                        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
-                        "stop_reason": None, "stop_sequence": None, "usage": usage}})
-                o = out.outputs[0]
-                final = o.finish_reason is not None
-                end = sendable_end(o.text, sent_text, final, holdback)
-                thought, text = "", o.text[sent_text:end]
-                if start is not None:
-                    # (each split of the sendable text extends the previous one's parts)
-                    reasoning, content = parser.split(o.text[:end], start, final, exact=chat_req.constrained)
-                    thought, text = (reasoning or "")[sent_reasoning:], (content or "")[sent_content:]
-                    sent_reasoning, sent_content = sent_reasoning + len(thought), sent_content + len(text)
-                    if not chat_req.include_reasoning:
-                        thought = ""
-                sent_text = end
-                if thought:
-                    for event in delta("thinking_delta", {"thinking": thought},
-                                       {"type": "thinking", "thinking": "", "signature": ""}):
-                        yield event
-                if text and not tools:
-                    for event in delta("text_delta", {"text": text}, {"type": "text", "text": ""}):
-                        yield event
-                if not final:
-                    continue
-                finish = o.finish_reason
-                has_calls = False
-                if tools:
-                    message, finish = self.chat.reply_message(chat_req, o, start)
-                    for content_block in self._text_and_calls(message.content, message.tool_calls):
-                        if content_block["type"] == "text":
-                            for event in delta("text_delta", {"text": content_block["text"]},
-                                               {"type": "text", "text": ""}):
-                                yield event
-                            continue
-                        has_calls = True
-                        arguments = json.dumps(content_block.pop("input"), ensure_ascii=False)
-                        for event in open_block({**content_block, "input": {}}):
-                            yield event
-                        yield sse("content_block_delta", {"index": block[0], "delta": {
-                            "type": "input_json_delta", "partial_json": arguments}})
-                for event in close_block():
+                    yield events.start(message_id, model, len(out.prompt_token_ids))
+                for event in events.feed(out.outputs[0], len(out.prompt_token_ids)):
                     yield event
-                stop_reason, stop_sequence = stop_reason_of(o, finish, has_calls)
-                if not pinged:
-                    yield sse("ping", {})
-                yield sse("message_delta", {
-                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                    "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(o.token_ids)},
-                })
-                yield sse("message_stop", {})
-                return
+                if out.outputs[0].finish_reason is not None:
+                    return
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
             yield anthropic_error_event(exc)
         finally:

@@ -49,6 +49,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.outputs import CompletionOutput
     from halserve.structured_output import StructuredOutputsParams
 
+AUTO_TOOLS_NEED_A_PARSER = (
+    "tool_choice 'auto' (the default with tools) needs the server started with "
+    "--enable-auto-tool-choice --tool-call-parser NAME (the model's call format); or set "
+    "tool_choice to 'required' or a named function (the call is generated to the tool's JSON schema)"
+)
+
 
 def render_chat(
     tokenizer: Any,
@@ -148,18 +154,14 @@ class OpenAIServingChat:
         images = await load_images(urls, serving.allowed_local_media_path, limit, serving.allowed_media_domains)
         return text, {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
-    def check_tools(self, req: ChatCompletionRequest) -> None:
-        """tool_choice 'auto' needs the server's tool-call parser (a 400 otherwise); a format whose
-        markers are special tokens keeps them in the reply's text (skip_special_tokens false)."""
+    def check_tools(self, req: ChatCompletionRequest, no_parser_message: str = AUTO_TOOLS_NEED_A_PARSER) -> None:
+        """tool_choice 'auto' needs the server's tool-call parser (a 400 saying ``no_parser_message``
+        otherwise: the API's own words); a format whose markers are special tokens keeps them in
+        the reply's text (skip_special_tokens false)."""
         if not req.auto_tools:
             return
         if self.serving.tool_parser is None:
-            raise BadRequestError(
-                "tool_choice 'auto' (the default with tools) needs the server started with "
-                "--enable-auto-tool-choice --tool-call-parser NAME (the model's call format); or set "
-                "tool_choice to 'required' or a named function (the call is generated to the tool's JSON schema)",
-                param="tool_choice",
-            )
+            raise BadRequestError(no_parser_message, param="tool_choice")
         if req.skip_special_tokens is None and get_tool_parser(self.serving.tool_parser).needs_special_tokens:
             req.skip_special_tokens = False
 
@@ -174,6 +176,15 @@ class OpenAIServingChat:
             constraint.start_after = list(serving.reasoning_end_ids)
             constraint.opened_by = serving.reasoning_start_ids[0]
 
+    def reply_parts(self, req: ChatCompletionRequest, output: CompletionOutput, start: ReplyStart | None
+                    ) -> tuple[str | None, str | None]:
+        """``(reasoning, reply)`` of a whole output: with a reasoning parser (``start`` set) the
+        thinking and what follows it (``None`` if the reply never got past its thinking);
+        without, ``(None, the text)``."""
+        if start is None:
+            return None, output.text
+        return self.serving.reasoning_parser.split(output.text, start, exact=req.constrained)
+
     def reply_message(self, req: ChatCompletionRequest, output: CompletionOutput, start: ReplyStart | None
                ) -> tuple[ChatResponseMessage, str | None]:
         """The assistant's message and finish reason. With a reasoning parser (``start`` set) the
@@ -181,10 +192,8 @@ class OpenAIServingChat:
         choice that reply is the calls' JSON (generated to the tools' schemas): a named call cut
         short by max_tokens keeps its partial arguments, as OpenAI's do; a 'required' array cut
         short stays text. With tool_choice 'auto' the server's tool-call parser finds the calls."""
-        text, finish = output.text, output.finish_reason
-        reasoning = None
-        if start is not None:
-            reasoning, text = self.serving.reasoning_parser.split(text, start, exact=req.constrained)
+        finish = output.finish_reason
+        reasoning, text = self.reply_parts(req, output, start)
         calls: list[tuple[str, str]] = []
         named = isinstance(req.tool_choice, dict) and req.calls_tools
         if text is None:

@@ -137,20 +137,34 @@ def test_tool_use_and_its_result(aclient, server):
     assert call.name == "get_weather" and call.input == {"city": "Lyon", "unit": "C"} and call.id.startswith("toolu_")
     assert out.stop_reason == "tool_use"
 
+    # streamed: the same message (but for the ids, and the output's token count: the model may write the
+    # text in other tokens), the text and the call's input as they are written
     with aclient.messages.stream(**kwargs) as stream:
         final = stream.get_final_message()
-    assert [b.type for b in final.content] == ["text", "tool_use"]
-    assert final.content[0].text == "Let me check." and final.content[1].input == call.input
-    assert final.stop_reason == "tool_use"
+    ignored = {"id": True, "content": {1: {"id"}}, "usage": {"output_tokens"}}
+    assert final.model_dump(exclude=ignored) == out.model_dump(exclude=ignored)
+    assert final.content[1].id.startswith("toolu_")
     body = dict(model=SERVED_NAME, system=SYSTEM, messages=MESSAGES, max_tokens=100, tools=[WEATHER, TIME],
                 guided_choice=[WRITTEN_CALL])
     events = sse_events(server, body)
     starts = [data["content_block"] for name, data in events if name == "content_block_start"]
     assert starts[0] == {"type": "text", "text": ""}
     assert starts[1]["type"] == "tool_use" and starts[1]["name"] == "get_weather" and starts[1]["input"] == {}
+    text_deltas = [data["delta"]["text"] for name, data in events if name == "content_block_delta" and data["index"] == 0]
     json_deltas = [data["delta"]["partial_json"] for name, data in events
                    if name == "content_block_delta" and data["index"] == 1]
-    assert json.loads("".join(json_deltas)) == {"city": "Lyon", "unit": "C"}
+    assert "".join(text_deltas) == "Let me check." and len(text_deltas) > 1
+    assert "".join(json_deltas) == json.dumps(call.input) and len(json_deltas) > 1
+    assert [name for name, _ in events][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    # a malformed call (not one of the tools) is text, streamed and not
+    booking = 'Booking.\n<tool_call>\n{"name": "book_flight", "arguments": {}}\n</tool_call>'
+    malformed = aclient.messages.create(**kwargs | {"extra_body": {"guided_choice": [booking]}})
+    with aclient.messages.stream(**kwargs | {"extra_body": {"guided_choice": [booking]}}) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.type, b.text) for b in malformed.content] == [(b.type, b.text) for b in streamed.content] == [
+        ("text", booking)]
+    assert malformed.stop_reason == streamed.stop_reason == "end_turn"
 
     # no call written: a plain text reply
     plain = aclient.messages.create(**kwargs | {"extra_body": {"guided_choice": ["no tools needed"]}})

@@ -7,7 +7,9 @@ request's tools and ``max_calls`` and then either
 - ``stream(text, final)`` after each new piece of the reply (``text`` is the whole reply so far,
   it only grows): what to send now, as a ``ToolStreamDelta``: new content text, and per call a
   first delta with its ``id`` and ``name`` (``arguments`` may already start there) and then
-  deltas adding to its ``arguments``.
+  deltas adding to its ``arguments``. ``stream_pieces`` is the same delta as a list in the
+  reply's order (content strings and call deltas), for APIs whose text and calls are
+  ordered blocks (Anthropic's content); ``parse_items`` is ``parse``'s answer in that order.
 
 The two agree: a reply streamed in any pieces yields the calls ``parse`` finds, and a call's
 argument deltas concatenate to its ``arguments``. The exception is a call the model breaks (or
@@ -126,44 +128,67 @@ class ToolParser:
         return f"chatcmpl-tool-{secrets.token_hex(16)}"
 
     # -- what the serving layer calls ------------------------------------------------------
+    def parse_items(self, text: str) -> list[str | tuple[str, str]]:
+        """The whole reply in order: content strings and ``(name, arguments JSON)`` calls. A call
+        that is not written whole and valid is content, as the model wrote it."""
+        self.keeps_broken_calls = False
+        items: list[str | tuple[str, str]] = []
+        for item in self.scan(text, True):
+            if isinstance(item, str):
+                items.append(item)
+            elif item.is_complete:
+                items.append((item.name, item.arguments))
+            else:
+                items.append(item.raw)
+        return items
+
     def parse(self, text: str) -> ParsedCalls:
         """The calls in a whole reply, and the content left (``None`` if empty). A call
         that is not written whole and valid stays in the content as the model wrote it."""
-        content: list[str] = []
-        calls: list[tuple[str, str]] = []
-        self.keeps_broken_calls = False
-        for item in self.scan(text, True):
-            if isinstance(item, str):
-                content.append(item)
-            elif item.is_complete:
-                calls.append((item.name, item.arguments))
-            else:
-                content.append(item.raw)
+        items = self.parse_items(text)
+        calls = [item for item in items if isinstance(item, tuple)]
         if not calls:
             return text, []
-        joined = "".join(content).strip()
+        joined = "".join(item for item in items if isinstance(item, str)).strip()
         return joined or None, calls
 
     def stream(self, text: str, final: bool = False) -> ToolStreamDelta:
         """What to send after the reply grew to ``text`` (``final``: the reply is whole)."""
+        pieces = self.stream_pieces(text, final)
+        return ToolStreamDelta(content="".join(piece for piece in pieces if isinstance(piece, str)),
+                               calls=[piece for piece in pieces if not isinstance(piece, str)])
+
+    def stream_pieces(self, text: str, final: bool = False) -> list[str | ToolCallDelta]:
+        """``stream``'s delta in the reply's order: each content string stands where the model
+        wrote it relative to the calls (whitespace held back before a call may come out later,
+        in front of text that follows the call)."""
         assert len(text) >= self._text_len, "stream() takes the whole reply so far, which only grows"
         self._text_len = len(text)
         items = self.scan(text, final)
         content = "".join(item for item in items if isinstance(item, str))
-        calls = [item for item in items if not isinstance(item, str)]
+        has_calls = any(not isinstance(item, str) for item in items)
         # Whitespace at the end of the content waits: around calls ``parse`` strips it.
-        if not final or calls:
+        if not final or has_calls:
             content = content.rstrip()
-        delta = ToolStreamDelta(content=content[self._sent_content :])
-        self._sent_content = max(self._sent_content, len(content))
-        for index, call in enumerate(calls):
+        pieces: list[str | ToolCallDelta] = []
+        at, index = 0, 0  # where the next content item starts in ``content``; the next call's index
+        for item in items:
+            if isinstance(item, str):
+                # the part of [at, at + len(item)) not sent yet and sendable now
+                lo, hi = max(at, self._sent_content), min(at + len(item), len(content))
+                if hi > lo:
+                    pieces.append(content[lo:hi])
+                at += len(item)
+                continue
             if index == len(self._sent_args):
-                self._sent_args.append(len(call.arguments))
-                delta.calls.append(ToolCallDelta(index, self.make_call_id(), call.name, call.arguments))
-            elif len(call.arguments) > self._sent_args[index]:
-                delta.calls.append(ToolCallDelta(index, arguments=call.arguments[self._sent_args[index] :]))
-                self._sent_args[index] = len(call.arguments)
-        return delta
+                self._sent_args.append(len(item.arguments))
+                pieces.append(ToolCallDelta(index, self.make_call_id(), item.name, item.arguments))
+            elif len(item.arguments) > self._sent_args[index]:
+                pieces.append(ToolCallDelta(index, arguments=item.arguments[self._sent_args[index] :]))
+                self._sent_args[index] = len(item.arguments)
+            index += 1
+        self._sent_content = max(self._sent_content, len(content))
+        return pieces
 
     @property
     def num_streamed_calls(self) -> int:
