@@ -41,6 +41,12 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         return toolchain_missing()
 
     @classmethod
+    def kv_cache_spec_kinds(cls) -> tuple[str, ...]:
+        # not MLA: its latent pages have no native kernel here (the inherited forward_mla is the torch
+        # backend's, which an MLA model then selects by name)
+        return ("full_attention", "sliding_window")
+
+    @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, num_kv_heads, block_size * head_size)
 
