@@ -4,12 +4,14 @@ histograms, the LoRA info gauge, and the per-KV-cache-group usage gauge against 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -243,3 +245,114 @@ def test_scheduler_reports_lora_adapters_and_steps():
     stats = sched.get_stats()
     assert stats.iteration_tokens_sum == so.total_num_scheduled_tokens == 10
     assert stats.iteration_tokens_counts[2] == 1 and sum(stats.iteration_tokens_counts) == 1  # 10 tokens: le 16
+
+
+# ---------------------------------------------------------------- issue 29: per-group usage, hand-counted
+@pytest.mark.slow
+def test_kv_cache_group_usage_matches_a_hand_count(tmp_path, _no_multiprocess):
+    """Gemma-3-style layers (3 sliding with an 8-token window : 1 full, one KV-cache group each), 4-token
+    blocks: after each step of a 100-token prompt the engine's per-group usage, and the /metrics gauge
+    rendered from it, are the blocks each group must hold over the pool's usable blocks: a sliding group
+    ceil(n / 4) - (n - 8) // 4 (the window), the full group ceil(n / 4)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
+    from test_gemma import make_gemma_checkpoint
+
+    from halserve import LLM
+    from halserve.kv_cache.spec import cdiv
+
+    block_size, window = 4, 8
+    path = make_gemma_checkpoint(tmp_path, 3, num_hidden_layers=4, sliding_window=window,
+                                 layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    llm = LLM(path, platform="cpu", dtype="float32", block_size=block_size, max_num_batched_tokens=128,
+              max_model_len=256, num_kv_blocks=200)
+    core = llm.llm_engine.core
+    sched, usable = core.scheduler, core.scheduler.kv_cache_manager.num_usable_blocks
+    update, seen = sched.update_from_output, []
+
+    def recorded(so, out):
+        result = update(so, out)
+        seen.append(([r.num_computed_tokens for r in sched.running], core.get_stats()))
+        return result
+
+    sched.update_from_output = recorded
+    llm.generate([{"prompt_token_ids": [1] + [(7 * i) % 500 + 3 for i in range(99)]}],
+                 SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert len(seen) == 12
+    for computed, stats in seen[1:-1]:  # (the first step holds the whole prompt; after the last one, nothing)
+        (n,) = computed
+        by_hand = [cdiv(n, block_size) - (n - window) // block_size] * 3 + [cdiv(n, block_size)]
+        assert stats.kv_cache_group_kinds == ("sliding_window",) * 3 + ("full_attention",)
+        assert stats.kv_cache_group_usage == pytest.approx([b / usable for b in by_hand]), (n, by_hand)
+        assert sum(stats.kv_cache_group_usage) == pytest.approx(stats.kv_cache_usage)
+        gauge = _scrape(ServerMetrics("g", lambda s=stats: s).render().decode())["halserve:kv_cache_group_usage_perc"]
+        assert sorted((int(labels["kv_cache_group"]), labels["kind"], value) for labels, value in gauge) == [
+            (g, kind, pytest.approx(b / usable)) for g, (kind, b) in enumerate(zip(stats.kv_cache_group_kinds, by_hand))]
+    first_n, first = seen[0]
+    assert first.kv_cache_group_usage == pytest.approx([25 / usable] * 4) and first_n == [100]
+
+
+# ---------------------------------------------------------------- a served model, two API servers
+@pytest.mark.slow
+def test_served_requests_are_traced_logged_and_measured(checkpoint, receiver, tmp_path):
+    """``--api-server-count 2`` (engine core in its own process; the servers' per-request histograms summed
+    over both): three sequential completions of 4 tokens each reach the OTLP receiver as three spans (the
+    one sent with a traceparent in the caller's trace), the log has exactly one request line per request,
+    and /metrics counts three requests in each phase and the engine's steps: one prefill and three decode
+    steps per request, prompt + 3 tokens each."""
+    from server_utils import SERVED_NAME, ServerProcess, server_args
+
+    args = server_args(checkpoint, "--api-server-count", "2", "--enable-log-requests", "--log-request-prompts",
+                       "--otlp-traces-endpoint", receiver.url)
+    srv = ServerProcess(args, str(tmp_path / "server.log"), env={"OTEL_BSP_SCHEDULE_DELAY": "50"}).wait_ready()
+    try:
+        usages = {}
+        for i, prompt in enumerate(["the quick brown fox", "hello world again and again", "one two"]):
+            headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"} if i == 0 else {}
+            reply = httpx.post(srv.url + "/v1/completions", headers=headers, timeout=60, json={
+                "model": SERVED_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+            assert reply.status_code == 200, reply.text
+            usages[reply.json()["id"]] = (prompt, reply.json()["usage"])
+        spans = receiver.wait_spans(3)
+        deadline = time.monotonic() + 10
+        while True:  # (the engine's snapshot of its last step may lag the last reply a moment)
+            samples = _scrape(httpx.get(srv.url + "/metrics", timeout=10).text)
+            if samples["halserve:iteration_tokens_total_count"][0][1] >= 12 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        srv.stop()
+    assert all(u["completion_tokens"] == 4 for _, u in usages.values())
+    num_prompt_tokens = sum(u["prompt_tokens"] for _, u in usages.values())
+    # spans: one per request, vLLM's name and attributes
+    assert len(spans) == 3 and {s.name for s in spans} == {"llm_request"}
+    by_id = {}
+    for span in spans:
+        attrs = attributes(span)
+        request_id = attrs["gen_ai.request.id"]
+        assert request_id.startswith("cmpl-") and request_id not in by_id
+        by_id[request_id] = span
+        assert attrs["gen_ai.usage.completion_tokens"] == 4 and attrs["gen_ai.request.max_tokens"] == 4
+        assert attrs["gen_ai.request.temperature"] == 0.0 and attrs["gen_ai.request.n"] == 1
+        queue, prefill, decode = (attrs[f"gen_ai.latency.{k}"] for k in ("time_in_queue", "time_in_model_prefill",
+                                                                            "time_in_model_decode"))
+        assert attrs["gen_ai.latency.time_in_model_inference"] == pytest.approx(prefill + decode)
+        assert 0 <= queue + prefill <= attrs["gen_ai.latency.time_to_first_token"] + 1e-6
+        assert attrs["gen_ai.latency.time_to_first_token"] <= attrs["gen_ai.latency.e2e"]
+    traced = [s for s in spans if s.trace_id.hex() == TRACE_ID]
+    assert len(traced) == 1 and traced[0].parent_span_id.hex() == PARENT_SPAN_ID
+    # the log: one line per request, matching the replies' usage
+    lines = [line.split("halserve.requests: request ", 1)[1] for line in srv.log().splitlines()
+             if "halserve.requests: request " in line]
+    records = {r["id"]: r for r in map(json.loads, lines)}
+    assert len(lines) == 3 and set(records) == set(usages) == {attributes(s)["gen_ai.request.id"] for s in spans}
+    for request_id, (prompt, usage) in usages.items():
+        r = records[request_id]
+        assert (r["model"], r["prompt"], r["prompt_tokens"], r["generated_tokens"], r["finish_reason"]) == (
+            SERVED_NAME, prompt, usage["prompt_tokens"], 4, "length")
+        assert r["e2e_s"] >= r["ttft_s"] >= r["queue_s"] >= 0 and r["decode_s"] >= 0
+        assert attributes(by_id[request_id])["gen_ai.usage.prompt_tokens"] == usage["prompt_tokens"]
+    # /metrics: three requests in each phase (whichever server answered), the engine's steps
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert samples[f"halserve:request_{phase}_time_seconds_count"] == [({"model_name": SERVED_NAME}, 3.0)]
+    assert samples["halserve:iteration_tokens_total_count"][0][1] == 3 * 4
+    assert samples["halserve:iteration_tokens_total_sum"][0][1] == num_prompt_tokens + 3 * 3
