@@ -169,3 +169,25 @@ def test_update_weights_refuses_a_checkpoint_missing_tensors(checkpoint_factory,
         assert _greedy(llm) == expected
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_lora_adapters_survive_a_level_2_sleep(checkpoint_factory, tmp_path):
+    """The workers load their adapters again with the weights (the engine still counts them as loaded)."""
+    from lora_factory import make_adapter
+
+    from halserve.lora.request import LoRARequest
+
+    base = checkpoint_factory("llama")
+    lora = LoRARequest("a1", 1, make_adapter(tmp_path / "a1", base, r=8, seed=1))
+    llm = LLM(base, enable_sleep_mode=True, enable_lora=True, max_lora_rank=8, **ENGINE_KWARGS)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    try:
+        before = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)]
+        assert before != _greedy(llm)  # (the adapter changes the outputs)
+        llm.sleep(level=2)
+        llm.wake_up()
+        assert llm.collective_rpc("list_loras") == [[1]]
+        after = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)]
+        assert after == before
+    finally:
+        llm.llm_engine.shutdown()
