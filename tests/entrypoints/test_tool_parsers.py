@@ -13,6 +13,7 @@ import pytest
 from halserve.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
     ScannedCall,
+    ToolCallDelta,
     ToolParser,
     get_tool_parser,
     load_tool_parser_plugin,
@@ -326,3 +327,41 @@ def test_plugin_with_a_bad_parser_is_named(monkeypatch):
     # a misspelt hook refuses the whole plugin, naming the hook it meant
     record = _load_plugin(monkeypatch, halserve_tool_parser=lambda: [BracketParser])
     assert record.status == "failed" and "did you mean halserve_tool_parsers?" in record.error
+
+
+def kinds(items) -> list:
+    """A reply's order: 'text' for each run of text that is not just whitespace, a call's index."""
+    out: list = []
+    for item in items:
+        kind = "text" if isinstance(item, str) else item.index if isinstance(item, ToolCallDelta) else None
+        if kind == "text" and (not item.strip() or out[-1:] == ["text"]):
+            continue
+        if kind is None:  # (parse_items: a call, numbered in order)
+            kind = sum(1 for k in out if k != "text")
+        if kind == "text" or kind not in out:
+            out.append(kind)
+    return out
+
+
+@pytest.mark.parametrize("name, text", [(n, RECORDED[n][0]) for n in RECORDED] + [
+    ("hermes", RECORDED["hermes"][0].replace("</tool_call>\n<tool_call>", "</tool_call>\nand then\n<tool_call>")),
+])
+def test_stream_pieces_keep_the_order_written(name, text):
+    """stream_pieces is stream's delta in the reply's order (text around and between the calls),
+    the order parse_items gives; joined, it is stream's delta."""
+    cls = get_tool_parser(name)
+    whole = cls(TOOLS).parse_items(text)
+    for pieces in (char_by_char(text), random_pieces(text, 2), [len(text)]):
+        parser, twin, streamed, end = cls(TOOLS), cls(TOOLS), [], 0
+        for size in pieces:
+            end = min(len(text), end + size)
+            got = parser.stream_pieces(text[:end], final=end == len(text))
+            delta = twin.stream(text[:end], final=end == len(text))
+            assert "".join(p for p in got if isinstance(p, str)) == delta.content
+            assert [(c.index, c.name, c.arguments) for c in got if not isinstance(c, str)] == [
+                (c.index, c.name, c.arguments) for c in delta.calls]
+            streamed += got
+            if end == len(text):
+                break
+        assert kinds(streamed) == kinds(whole)
+    assert [item for item in whole if isinstance(item, tuple)] == cls(TOOLS).parse(text)[1]
