@@ -340,6 +340,27 @@ class AsyncLLM:
     async def list_loras(self) -> set[int]:
         return await self.call_core("list_loras")
 
+    # -- sleep mode and weight updates (vLLM's; EngineCore's, wherever it runs) ----------
+    async def sleep(self, level: int = 1) -> None:
+        await self.call_core("sleep", level)
+
+    async def wake_up(self) -> None:
+        await self.call_core("wake_up")
+
+    async def is_sleeping(self) -> bool:
+        return await self.call_core("is_sleeping")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call_core("reset_prefix_cache")
+
+    async def update_weights(self, path: str) -> None:
+        await self.call_core("update_weights", path)
+
+    async def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict | None = None) -> list:
+        """``Worker.<method>(*args, **kwargs)`` on every worker; one result per worker (a function
+        ``method`` must pickle when the core runs in its own process)."""
+        return await self.call_core("collective_rpc", method, tuple(args), kwargs)
+
     def abort(self, request_id: str) -> None:
         """Abort a request by its id (unknown or finished ids are ignored)."""
         state = self._drop(request_id, abort_core=True)

@@ -191,3 +191,33 @@ def test_lora_adapters_survive_a_level_2_sleep(checkpoint_factory, tmp_path):
         assert after == before
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_async_llm_sleeps_through_its_engine_thread(checkpoint_factory):
+    import asyncio
+
+    from halserve.config import EngineConfig
+    from halserve.engine.async_llm import AsyncLLM
+
+    config = EngineConfig(model=checkpoint_factory("llama"), enable_sleep_mode=True, **ENGINE_KWARGS)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    async def main():
+        llm = AsyncLLM.from_config(config)
+        try:
+            async def ids():
+                return [out async for out in llm.generate({"prompt_token_ids": [5, 6, 7]}, params)][-1] \
+                    .outputs[0].token_ids
+            before = await ids()
+            await llm.sleep(2)
+            assert await llm.is_sleeping()
+            with pytest.raises(EngineSleepingError):
+                await ids()
+            await llm.wake_up()
+            assert await ids() == before
+            assert len(await llm.collective_rpc("memory_in_use")) == 1
+            assert await llm.reset_prefix_cache()
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=120))
