@@ -14,6 +14,8 @@ import pytest
 from halserve import LLM, SamplingParams
 from halserve.engine.core import EngineSleepingError
 
+pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
+
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]},
            {"prompt_token_ids": [11, 12, 13]}]
 ENGINE_KWARGS = dict(platform="cpu", dtype="float32", max_model_len=256, block_size=16, num_kv_blocks=128,
@@ -83,7 +85,6 @@ def _rank_rss(worker) -> int:
     return psutil.Process().memory_info().rss
 
 
-@pytest.mark.slow  # two worker processes
 def test_mp_workers_each_release_their_weights(medium_checkpoint):
     llm = LLM(medium_checkpoint, enable_sleep_mode=True, tensor_parallel_size=2, distributed_executor_backend="mp",
               **ENGINE_KWARGS)
