@@ -25,7 +25,7 @@ import socket
 import traceback
 from typing import Any
 
-from halserve.plugins.testing.results import ConformanceReport
+from halserve.plugins.testing.results import ConformanceReport, Status
 from halserve.plugins.testing.target import TargetResolver
 
 TOLERANCE = 1e-5  # relative to max |gloo's result|
@@ -48,7 +48,7 @@ def check_communicators(report: ConformanceReport, manager: Any, resolver: Targe
             report.add("communicator", subject, case, status, detail)
 
 
-def run_two_ranks(target: str, timeout_s: float = TIMEOUT_S) -> list[tuple[str, str, str]]:
+def run_two_ranks(target: str, timeout_s: float = TIMEOUT_S) -> list[tuple[str, Status, str]]:
     """(case, status, detail) rows of the two-rank check of platform class ``target`` ("module:Class")."""
     ctx = multiprocessing.get_context("spawn")  # (a fresh interpreter: no torch threads or process group inherited)
     results: Any = ctx.Queue()
@@ -60,11 +60,11 @@ def run_two_ranks(target: str, timeout_s: float = TIMEOUT_S) -> list[tuple[str, 
     try:
         while len(per_rank) < WORLD:
             try:
-                rank, rows = results.get(timeout=timeout_s)
+                rank, rank_rows = results.get(timeout=timeout_s)
             except queue_module.Empty:
                 missing = sorted(set(range(WORLD)) - set(per_rank))
                 return [("run", "failed", f"rank(s) {missing} did not finish within {timeout_s:.0f} s (a hung collective?)")]
-            per_rank[rank] = rows
+            per_rank[rank] = rank_rows
     finally:
         for proc in procs:
             proc.join(timeout=5)
@@ -75,7 +75,7 @@ def run_two_ranks(target: str, timeout_s: float = TIMEOUT_S) -> list[tuple[str, 
     for rank in range(WORLD):
         for case, status, detail in per_rank[rank]:
             merged.setdefault(case, []).append((status, f"rank {rank}: {detail}"))
-    rows = []
+    rows: list[tuple[str, Status, str]] = []
     for case, outcomes in merged.items():
         failed = [detail for status, detail in outcomes if status == "failed"]
         if failed:
