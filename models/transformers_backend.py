@@ -21,7 +21,14 @@ the model dtype and filled from the checkpoint by ``load_weights``. What this ba
 is refused at load with the reason (``check_config`` from the config alone, ``_check_attention``
 once the model is built): models with no attention or with non-attention (recurrent) layers,
 non-causal attention, attention sinks, MLA, encoder-decoders, multimodal models, quantized
-checkpoints, LoRA, and tensor or pipeline parallelism (not wired yet).
+checkpoints, LoRA, and pipeline parallelism (not wired yet). Sliding-window layers (``layer_types``)
+get halserve's sliding KV-cache groups; the window transformers passes each call is checked against them.
+
+Tensor parallelism follows the config's ``base_model_tp_plan``: each ``nn.Linear`` an entry names becomes
+halserve's ``ColumnParallelLinear`` (``colwise``; ``colwise_gather_output`` all-gathers) or
+``RowParallelLinear`` (``rowwise``; ``rowwise_split_input`` slices a whole input), under the same parameter
+names; an attention module whose q/k/v stay sharded gets an ``Attention`` over its rank's heads. A plan
+entry with no such layer is refused by name.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ import torch
 from torch import nn
 
 from halserve.layers import Attention, ModelContext, ParallelLMHead, VocabParallelEmbedding
+from halserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +54,13 @@ RECURRENT_CONFIG_KEYS = ("layers_block_type", "hybrid_override_pattern", "attn_l
 # module class name fragments of recurrent mixers, for models that name no layer types in their config
 RECURRENT_MODULE_NAMES = ("Mamba", "Mixer", "SSM", "GatedDeltaNet", "LinearAttention", "Rwkv", "RWKV",
                           "Recurrent", "ShortConv", "Lightning")
+
+
+# base_model_tp_plan styles -> (halserve layer, its flag): "column" is ColumnParallelLinear (flag: all-gather
+# the output), "row" is RowParallelLinear (flag: the input arrives whole, each rank takes its slice)
+TP_STYLES = {"colwise": ("column", False), "colwise_gather_output": ("column", True),
+             "rowwise": ("row", False), "rowwise_split_input": ("row", True)}
+REPLICATED_STYLES = ("replicated_with_grad_allreduce",)  # (whole on every rank: nothing to do for inference)
 
 
 class TransformersBackendError(ValueError):
@@ -93,11 +108,37 @@ def check_config(config: Any, hf_config: Any, architecture: str) -> None:
     if getattr(hf_config, "quantization_config", None) is not None:
         refuse("quantized checkpoints are not supported by this backend yet; use --model-impl halserve for a "
                "natively supported architecture")
-    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
-        refuse("tensor and pipeline parallelism are not wired to this backend yet; use "
-               "tensor_parallel_size=1 and pipeline_parallel_size=1")
+    if config.pipeline_parallel_size > 1:
+        refuse("pipeline parallelism is not wired to this backend yet; use pipeline_parallel_size=1 "
+               "(tensor_parallel_size shards it instead)")
+    if config.tensor_parallel_size > 1:
+        plan = tp_plan(text_config)
+        if not plan:
+            refuse(f"its config has no base_model_tp_plan, so there is no tensor-parallel layout for "
+                   f"tensor_parallel_size={config.tensor_parallel_size}; use tensor_parallel_size=1")
+        unknown = {pattern: style for pattern, style in plan.items()
+                   if style not in TP_STYLES and style not in REPLICATED_STYLES}
+        if unknown:
+            pattern, style = next(iter(unknown.items()))
+            refuse(f"its base_model_tp_plan entry {pattern!r}: {style!r} has no halserve parallel layer (mapped: "
+                   f"{', '.join(sorted(TP_STYLES) + sorted(REPLICATED_STYLES))}); use tensor_parallel_size=1")
     if config.enable_lora:
         refuse("LoRA adapters are not wired to this backend yet; drop enable_lora")
+
+
+def tp_plan(text_config: Any) -> dict[str, str]:
+    """The decoder's ``base_model_tp_plan`` (module name pattern, ``*`` a layer index -> style); {} if none."""
+    return dict(getattr(text_config, "base_model_tp_plan", None) or {})
+
+
+def _plan_style(plan: dict[str, str], name: str) -> tuple[str, str] | None:
+    """(pattern, style) of the plan entry naming module ``name`` (``layers.3.mlp.up_proj``), or None."""
+    import re
+
+    for pattern, style in plan.items():
+        if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), name):
+            return pattern, style
+    return None
 
 
 def backend_status() -> dict[str, Any]:
@@ -194,6 +235,56 @@ class _ScaledEmbedding(VocabParallelEmbedding):
         return super().forward(input_ids) * self.scale
 
 
+class _HFColumnParallelLinear(ColumnParallelLinear):
+    """``ColumnParallelLinear`` for transformers' module code: any leading dims ([1, T, in] -> [1, T, out])."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x.reshape(-1, x.shape[-1]))
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class _HFRowParallelLinear(RowParallelLinear):
+    """``RowParallelLinear`` for transformers' module code; ``split_input``: x arrives whole (the column layer
+    before it gathered its output) and each rank multiplies its own slice of it."""
+
+    def __init__(self, *args: Any, split_input: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.split_input = split_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_input:
+            x = x.narrow(-1, self.tp_rank * self.input_size_per_partition, self.input_size_per_partition)
+        y = super().forward(x.reshape(-1, x.shape[-1]))
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def apply_tp_plan(model: nn.Module, plan: dict[str, str], ctx: ModelContext, prefix: str = "model") -> set[str]:
+    """Replace each ``nn.Linear`` of ``model`` a ``base_model_tp_plan`` entry names with halserve's parallel
+    layer (same parameter names, so the checkpoint loads unchanged); returns the names of the modules whose
+    heads are split over the ranks (parents of a ``colwise`` layer whose output stays sharded)."""
+    split_parents: set[str] = set()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        entry = _plan_style(plan, name)
+        if entry is None or entry[1] in REPLICATED_STYLES:
+            continue
+        kind, flag = TP_STYLES[entry[1]]
+        bias = module.bias is not None
+        layer: nn.Module
+        if kind == "column":
+            layer = _HFColumnParallelLinear(module.in_features, module.out_features, bias, ctx, f"{prefix}.{name}",
+                                            gather_output=flag)
+            if not flag:
+                split_parents.add(name.rpartition(".")[0])
+        else:
+            layer = _HFRowParallelLinear(module.in_features, module.out_features, bias, ctx, f"{prefix}.{name}",
+                                         split_input=flag)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    return split_parents
+
+
 class TransformersForCausalLM(nn.Module):
     """Any ``*ForCausalLM`` transformers implements, as a halserve ``TextGenerationModel``
     (``halserve.models.interfaces``): built as ``cls(hf_config, ctx)`` by the loader."""
@@ -214,6 +305,11 @@ class TransformersForCausalLM(nn.Module):
             model = AutoModel.from_config(hf_config, dtype=ctx.dtype, attn_implementation=ATTN_IMPLEMENTATION,
                                           trust_remote_code=trust)
         self.model = model
+        from halserve.distributed import get_tp_size
+
+        self.tp_size = get_tp_size()
+        # attention modules whose heads the ranks split (their q/k/v stay sharded); none on one rank
+        self.split_heads = (apply_tp_plan(model, tp_plan(hf_config), ctx) if self.tp_size > 1 else set())
         self.base_model_prefix = getattr(model, "base_model_prefix", "model") or "model"
         self.ignored_keys = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -278,6 +374,14 @@ class TransformersForCausalLM(nn.Module):
         layers = []
         for i in range(num_layers):
             name, module = found[i]
+            local_heads, local_kv_heads = num_heads, num_kv_heads
+            if name in self.split_heads:  # (its q/k/v are colwise: each rank holds 1/tp of the heads)
+                tp = self.tp_size
+                if num_heads % tp or num_kv_heads % tp:
+                    refuse(f"{name}'s {num_heads} heads / {num_kv_heads} KV heads do not split over "
+                           f"tensor_parallel_size={tp} ranks as its base_model_tp_plan shards q/k/v (colwise); use a "
+                           "tensor_parallel_size that divides both")
+                local_heads, local_kv_heads = num_heads // tp, num_kv_heads // tp
             if getattr(module, "is_causal", True) is not True:
                 refuse(f"{name} is not causal (bidirectional attention has no paged decode)")
             if "sinks" in module._parameters or hasattr(module, "sinks"):
@@ -290,8 +394,8 @@ class TransformersForCausalLM(nn.Module):
                 refuse(f"{name} slides over {window} tokens where the config says {windows[i]}; this sliding-"
                        "window pattern is not one halserve's KV cache manager reads from the config")
             scale = getattr(module, "scaling", None)
-            attn = Attention(num_heads, head_size, float(scale) if scale is not None else head_size**-0.5,
-                             num_kv_heads, ctx, sliding_window=window, logits_soft_cap=soft_cap,
+            attn = Attention(local_heads, head_size, float(scale) if scale is not None else head_size**-0.5,
+                             local_kv_heads, ctx, sliding_window=window, logits_soft_cap=soft_cap,
                              prefix=f"model.{name}.attn")
             attn.scale = float(scale) if scale is not None else head_size**-0.5
             module.__dict__["halserve_attn"] = attn  # (a plain attribute: self.layers owns it)

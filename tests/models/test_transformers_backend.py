@@ -147,6 +147,50 @@ def test_architecture_without_native_code_falls_back_to_transformers(tmp_path, n
     assert windows == ([24, None] if "layer_types" in overrides else []), "the KV cache's layer specs"
 
 
+def _tp_layout(worker) -> dict:
+    """(run on each rank by collective_rpc) what its model holds: local heads per attention layer and
+    the kind and shape of layer 0's q projection and MLP down projection."""
+    model = worker.model_runner.model
+    layer = model.model.layers[0]
+    q, down = layer.self_attn.q_proj, layer.mlp.down_proj
+    return {"heads": [(a.num_heads, a.num_kv_heads) for a in model.attention_layers],  # ([out, in] this rank holds)
+            "q_proj": (type(q).__name__, (q.output_size_per_partition, q.input_size_per_partition)),
+            "down_proj": (type(down).__name__, (down.output_size_per_partition, down.input_size_per_partition))}
+
+
+# two ranks from each model's base_model_tp_plan: Llama's colwise/rowwise (heads split), OLMo 2's
+# colwise_gather_output/rowwise_split_input (q/k/v gathered for its full-width q/k norms: every rank
+# attends over all heads), EXAONE 4's replicated q/k norms with a sliding layer
+TP_CASES = {"llama": (2, 1), "olmo2": (4, 2), "exaone4": (2, 1)}  # -> (heads, KV heads) per rank
+
+
+@pytest.mark.slow  # (two spawned ranks per case: ~6 s each)
+@pytest.mark.parametrize("name", list(TP_CASES))
+def test_two_tensor_parallel_ranks_match_one(tmp_path, name):
+    if name == "llama":
+        path, impl = make_checkpoint(tmp_path / name, "llama"), "transformers"
+    else:
+        config_name, arch, overrides = FALLBACK[name]
+        path, impl = make_hf_checkpoint(tmp_path / name, config_name, arch, **overrides), "auto"
+    prompts = _prompts()
+    engine = dict(model_impl=impl, max_num_batched_tokens=BLOCK, num_kv_blocks=10)
+    one, _ = _generate(path, prompts, **engine)
+    assert one == hf_greedy(path, prompts, NEW_TOKENS)
+    two, llm = _generate(path, prompts, tensor_parallel_size=2, **engine)
+    try:
+        assert llm.llm_engine.model_info.model_impl == "transformers"
+        assert two == one
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        layouts = llm.collective_rpc(_tp_layout)
+    finally:
+        llm.llm_engine.shutdown()
+    assert len(layouts) == 2 and layouts[0] == layouts[1]
+    assert layouts[0]["heads"] == [TP_CASES[name]] * 2
+    assert layouts[0]["q_proj"] == ("_HFColumnParallelLinear", (32, 64))  # half of [64, 64] on each rank
+    assert layouts[0]["down_proj"] == ("_HFRowParallelLinear", (64, 64))  # half of [64, 128]
+
+
 def test_fallback_refused_with_model_impl_halserve(tmp_path):
     from halserve import LLM
 
@@ -196,8 +240,18 @@ def test_refuses_what_is_not_wired_yet(tmp_path):
 
     path = _config_only(tmp_path / "olmo2", "Olmo2Config", "Olmo2ForCausalLM", hidden_size=64, num_attention_heads=4,
                         num_key_value_heads=2, num_hidden_layers=2, vocab_size=512, intermediate_size=128)
+    config = EngineConfig(model=path, platform="cpu", dtype="float32", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline parallelism is not wired to this backend yet"):
+        get_model_info(config, resolve_platform("cpu"))
+    # a tensor-parallel plan entry with no halserve layer is named
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    raw["base_model_tp_plan"] = {"layers.*.self_attn.q_proj": "colwise", "layers.*.mlp.experts": "grouped_gemm"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f)
     config = EngineConfig(model=path, platform="cpu", dtype="float32", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="tensor and pipeline parallelism are not wired"):
+    with pytest.raises(ValueError, match=r"base_model_tp_plan entry 'layers.\*.mlp.experts': 'grouped_gemm' has no "
+                                         "halserve parallel layer"):
         get_model_info(config, resolve_platform("cpu"))
 
 
