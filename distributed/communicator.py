@@ -14,6 +14,7 @@ the same order with tensors of the same shape and dtype, as for any collective.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -85,4 +86,30 @@ class DeviceCommunicator:
         return x
 
 
-__all__ = ["OPS", "DeviceCommunicator"]
+def _arg_names(fn: Any) -> list[str]:
+    return [p.name for p in inspect.signature(fn).parameters.values()]
+
+
+def check_communicator(comm: Any, platform: str) -> DeviceCommunicator:
+    """``comm`` (what ``Platform.make_device_communicator`` returned) if it keeps the contract, else
+    a TypeError naming the platform, the class, the op and the mismatch: an instance of a
+    ``DeviceCommunicator`` subclass whose overridden ops take the base class's arguments (halserve
+    calls them by these names). Called by the worker before it uses one, and by the kit."""
+    if not isinstance(comm, DeviceCommunicator):
+        raise TypeError(
+            f"platform {platform!r}: make_device_communicator returned {comm!r}; return an instance of a "
+            "subclass of halserve.distributed.communicator.DeviceCommunicator (its default is the base class)"
+        )
+    cls = type(comm)
+    for op in (*OPS, "__init__"):
+        mine, base = getattr(cls, op), getattr(DeviceCommunicator, op)
+        if mine is not base and _arg_names(mine) != _arg_names(base):
+            raise TypeError(
+                f"platform {platform!r}: communicator {cls.__name__}.{op}({', '.join(_arg_names(mine))}) does not "
+                f"match DeviceCommunicator.{op}({', '.join(_arg_names(base))}); keep the base class's arguments "
+                "(halserve calls them by these names)"
+            )
+    return comm
+
+
+__all__ = ["OPS", "DeviceCommunicator", "check_communicator"]

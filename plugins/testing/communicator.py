@@ -13,7 +13,9 @@ of the same inputs::
     send/recv      rank 0 -> rank 1, then rank 1 -> rank 0
     all_reduce     in each half-precision dtype the platform supports, against the exact sum
 
-Results must equal gloo's within 1e-5 of max |gloo| (a sum may be ordered differently). The
+The communicator must first keep the contract (``check_communicator``: a ``DeviceCommunicator``
+subclass whose ops take the base class's arguments), else one ``contract`` row fails. Results must
+equal gloo's within 1e-5 of max |gloo| (a sum may be ordered differently). The
 platform's API 1 fast path (``make_tp_communicator``), when it returns one, is checked the same way
 for all_reduce and all_gather. A rank that raises or hangs (60 s) fails the op it was in.
 """
@@ -137,7 +139,13 @@ def _run_rank(rank: int, port: int, target: str, rows: list[tuple[str, str, str]
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     gloo = None if backend == "gloo" else dist.new_group(backend="gloo")
     device = platform.device(rank if platform.device_count() > 1 else 0)
-    comm = platform.make_device_communicator(None, rank, WORLD)
+    from halserve.distributed.communicator import check_communicator
+
+    try:
+        comm = check_communicator(platform.make_device_communicator(None, rank, WORLD), platform.name)
+    except TypeError as exc:
+        rows.append(("contract", "failed", str(exc)))
+        return
     _check_ops(comm, gloo, device, rank, rows, prefix="")
     for dtype_name in platform.supported_dtypes:  # half-precision sums (a device may accumulate wider)
         if dtype_name in ("float16", "bfloat16"):

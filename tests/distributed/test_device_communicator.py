@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from halserve import distributed
-from halserve.distributed.communicator import DeviceCommunicator
+from halserve.distributed.communicator import DeviceCommunicator, check_communicator
 
 
 def _free_port() -> int:
@@ -127,3 +127,34 @@ def test_set_tp_communicator_keeps_the_api_1_fast_path_beside_the_device_communi
 def test_bad_ranks_are_refused_naming_them() -> None:
     with pytest.raises(ValueError, match=r"DeviceCommunicator\(rank=2, size=2\): need 0 <= rank < size"):
         DeviceCommunicator(None, 2, 2)
+
+
+class RenamedArgCommunicator(DeviceCommunicator):
+    def all_gather(self, x, axis=-1):  # halserve calls all_gather(x, dim)
+        return super().all_gather(x, axis)
+
+
+class FineCommunicator(DeviceCommunicator):
+    def send(self, x, dst):
+        super().send(x, dst)
+
+
+@pytest.mark.parametrize(
+    ("comm", "expected"),
+    [
+        (RenamedArgCommunicator(None, 0, 1),
+         "platform 'acme': communicator RenamedArgCommunicator.all_gather(self, x, axis) does not match "
+         "DeviceCommunicator.all_gather(self, x, dim); keep the base class's arguments"),
+        (object(), "platform 'acme': make_device_communicator returned <object object at"),
+    ],
+    ids=["renamed-argument", "not-a-DeviceCommunicator"],
+)
+def test_a_communicator_breaking_the_contract_is_refused_naming_the_op(comm, expected: str) -> None:
+    with pytest.raises(TypeError) as info:
+        check_communicator(comm, "acme")
+    assert expected in str(info.value)
+
+
+def test_a_communicator_keeping_the_contract_passes_the_check() -> None:
+    comm = FineCommunicator(None, 0, 1)
+    assert check_communicator(comm, "acme") is comm

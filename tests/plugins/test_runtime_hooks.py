@@ -69,6 +69,11 @@ class BrokenCommunicator(DeviceCommunicator):
         super().send(x + 1, dst)
 
 
+class WrongArgsCommunicator(DeviceCommunicator):
+    def broadcast(self, x, root=0):  # halserve calls broadcast(x, src)
+        return super().broadcast(x, root)
+
+
 class AcmePlatform(Platform):
     name = "acme"
     device_type = "cpu"
@@ -92,6 +97,13 @@ class BrokenPlatform(AcmePlatform):
 
     def make_device_communicator(self, group, rank, size):
         return BrokenCommunicator(group, rank, size)
+
+
+class WrongArgsPlatform(AcmePlatform):
+    name = "acme_wrong_args"
+
+    def make_device_communicator(self, group, rank, size):
+        return WrongArgsCommunicator(group, rank, size)
 
 
 class AcmeLlama(LlamaForCausalLM):
@@ -269,6 +281,12 @@ def test_kit_checks_the_communicator_against_gloo_on_two_ranks() -> None:
     failed = next(r for r in report.results if r.case == "send/recv")
     assert "rank 0:" in failed.detail and "tolerance" in failed.detail
     assert not report.ok
+
+    report = run_conformance("acme", checks=("communicator",), manager=_platform_manager(WrongArgsPlatform))
+    (row,) = [r for r in report.results if r.check == "communicator"]
+    assert (row.case, row.status) == ("contract", "failed"), report.table()
+    assert "WrongArgsCommunicator.broadcast(self, x, root) does not match DeviceCommunicator.broadcast(self, x, src)" \
+        in row.detail
 
 
 @pytest.mark.slow  # four small engines (~3 s)
