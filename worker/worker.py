@@ -47,6 +47,7 @@ class Worker:
             self.platform.set_device(local_rank)
         if self.world_size > 1:
             from halserve.distributed import init_distributed, set_pp_communicator, set_tp_communicator
+            from halserve.distributed.communicator import check_communicator
 
             tp = init_distributed(
                 backend=self.platform.dist_backend,
@@ -56,10 +57,12 @@ class Worker:
                 tensor_parallel_size=self.config.tensor_parallel_size,
             )
             if tp.size > 1:  # the platform's ops for the group, and its API 1 fast all-reduce/all-gather
-                set_tp_communicator(self.platform.make_device_communicator(tp.group, tp.rank, tp.size))
+                set_tp_communicator(check_communicator(
+                    self.platform.make_device_communicator(tp.group, tp.rank, tp.size), self.platform.name))
                 set_tp_communicator(self.platform.make_tp_communicator(tp.group, tp.rank, tp.size))
             if tp.size < self.world_size:  # pipeline stages: their send/recv over the whole world
-                set_pp_communicator(self.platform.make_device_communicator(None, self.rank, self.world_size))
+                set_pp_communicator(check_communicator(
+                    self.platform.make_device_communicator(None, self.rank, self.world_size), self.platform.name))
         self.platform.seed_everything(self.config.seed)
         module, _, cls_name = self.platform.model_runner_cls.partition(":")
         runner_cls = getattr(importlib.import_module(module), cls_name)
