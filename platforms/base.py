@@ -204,7 +204,10 @@ class Platform:
         import torch
 
         for tensor in _weight_tensors(model):
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+            try:  # (pinned: the copy back at wake_up is a fast DMA)
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+            except RuntimeError:  # no pinned memory on this device: pageable then
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
             host.copy_(tensor.data)
             tensor.data = host
 
