@@ -9,7 +9,9 @@ unquantized`` (or ``none``) dequantizes every tensor to the model dtype at load 
                 to the widest; ``apply`` runs one kernel per run of equal types)
 
 Layers any of whose parts has a type without a kernel here (F16, Q5_0, IQ*, ...) are dequantized at load
-and served by the unquantized method; the token embedding and the LM head are always dequantized.
+and served by the unquantized method. The token embedding and the LM head keep their blocks too where their
+type has a kernel (``vocab_qtype``; halserve.layers.vocab): lookups dequantize the rows they read, the head
+runs ``gguf_gemm``.
 
 Tensor parallelism: column-parallel layers split rows (any type); row-parallel layers split each row's
 blocks, which needs the rank's share of the input features to be a whole number of blocks (32 values,
@@ -39,6 +41,22 @@ class GgufLinearMethod(QuantMethod):
         # HF weight names the layers built with this method hold as blocks: what the loader keeps quantized
         self.quantized_names: set[str] = set()
         self.dequantized_layers: list[str] = []
+
+    # the HF names of the vocabulary tensors (halserve's models load these names for both roles)
+    VOCAB_NAMES = {"embedding": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
+
+    def vocab_qtype(self, role: str) -> str | None:
+        """Called by ``VocabParallelEmbedding`` / ``ParallelLMHead`` at construction (``role`` ``"embedding"``
+        or ``"lm_head"``): the GGUF type whose blocks the layer keeps, the loader then streaming them raw;
+        None: the file stores it as floats (F32, F16) or in a type without a kernel, dequantized at load."""
+        from halserve.kernels.gguf_blocks import GGUF_BLOCKS
+
+        name = self.VOCAB_NAMES[role]
+        qtype = self.tensor_types.get(name)
+        if qtype not in GGUF_BLOCKS:
+            return None
+        self.quantized_names.add(name)
+        return qtype
 
     def part_names(self, prefix: str) -> list[str]:
         """The checkpoint weights of layer ``prefix``: itself when the file stores it whole (Phi-3's

@@ -1,4 +1,5 @@
-// GGUF Q4_0 / Q4_1 / Q8_0 weights times activations on the CPU, as llama.cpp does it (native_gguf.py):
+// GGUF Q4_0 / Q4_1 / Q8_0 (and Q4_K / Q5_K / Q6_K: see "K-quants" below) weights times activations on the CPU,
+// as llama.cpp does it (native_gguf.py):
 // the activations are quantized to int8 per row and block of 32 (d = amax / 127, q = round(x / d): Q8_0,
 // with the block's sum of q kept as Q8_1 does), and each weight block meets them in exact integer dot
 // products; the float scales apply once per block:
@@ -20,7 +21,8 @@
 //
 //   gguf_gemv(x [M, K] f32, w [N, row bytes] uint8, qtype (0 Q4_0, 1 Q4_1, 2 Q8_0), isa, levels) -> [M, N] f32
 //       levels 1: x in int8 (llama.cpp's accuracy); 2: x and its rounding error in int8 each (see quantize_x)
-//   gguf_dequantize(w, qtype, K) -> [N, K] f32      (the large-batch path: a float panel for the GEMM)
+//   gguf_dequantize(w, qtype, K) -> [N, K] f32      (the large-batch path: a float panel for the GEMM; Q4_0, Q4_1,
+//                                                    Q8_0 only: the K types' panel dequantizes in torch)
 //   gguf_isa_supported(isa) -> bool                 (this CPU runs that path)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,9 +45,14 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int kMaxRows = 4;  // activation rows per pass over a weight row
 
-enum QType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+enum QType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5 };
 
-inline int64_t block_bytes(int64_t qtype) { return qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : 34; }
+inline bool is_k_type(int64_t qtype) { return qtype >= kQ4_K; }
+inline int64_t block_values(int64_t qtype) { return is_k_type(qtype) ? 256 : 32; }
+inline int64_t block_bytes(int64_t qtype) {
+  constexpr int64_t bytes[] = {18, 20, 34, 144, 176, 210};
+  return bytes[qtype];
+}
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -59,6 +66,7 @@ struct QuantX {
   std::vector<float> d;      // [M, KB]
   std::vector<int32_t> isum;  // [M, KB]
   std::vector<float> fsum;   // [M, KB]  d * isum
+  std::vector<int32_t> isum16;  // [M, 2 KB]  sum(q) per half block of 16 (Q6_K's sub-blocks)
 };
 
 // One block of 32 to int8: d = amax / 127, q = round(x / d) (half to even, as torch.round); returns d.
@@ -87,6 +95,7 @@ void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out) {
   out.d.resize(rows * KB);
   out.isum.resize(rows * KB);
   out.fsum.resize(rows * KB);
+  out.isum16.resize(rows * KB * 2);
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     float r[kBlock];
     for (int64_t m = m0; m < m1; ++m) {
@@ -104,6 +113,13 @@ void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out) {
           out.d[i2] = d2;
           out.fsum[i2] = d2 * static_cast<float>(out.isum[i2]);
         }
+      }
+      for (int64_t i = m * levels * KB; i < (m + 1) * levels * KB; ++i) {  // this row's halves of 16
+        const int8_t* q = out.q.data() + i * kBlock;
+        int32_t a = 0;
+        for (int j = 0; j < 16; ++j) a += q[j];
+        out.isum16[2 * i] = a;
+        out.isum16[2 * i + 1] = out.isum[i] - a;
       }
     }
   });
@@ -241,12 +257,155 @@ HS_AVX512 void rows_avx512(const QuantX& xq, int64_t K, const uint8_t* w, int64_
   }
 }
 
+
+// ---- K-quants: super-blocks of 256 as 8 chunks of 32 -------------------------------------------------
+//
+// Each chunk c of 32 weights is decoded to unsigned bytes u (0..63) with a float scale per int32 lane s[8]
+// (a lane sums 4 neighbouring products, so lanes 0-3 are values 0-15 and lanes 4-7 values 16-31) and an
+// offset per half of 16 values, so that w = s u + off. The activations keep their int8 blocks of 32 (finer
+// than llama.cpp's Q8_K of 256: its error or less), and the dot per chunk and activation row is
+//   sum_lanes s[lane] dx p[lane] + dx (off_a isum16_a + off_b isum16_b),  p = int32 lane sums of u qx
+//   Q4_K / Q5_K  u = q (4 or 5 bits)  s = d sc_j             off = -dmin m_j
+//   Q6_K         u = q + 32 (6 bits)  s = d sc_{2c}, d sc_{2c+1}  off = -32 d sc_{2c}, -32 d sc_{2c+1}
+// (Q4_1 is the same form with one chunk per block: the K types reuse its integer dot products.)
+
+struct KChunks {
+  __m256i u[8];
+  __m256 s[8];
+  float off_a[8], off_b[8];
+};
+
+HS_AVX2 inline void decode_k(int64_t qt, const uint8_t* blk, KChunks& kc) {
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  if (qt == kQ6_K) {
+    const uint8_t* ql = blk;
+    const uint8_t* qh = blk + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = h2f_avx2(blk + 208);
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {  // halves of 128 values: ql[64], qh[32]
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4);
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4);
+      const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4);
+      const __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4);
+      kc.u[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), h0);
+      kc.u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), h1);
+      kc.u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), h2);
+      kc.u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), h3);
+    }
+    for (int c = 0; c < 8; ++c) {
+      const float a = d * sc[2 * c], b = d * sc[2 * c + 1];
+      kc.s[c] = _mm256_setr_ps(a, a, a, a, b, b, b, b);
+      kc.off_a[c] = -32.0f * a;
+      kc.off_b[c] = -32.0f * b;
+    }
+    return;
+  }
+  const float d = h2f_avx2(blk), dmin = h2f_avx2(blk + 2);
+  const uint8_t* sm = blk + 4;  // 12 bytes: 6-bit scales and mins
+  const uint8_t* qs = blk + (qt == kQ5_K ? 48 : 16);
+  __m256i qh = _mm256_setzero_si256();
+  if (qt == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+  const __m256i one = _mm256_set1_epi8(1);
+  for (int j = 0; j < 4; ++j) {  // 32 bytes of qs: chunk 2j low nibbles, chunk 2j + 1 high ones
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (qt == kQ5_K) {  // bit c of qh[l] is the fifth bit of chunk c's value l
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
+    }
+    kc.u[2 * j] = lo;
+    kc.u[2 * j + 1] = hi;
+  }
+  for (int c = 0; c < 8; ++c) {  // llama.cpp's get_scale_min_k4
+    int sc, mn;
+    if (c < 4) {
+      sc = sm[c] & 63;
+      mn = sm[c + 4] & 63;
+    } else {
+      sc = (sm[c + 4] & 0xF) | ((sm[c - 4] >> 6) << 4);
+      mn = (sm[c + 4] >> 4) | ((sm[c] >> 6) << 4);
+    }
+    kc.s[c] = _mm256_set1_ps(d * static_cast<float>(sc));
+    kc.off_a[c] = kc.off_b[c] = -dmin * static_cast<float>(mn);
+  }
+}
+
+// The body of both instruction paths; DOT(u, xv) is 8 int32 lane sums of u (unsigned) times xv (signed).
+#define HS_ROWS_K_BODY(DOT)                                                                               \
+  const int64_t KB = K / kBlock, S = block_bytes(QT);                                                     \
+  KChunks kc;                                                                                             \
+  for (int64_t n = n0; n < n1; ++n) {                                                                     \
+    const uint8_t* wr = w + n * row_bytes;                                                                \
+    __m256 acc[R];                                                                                        \
+    float extra[R];                                                                                       \
+    for (int r = 0; r < R; ++r) {                                                                         \
+      acc[r] = _mm256_setzero_ps();                                                                       \
+      extra[r] = 0.0f;                                                                                    \
+    }                                                                                                     \
+    for (int64_t sb = 0; sb < KB / 8; ++sb) {                                                             \
+      decode_k(QT, wr + sb * S, kc);                                                                      \
+      for (int c = 0; c < 8; ++c) {                                                                       \
+        for (int r = 0; r < R; ++r) {                                                                     \
+          const int64_t i = (m0 + r) * KB + sb * 8 + c;                                                   \
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + i * kBlock)); \
+          const float dx = xq.d[i];                                                                       \
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT(kc.u[c], xv)), _mm256_mul_ps(kc.s[c], _mm256_set1_ps(dx)), \
+                                   acc[r]);                                                               \
+          extra[r] += dx * (kc.off_a[c] * static_cast<float>(xq.isum16[2 * i]) +                          \
+                            kc.off_b[c] * static_cast<float>(xq.isum16[2 * i + 1]));                      \
+        }                                                                                                 \
+      }                                                                                                   \
+    }                                                                                                     \
+    for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = hsum_avx2(acc[r]) + extra[r];                    \
+  }
+
+HS_AVX2 inline __m256i dot_avx2(__m256i u, __m256i x) {  // u <= 63: pairs 63 * 127 * 2 fit int16
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+
+HS_AVX512 inline __m256i dot_vnni(__m256i u, __m256i x) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+}
+
+template <int64_t QT, int R>
+HS_AVX2 void rows_k_avx2(const QuantX& xq, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+                         int64_t m0, float* out, int64_t N) {
+  HS_ROWS_K_BODY(dot_avx2)
+}
+
+template <int64_t QT, int R>
+HS_AVX512 void rows_k_avx512(const QuantX& xq, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                             int64_t n1, int64_t m0, float* out, int64_t N) {
+  HS_ROWS_K_BODY(dot_vnni)
+}
+#undef HS_ROWS_K_BODY
+
 // ---- dispatch -----------------------------------------------------------------------------------------
 
 using RowsFn = void (*)(const QuantX&, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
 
 template <int64_t QT>
 RowsFn pick(int64_t isa, int rows) {
+  if constexpr (QT >= kQ4_K) {
+    if (isa == 2) {
+      switch (rows) {
+        case 1: return rows_k_avx512<QT, 1>;
+        case 2: return rows_k_avx512<QT, 2>;
+        case 3: return rows_k_avx512<QT, 3>;
+        default: return rows_k_avx512<QT, 4>;
+      }
+    }
+    switch (rows) {
+      case 1: return rows_k_avx2<QT, 1>;
+      case 2: return rows_k_avx2<QT, 2>;
+      case 3: return rows_k_avx2<QT, 3>;
+      default: return rows_k_avx2<QT, 4>;
+    }
+  }
   if (isa == 2) {
     switch (rows) {
       case 1: return rows_avx512<QT, 1>;
@@ -267,6 +426,9 @@ RowsFn pick_fn(int64_t qtype, int64_t isa, int rows) {
   switch (qtype) {
     case kQ4_0: return pick<kQ4_0>(isa, rows);
     case kQ4_1: return pick<kQ4_1>(isa, rows);
+    case kQ4_K: return pick<kQ4_K>(isa, rows);
+    case kQ5_K: return pick<kQ5_K>(isa, rows);
+    case kQ6_K: return pick<kQ6_K>(isa, rows);
     default: return pick<kQ8_0>(isa, rows);
   }
 }
@@ -282,12 +444,14 @@ bool isa_supported(int64_t isa) {
 }
 
 void check(const at::Tensor& w, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype >= 0 && qtype <= 2, "gguf_gemm: qtype must be 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0), got ", qtype);
-  TORCH_CHECK(K % kBlock == 0, "gguf_gemm: K = ", K, " is not a multiple of 32");
+  TORCH_CHECK(qtype >= 0 && qtype <= 5, "gguf_gemm: qtype must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (Q4_K), 4 (Q5_K) ",
+              "or 5 (Q6_K), got ", qtype);
+  const int64_t B = block_values(qtype);
+  TORCH_CHECK(K % B == 0, "gguf_gemm: K = ", K, " is not a multiple of ", B);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "gguf_gemm: the weight must be contiguous uint8 [N, row bytes]");
-  TORCH_CHECK(w.size(1) == K / kBlock * block_bytes(qtype), "gguf_gemm: weight rows have ", w.size(1),
-              " bytes, a row of ", K, " values of this type has ", K / kBlock * block_bytes(qtype));
+  TORCH_CHECK(w.size(1) == K / B * block_bytes(qtype), "gguf_gemm: weight rows have ", w.size(1),
+              " bytes, a row of ", K, " values of this type has ", K / B * block_bytes(qtype));
 }
 
 at::Tensor gguf_gemv(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t isa, int64_t levels) {
@@ -322,6 +486,7 @@ at::Tensor gguf_gemv(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype,
 
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
   check(w, qtype, K);
+  TORCH_CHECK(!is_k_type(qtype), "gguf_dequantize: the K types dequantize in torch (kernels/gguf_blocks.py)");
   const int64_t N = w.size(0), KB = K / kBlock, S = block_bytes(qtype), row_bytes = w.size(1);
   at::Tensor out = at::empty({N, K}, at::kFloat);
   const uint8_t* wp = w.data_ptr<uint8_t>();

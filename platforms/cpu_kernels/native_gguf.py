@@ -1,4 +1,4 @@
-"""The cpu platform's ``gguf_gemm`` for Q4_0, Q4_1 and Q8_0 blocks, in C++ (``gguf_gemm.cpp``), as llama.cpp
+"""The cpu platform's ``gguf_gemm`` for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks, in C++ (``gguf_gemm.cpp``), as llama.cpp
 computes them on CPUs: the activations quantized to int8 per block of 32, integer dot products against the
 blocks as the file stores them (no repacking), the scales applied once per block.
 
@@ -41,7 +41,8 @@ from halserve.platforms.cpu_kernels.panel import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-QTYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # gguf_gemm.cpp's qtype argument
+QTYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}  # gguf_gemm.cpp's qtype argument
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256; their panel dequantizes in torch (gguf_blocks)
 ISA_CODES = {"avx2": 1, "avx512_vnni": 2}  # its isa argument
 TWO_LEVEL_MIN_ROWS = 16  # from this many activation rows on, two int8 levels (prompts keep their answers)
 PANEL_MIN_ROWS = 32  # from this many on, dequantize to a float panel and use the float GEMM
@@ -96,8 +97,8 @@ class NativeGgufGemm(Kernel):
     name = "cpu_native"
     platforms = ("cpu",)
     priority = 30
-    description = ("C++ Q4_0/Q4_1/Q8_0: int8 activations per block of 32 and integer dot products (AVX-512 VNNI or "
-                   "AVX2) for few rows (two int8 levels from 16 rows); a dequantized float32 panel for many")
+    description = ("C++ Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K: int8 activations per block of 32 and integer dot products "
+                   "(AVX-512 VNNI or AVX2) for few rows (two int8 levels from 16 rows); a dequantized float32 panel for many")
 
     @classmethod
     def capabilities(cls) -> dict:
@@ -109,8 +110,9 @@ class NativeGgufGemm(Kernel):
         if qtype is not None and qtype not in QTYPE_CODES:
             return f"the native GGUF kernel covers {', '.join(QTYPE_CODES)}, not {qtype}"
         k = problem.get("k")
-        if k is not None and k % 32:
-            return f"K = {k} is not a whole number of 32-value blocks"
+        block = 256 if qtype in K_TYPES else 32
+        if k is not None and k % block:
+            return f"K = {k} is not a whole number of {block}-value blocks"
         isa = cpu_isa()
         if isa is None:
             return "the native GGUF kernel needs AVX2 with FMA and F16C (this CPU's /proc/cpuinfo flags lack them)"
@@ -120,6 +122,11 @@ class NativeGgufGemm(Kernel):
         if not torch.ops.halserve_cpu_gguf.gguf_isa_supported(ISA_CODES[isa]):
             return f"HALSERVE_GGUF_ISA={isa}, which this CPU does not run"
         return None
+
+    # (optional) at least this many int8 activation levels for few rows; the LM head sets 2 (halserve.layers.vocab):
+    # its logits pick the token, and SmolLM2's first answer token to its Paris prompt is a near tie that one
+    # level flips. At one decode row two levels are one pass over the weight too (0.83 -> 1.16 ms, 49152 x 576 Q8_0)
+    min_activation_levels = 1
 
     def __init__(self, isa: str | None = None) -> None:
         reason = self._supports()
@@ -131,24 +138,28 @@ class NativeGgufGemm(Kernel):
 
     def dequantize(self, qweight: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
         """``uint8 [N, row bytes]`` -> float32 ``[N, k]`` (the panel path's first half, also for tests)."""
+        if qtype in K_TYPES:
+            from halserve.kernels.gguf_blocks import dequantize
+
+            return dequantize(qweight, qtype, k)
         return self.ops.gguf_dequantize(qweight, QTYPE_CODES[qtype], k)
 
     def __call__(self, x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None = None):
         m, k = x.shape
         code = QTYPE_CODES[qtype]
         if m < PANEL_MIN_ROWS:
-            levels = 1 if m < TWO_LEVEL_MIN_ROWS else 2
+            levels = max(self.min_activation_levels, 1 if m < TWO_LEVEL_MIN_ROWS else 2)
             out = self.ops.gguf_gemv(x, qweight, code, self.isa_code, levels)  # [M, N] float32
         else:
             xf = x.float()
             n = qweight.shape[0]
             rows = max(1, PANEL_BYTES // (4 * k))
             if rows >= n:
-                out = F.linear(xf, self.ops.gguf_dequantize(qweight, code, k))
+                out = F.linear(xf, self.dequantize(qweight, qtype, k))
             else:
                 out = torch.empty(m, n, dtype=torch.float32)
                 for n0 in range(0, n, rows):
-                    panel = self.ops.gguf_dequantize(qweight[n0:n0 + rows], code, k)  # [rows, K]
+                    panel = self.dequantize(qweight[n0:n0 + rows], qtype, k)  # [rows, K]
                     out[:, n0:n0 + rows] = F.linear(xf, panel)
         if bias is not None:
             out = out + bias.float()

@@ -16,6 +16,8 @@ import os
 import pytest
 import torch
 
+from halserve.kernels.gguf_blocks import dequantize
+
 gguf = pytest.importorskip("gguf", reason="the GGUF tests need the gguf package (pip install 'halserve[gguf]')")
 
 _spec = importlib.util.spec_from_file_location("gguf_loading_helpers",
@@ -61,8 +63,24 @@ def test_linear_layers_hold_the_files_blocks(tmp_path):
     unpermuted = q.reshape(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(q.shape)
     assert torch.equal(qweight[:q.shape[0]], unpermuted)
     assert torch.equal(down.gguf_runs[0][1], raw["blk.0.ffn_down.weight"])
-    # the embedding stays in floats
-    assert model.model.embed_tokens.weight.dtype == torch.float32
+    # the token embedding and the (untied) LM head hold their blocks too: lookups dequantize the rows they read
+    embed, head = model.model.embed_tokens, model.lm_head
+    assert torch.equal(embed.weight, raw["token_embd.weight"]) and embed.gguf_qtype == "Q4_1"
+    assert torch.equal(head.weight, raw["output.weight"]) and head.gguf_qtype == "Q4_1"
+    ids = torch.tensor([0, 5, 307, 5])
+    assert torch.equal(embed(ids), dequantize(raw["token_embd.weight"], "Q4_1", 64)[ids])
+    hidden = torch.randn(3, 64)
+    want = hidden @ dequantize(raw["output.weight"], "Q4_1", 64).t()
+    # the head rounds its activations to two int8 levels (x ~ d q + d2 q2): within 1e-3 of max |logit|
+    assert (head.compute_logits(hidden) - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+def test_tied_head_reads_the_embeddings_blocks_and_floats_stay_floats(tmp_path):
+    tied = _load(helpers.write_gguf(str(tmp_path / "tied.gguf"), "llama", qtype=T.Q8_0, tied=True))
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight and tied.lm_head.gguf_qtype == "Q8_0"
+    assert tied.model.embed_tokens.weight.dtype == torch.uint8
+    floats = _load(helpers.write_gguf(str(tmp_path / "f32.gguf"), "llama", qtype=T.F32))
+    assert floats.model.embed_tokens.weight.dtype == torch.float32 and floats.lm_head.gguf_qtype is None
 
 
 def test_unquantized_flag_dequantizes_at_load_and_other_formats_are_refused(tmp_path):

@@ -1,5 +1,5 @@
-"""The cpu platform's native GGUF kernel (platforms/cpu_kernels/gguf_gemm.cpp, native_gguf.py) for Q4_0, Q4_1
-and Q8_0, on both instruction paths (AVX2, AVX-512 VNNI; a path this CPU lacks is skipped, saying so).
+"""The cpu platform's native GGUF kernel (platforms/cpu_kernels/gguf_gemm.cpp, native_gguf.py) for Q4_0, Q4_1,
+Q8_0, Q4_K, Q5_K and Q6_K, on both instruction paths (AVX2, AVX-512 VNNI; a path this CPU lacks is skipped, saying so).
 
 Tolerances. Few rows (M < TWO_LEVEL_MIN_ROWS) quantize the activations to int8 per block of 32, so they are
 checked against the reference that does the same (``quantize_activations_q8``, then dequantize and matmul
@@ -17,6 +17,7 @@ import torch
 from halserve.kernels.gguf_blocks import dequantize, quantize_activations_q8, random_blocks
 from halserve.platforms.cpu_kernels.native_gguf import (
     ISA_CODES,
+    K_TYPES,
     PANEL_MIN_ROWS,
     QTYPE_CODES,
     TWO_LEVEL_MIN_ROWS,
@@ -29,6 +30,11 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"the native GGUF ker
 
 QTYPES = list(QTYPE_CODES)
 SHAPES = [(1, 32), (7, 96), (33, 576), (129, 1536)]  # (N, K): odd row counts, K of 1 to 48 blocks
+K_SHAPES = [(1, 256), (7, 512), (33, 768), (65, 1536)]  # the K types: 1 to 6 super-blocks of 256
+
+
+def _shapes(qtype: str) -> list[tuple[int, int]]:
+    return K_SHAPES if qtype in K_TYPES else SHAPES
 
 
 def _isa_or_skip(isa: str) -> None:
@@ -48,7 +54,7 @@ def test_few_rows_match_the_int8_activation_reference(qtype, isa):
     _isa_or_skip(isa)
     kernel = NativeGgufGemm(isa)
     g = torch.Generator().manual_seed(QTYPE_CODES[qtype])
-    for n, k in SHAPES:
+    for n, k in _shapes(qtype):
         w = random_blocks(qtype, n, k, g)
         for m in (1, 2, 3, 4, 5, 9):
             x = torch.randn(m, k, generator=g)
@@ -75,7 +81,7 @@ def test_two_int8_levels_match_their_reference_and_are_near_exact(qtype, isa):
     _isa_or_skip(isa)
     kernel = NativeGgufGemm(isa)
     g = torch.Generator().manual_seed(20 + QTYPE_CODES[qtype])
-    for n, k in SHAPES[1:]:
+    for n, k in _shapes(qtype)[1:]:
         w = random_blocks(qtype, n, k, g)
         dense = dequantize(w, qtype, k)
         for m in (1, 5, TWO_LEVEL_MIN_ROWS):
@@ -105,8 +111,9 @@ def test_both_paths_agree(qtype):
     for isa in ISA_CODES:
         _isa_or_skip(isa)
     g = torch.Generator().manual_seed(7)
-    w = random_blocks(qtype, 65, 576, g)
-    x = torch.randn(3, 576, generator=g)
+    k = 768 if qtype in K_TYPES else 576
+    w = random_blocks(qtype, 65, k, g)
+    x = torch.randn(3, k, generator=g)
     a, b = NativeGgufGemm("avx2")(x, w, qtype), NativeGgufGemm("avx512_vnni")(x, w, qtype)
     assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
 
@@ -115,7 +122,8 @@ def test_both_paths_agree(qtype):
 def test_many_rows_take_the_float_panel_and_match_the_float_reference(qtype):
     g = torch.Generator().manual_seed(11)
     kernel = NativeGgufGemm()
-    for m, (n, k) in ((PANEL_MIN_ROWS, (33, 576)), (64, (129, 1536)), (64, (1, 32))):
+    shapes = _shapes(qtype)
+    for m, (n, k) in ((PANEL_MIN_ROWS, shapes[2]), (64, shapes[3]), (64, shapes[0])):
         w = random_blocks(qtype, n, k, g)
         x = torch.randn(m, k, generator=g)
         bias = torch.randn(n, generator=g)
@@ -157,8 +165,9 @@ def test_isa_is_forced_by_the_environment(monkeypatch):
 
 
 def test_declines_what_it_does_not_cover():
-    assert "Q4_K" in NativeGgufGemm.supports(dtype="float32", qtype="Q4_K", k=256)
-    assert "not a whole number" in NativeGgufGemm.supports(dtype="float32", qtype="Q4_0", k=48)
+    assert "Q5_0" in NativeGgufGemm.supports(dtype="float32", qtype="Q5_0", k=256)
+    assert "not a whole number of 32" in NativeGgufGemm.supports(dtype="float32", qtype="Q4_0", k=48)
+    assert "not a whole number of 256" in NativeGgufGemm.supports(dtype="float32", qtype="Q6_K", k=288)
 
 
 def test_bad_weight_is_a_clear_error():
