@@ -94,23 +94,17 @@ class AnthropicServingMessages:
         serving, chat = self.serving, self.chat
         chat_req = self._check(req)
         model = serving.check_model(req.model)
-        chat.check_tools(chat_req, AUTO_TOOLS_NEED_A_PARSER)
-        params = serving.sampling_params(chat_req.sampling_kwargs())
-        prompt_text, prompt = await chat.render(chat_req)
-        start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
-        if params.structured_outputs is not None:
-            chat.after_thinking(params.structured_outputs, start)
         message_id = anthropic_id("msg")
-        (stream,) = await serving.add_requests([prompt], params, message_id, prompt_texts=[prompt_text],
-                                               lora_request=serving.lora_request(model),
-                                               message_params=constraint_messages(chat_req))
+        queued = await chat.queue(chat_req, message_id, model, constraint_messages(chat_req), AUTO_TOOLS_NEED_A_PARSER)
+        start = queued.start
         if req.stream:
             return StreamingResponse(
-                self.stream_reply(chat_req, stream, message_id, model, start, params.output_text_buffer_length),
+                self.stream_reply(chat_req, queued.stream, message_id, model, start,
+                                  queued.params.output_text_buffer_length),
                 media_type="text/event-stream",
             )
         try:
-            (final,) = await serving.collect([stream], raw_request)
+            (final,) = await serving.collect([queued.stream], raw_request)
         except ClientDisconnected:
             return Response(status_code=499)
         output = final.outputs[0]
@@ -130,7 +124,7 @@ class AnthropicServingMessages:
             message, _ = self.chat.reply_message(chat_req, output, start)
             calls = [(call.function.name, call.function.arguments) for call in message.tool_calls]
             return message.reasoning, [*([message.content] if message.content else []), *calls]
-        reasoning, text = self.chat.reply_parts(chat_req, output, start)
+        reasoning, text = self.chat.reply_parts(chat_req, output.text, start)
         items = [] if text is None else self.chat.make_tool_parser(chat_req).parse_items(text)
         if not any(isinstance(item, tuple) for item in items):
             items = [text] if text else []  # (no call: the text as generated)
@@ -147,8 +141,8 @@ class AnthropicServingMessages:
                        ) -> MessageEvents:
         """The event writer of one streamed reply to ``chat_req``."""
         tool_parser = self.chat.make_tool_parser(chat_req) if chat_req.auto_tools else None
-        return MessageEvents(chat_req, self.serving.reasoning_parser, start, tool_parser,
-                             lambda output: self.reply_items(chat_req, output, start)[1], holdback)
+        return MessageEvents(chat_req, lambda text, final: self.chat.reply_parts(chat_req, text, start, final),
+                             tool_parser, lambda output: self.reply_items(chat_req, output, start)[1], holdback)
 
     async def stream_reply(self, chat_req: ChatCompletionRequest, stream: RequestStream, message_id: str, model: str,
                            start: ReplyStart | None, holdback: int) -> AsyncIterator[str]:

@@ -24,8 +24,8 @@ from halserve.entrypoints.openai.errors import OpenAIError
 from halserve.entrypoints.openai.serving_engine import sendable_end
 
 if TYPE_CHECKING:  # pragma: no cover
+    from halserve.entrypoints.anthropic.protocol import StopReason
     from halserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
-    from halserve.entrypoints.openai.reasoning import ReplyStart, ThinkTagParser
     from halserve.entrypoints.openai.tool_parsers import ToolParser
     from halserve.outputs import CompletionOutput
 
@@ -34,7 +34,7 @@ __all__ = ["ABORTED", "MessageEvents", "stop_reason_of"]
 ABORTED = "the request was aborted before it finished (the server is shutting down); send it again"
 
 
-def stop_reason_of(output: CompletionOutput, finish: str | None, has_calls: bool) -> tuple[str, str | None]:
+def stop_reason_of(output: CompletionOutput, finish: str | None, has_calls: bool) -> tuple[StopReason, str | None]:
     """``(stop_reason, stop_sequence)`` of a finished reply."""
     if finish == "abort":
         raise OpenAIError(ABORTED, status_code=503)
@@ -51,17 +51,16 @@ class MessageEvents:
     """The events of one streamed reply. ``start`` once, then ``feed`` each new state of the
     output (its text only grows); the final state's events end with ``message_stop``.
 
-    ``reply_start``: where the reply starts with a reasoning parser (``None``: no parser).
+    ``split``: the reply so far (its text, whether it is whole) as ``(reasoning, content)``.
     ``tool_parser``: a fresh parser for tool_choice auto (``None``: no tools, or forced calls).
     ``whole_reply``: a finished output's text and calls (forced calls are read once whole).
     ``holdback``: characters kept back while they may still become a stop string."""
 
-    def __init__(self, chat_req: ChatCompletionRequest, reasoning_parser: ThinkTagParser | None,
-                 reply_start: ReplyStart | None, tool_parser: ToolParser | None,
+    def __init__(self, chat_req: ChatCompletionRequest, split: Callable[[str, bool], tuple[str | None, str | None]],
+                 tool_parser: ToolParser | None,
                  whole_reply: Callable[[CompletionOutput], list[ReplyItem]], holdback: int) -> None:
         self.chat_req = chat_req
-        self.reasoning_parser = reasoning_parser
-        self.reply_start = reply_start
+        self.split = split
         self.tool_parser = tool_parser
         self.whole_reply = whole_reply
         self.holdback = holdback
@@ -83,8 +82,7 @@ class MessageEvents:
         self.sent_text = sendable_end(output.text, self.sent_text, final, self.holdback)
         text = output.text[: self.sent_text]
         # the reply so far (each split of the sendable text extends the previous one's parts)
-        reasoning, content = (None, text) if self.reply_start is None else self.reasoning_parser.split(  # type: ignore[union-attr]
-            text, self.reply_start, final, exact=req.constrained)
+        reasoning, content = self.split(text, final)
         thought = (reasoning or "")[self.sent_reasoning :]
         self.sent_reasoning += len(thought)
         if req.include_reasoning:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -47,6 +48,7 @@ from halserve.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.async_llm import RequestStream
     from halserve.outputs import CompletionOutput
+    from halserve.sampling_params import SamplingParams
     from halserve.structured_output import StructuredOutputsParams
 
 AUTO_TOOLS_NEED_A_PARSER = (
@@ -111,6 +113,15 @@ async def load_images(urls: list[str], allowed_local_media_path: str | None, lim
     return results
 
 
+@dataclass(slots=True)
+class QueuedReply:
+    """A chat request on the engine (``OpenAIServingChat.queue``)."""
+
+    stream: RequestStream  # its outputs (all n choices)
+    params: SamplingParams  # the sampling parameters it runs with
+    start: ReplyStart | None  # where the reply starts with a reasoning parser (None: no parser)
+
+
 class OpenAIServingChat:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
@@ -165,6 +176,25 @@ class OpenAIServingChat:
         if req.skip_special_tokens is None and get_tool_parser(self.serving.tool_parser).needs_special_tokens:
             req.skip_special_tokens = False
 
+    async def queue(self, req: ChatCompletionRequest, request_id: str, model: str,
+                    message_params: dict[str, str | None], no_parser_message: str = AUTO_TOOLS_NEED_A_PARSER,
+                    priority: int = 0) -> QueuedReply:
+        """What every chat-shaped API (chat completions, Messages, Responses) does with its chat
+        request: check the tools (``check_tools``), render the prompt, apply a constraint after
+        the thinking, and queue one engine request (``message_params``: the API's names of the
+        request's fields, for error messages)."""
+        serving = self.serving
+        self.check_tools(req, no_parser_message)
+        params = serving.sampling_params(req.sampling_kwargs())
+        prompt_text, prompt = await self.render(req)
+        start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
+        if params.structured_outputs is not None:
+            self.after_thinking(params.structured_outputs, start)
+        (stream,) = await serving.add_requests([prompt], params, request_id, prompt_texts=[prompt_text],
+                                               lora_request=serving.lora_request(model),
+                                               message_params=message_params, priority=priority)
+        return QueuedReply(stream, params, start)
+
     def after_thinking(self, constraint: StructuredOutputsParams, start: ReplyStart | None) -> None:
         """A thinking model's constraint applies after its thinking: from the end tag on (the
         tag's tokens). Where the reply may or may not open with the start tag (one token), the
@@ -176,14 +206,15 @@ class OpenAIServingChat:
             constraint.start_after = list(serving.reasoning_end_ids)
             constraint.opened_by = serving.reasoning_start_ids[0]
 
-    def reply_parts(self, req: ChatCompletionRequest, output: CompletionOutput, start: ReplyStart | None
+    def reply_parts(self, req: ChatCompletionRequest, text: str, start: ReplyStart | None, final: bool = True
                     ) -> tuple[str | None, str | None]:
-        """``(reasoning, reply)`` of a whole output: with a reasoning parser (``start`` set) the
-        thinking and what follows it (``None`` if the reply never got past its thinking);
-        without, ``(None, the text)``."""
+        """``(reasoning, reply)`` of a reply's text (``final``: whole; while streaming, the parts of
+        a growing text extend the previous parts): with a reasoning parser (``start`` set) the
+        thinking and what follows it (``None`` while the reply has not got past its thinking);
+        without, ``(None, text)``."""
         if start is None:
-            return None, output.text
-        return self.serving.reasoning_parser.split(output.text, start, exact=req.constrained)
+            return None, text
+        return self.serving.reasoning_parser.split(text, start, final, exact=req.constrained)
 
     def reply_message(self, req: ChatCompletionRequest, output: CompletionOutput, start: ReplyStart | None
                ) -> tuple[ChatResponseMessage, str | None]:
@@ -193,7 +224,7 @@ class OpenAIServingChat:
         short by max_tokens keeps its partial arguments, as OpenAI's do; a 'required' array cut
         short stays text. With tool_choice 'auto' the server's tool-call parser finds the calls."""
         finish = output.finish_reason
-        reasoning, text = self.reply_parts(req, output, start)
+        reasoning, text = self.reply_parts(req, output.text, start)
         calls: list[tuple[str, str]] = []
         named = isinstance(req.tool_choice, dict) and req.calls_tools
         if text is None:
@@ -240,26 +271,19 @@ class OpenAIServingChat:
                                       "alone; leave use_beam_search out (greedy: temperature 0)",
                                       param="use_beam_search")
             return await serving_beam_search.create_chat_completion(self, req, raw_request, model)
-        self.check_tools(req)
-        params = serving.sampling_params(req.sampling_kwargs())
-        prompt_text, prompt = await self.render(req)
-        start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
-        if params.structured_outputs is not None:
-            self.after_thinking(params.structured_outputs, start)
         request_id = random_id("chatcmpl")
-        streams = await serving.add_requests([prompt], params, request_id, prompt_texts=[prompt_text],
-                                             lora_request=serving.lora_request(model),
-                                             message_params=constraint_messages(req), priority=req.priority)
+        queued = await self.queue(req, request_id, model, constraint_messages(req), priority=req.priority)
+        start = queued.start
         created = int(time.time())
         top_n = req.top_logprobs or 0
         if req.stream:
             return StreamingResponse(
-                self.stream_reply(req, streams[0], request_id, model, created, top_n, params.output_text_buffer_length,
-                             start),
+                self.stream_reply(req, queued.stream, request_id, model, created, top_n,
+                                  queued.params.output_text_buffer_length, start),
                 media_type="text/event-stream",
             )
         try:
-            (final,) = await serving.collect(streams, raw_request)
+            (final,) = await serving.collect([queued.stream], raw_request)
         except ClientDisconnected:
             return Response(status_code=499)
         decode = token_decoder(req, serving.decode_token)
@@ -299,7 +323,6 @@ class OpenAIServingChat:
         start: ReplyStart | None,
     ) -> AsyncIterator[str]:
         decode = token_decoder(req, self.serving.decode_token)
-        parser = self.serving.reasoning_parser
         sent_text: dict[int, int] = {}  # per choice: how much of its text went out ...
         sent_parts: dict[int, tuple[int, int]] = {}  # ... or of its (reasoning, content), with a reasoning parser
         sent_tokens: dict[int, int] = {}
@@ -335,7 +358,7 @@ class OpenAIServingChat:
                     delta, thought = o.text[sent_text[o.index] : end], ""
                     if start is not None:
                         # (each split of the sendable text extends the previous one's parts)
-                        reasoning, content = parser.split(o.text[:end], start, final, exact=req.constrained)
+                        reasoning, content = self.reply_parts(req, o.text[:end], start, final)
                         sent_r, sent_c = sent_parts.get(o.index, (0, 0))
                         thought, delta = (reasoning or "")[sent_r:], (content or "")[sent_c:]
                         sent_parts[o.index] = (sent_r + len(thought), sent_c + len(delta))

@@ -197,19 +197,12 @@ class OpenAIServingResponses:
         if (where := req.first_image_param()) is not None and not serving.supports_images:
             raise BadRequestError(f"{where}: this model takes text only, so input_image content parts cannot be "
                                   "used; send text, or serve a vision-language model (e.g. LLaVA)", param=where)
-        self.chat.check_tools(chat_req)
-        params = serving.sampling_params(chat_req.sampling_kwargs())
+        response_id = item_id("resp")
         try:
-            prompt_text, prompt = await self.chat.render(chat_req)  # (token ids, or a dict with the images)
-            start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
-            if params.structured_outputs is not None:
-                self.chat.after_thinking(params.structured_outputs, start)
-            response_id = item_id("resp")
-            (stream,) = await serving.add_requests([prompt], params, response_id, prompt_texts=[prompt_text],
-                                                   lora_request=serving.lora_request(model),
-                                                   message_params={"structured outputs": "text.format"})
+            queued = await self.chat.queue(chat_req, response_id, model, {"structured outputs": "text.format"})
         except BadRequestError as exc:
             raise _input_param(exc) from None
+        stream, params, start = queued.stream, queued.params, queued.start
         head = ResponsesResponse.in_progress(req, response_id, model, int(time.time()), params.temperature,
                                              params.top_p)
         if req.stream:
@@ -273,7 +266,6 @@ class OpenAIServingResponses:
         start: ReplyStart | None,
     ) -> AsyncIterator[str]:
         emit = EventWriter()
-        parser = self.serving.reasoning_parser
         items: dict[ItemKind, StreamedItem] = {}
         calls: list[StreamedCall] = []
         tool_parser: ToolParser | None = self.chat.make_tool_parser(chat_req) if chat_req.auto_tools else None
@@ -289,8 +281,7 @@ class OpenAIServingResponses:
                 sent = sendable_end(o.text, sent, is_final, holdback)
                 text = o.text[:sent]
                 # (each split of the sendable text extends the previous one's parts)
-                reasoning, content = (None, text) if start is None else parser.split(
-                    text, start, is_final, exact=chat_req.constrained)
+                reasoning, content = self.chat.reply_parts(chat_req, text, start, is_final)
                 found = None
                 if chat_req.calls_tools:  # (forced calls are known once the reply is whole)
                     content = None

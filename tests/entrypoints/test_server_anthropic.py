@@ -306,31 +306,6 @@ def test_output_config_format(aclient):
     assert json.loads(out.content[0].text)["city"] in ("Paris", "Lyon")
 
 
-# A Qwen3-like template (test_server_reasoning's): the prompt opens a think block unless enable_thinking is false.
-THINK_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
-    "{% if message.get('reasoning_content') %}<think>{{ message['reasoning_content'] }}</think>{% endif %}"
-    "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
-    "{% else %}<think>\n{% endif %}{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def thinking_server(tmp_path_factory):
-    from model_factory import make_checkpoint
-
-    root = tmp_path_factory.mktemp("anthropic_thinking")
-    path = make_checkpoint(str(root / "ckpt"), "llama", added_tokens=("<think>", "</think>"))
-    template = root / "template.jinja"
-    template.write_text(THINK_TEMPLATE, encoding="utf-8")
-    args = server_args(path, "--reasoning-parser", "qwen3", "--chat-template", str(template))
-    srv = ServerProcess(args, str(root / "server.log")).wait_ready()
-    yield srv
-    srv.stop()
-
-
 def test_thinking_blocks(thinking_server):
     """The think block becomes a thinking block ahead of the text, streamed as thinking_delta; the
     same split as /v1/chat/completions' reasoning and content. The random model is nudged to close

@@ -13,37 +13,13 @@ import re
 
 import httpx
 import pytest
-from server_utils import SERVED_NAME, ServerProcess, server_args
+from server_utils import SERVED_NAME
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
 
 pytest.importorskip("xgrammar", reason="structured outputs need the structured-outputs extra (in dev)")
 
-THINK_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
-    "{% if message.get('reasoning_content') %}<think>{{ message['reasoning_content'] }}</think>{% endif %}"
-    "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
-    "{% elif open_think is not defined or open_think %}<think>\n{% endif %}"
-    "{% endif %}"
-)
 MESSAGES = [{"role": "user", "content": "tell me about the quick brown fox"}]
-
-
-@pytest.fixture(scope="module")
-def thinking_server(tmp_path_factory):
-    from model_factory import make_checkpoint
-
-    root = tmp_path_factory.mktemp("thinking")
-    path = make_checkpoint(str(root / "ckpt"), "llama", added_tokens=("<think>", "</think>"))
-    template = root / "template.jinja"
-    template.write_text(THINK_TEMPLATE, encoding="utf-8")
-    args = server_args(path, "--reasoning-parser", "qwen3", "--chat-template", str(template),
-                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    srv = ServerProcess(args, str(root / "server.log")).wait_ready()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field, TypeAdapter
-from server_utils import SERVED_NAME, ServerProcess, server_args
+from server_utils import SERVED_NAME
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
 
@@ -261,29 +261,6 @@ def test_a_client_that_leaves_aborts_its_request(server, client):
 
 
 # ---------------------------------------------------------------------- a thinking model
-# The prompt opens a think block; an earlier assistant turn's reasoning is written back into it.
-THINK_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
-    "{% if message.get('reasoning_content') %}<think>{{ message['reasoning_content'] }}</think>{% endif %}"
-    "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n<think>\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def thinking_server(tmp_path_factory):
-    from model_factory import make_checkpoint
-
-    root = tmp_path_factory.mktemp("responses_thinking")
-    path = make_checkpoint(str(root / "ckpt"), "llama", added_tokens=("<think>", "</think>"))
-    template = root / "template.jinja"
-    template.write_text(THINK_TEMPLATE, encoding="utf-8")
-    args = server_args(path, "--reasoning-parser", "qwen3", "--chat-template", str(template))
-    srv = ServerProcess(args, str(root / "server.log")).wait_ready()
-    yield srv
-    srv.stop()
-
-
 @pytest.fixture(scope="module")
 def thinking_client(thinking_server):
     return openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
