@@ -341,12 +341,21 @@ class TorchAttentionBackend(AttentionBackend):
         for span in metadata.prefills:  # naive: expand the latents into per-head K/V
             block_ids, mask = self._prefill_inputs(metadata, span, block_size, device)
             rows = self._read_mla(kv_cache, block_ids, k_scale, dtype)[: span.seq_len]  # [S, r + dr]
-            latent, rope = rows[:, :rank], rows[:, rank:]
-            k_nope = torch.einsum("sr,hdr->hsd", latent, w_uk)  # [H, S, dn]
-            values = torch.einsum("sr,hvr->hsv", latent, w_uv)  # [H, S, dv]
-            keys = torch.cat([k_nope, rope.unsqueeze(0).expand(num_heads, -1, -1)], dim=-1)  # [H, S, dn + dr]
-            q = torch.cat([q_nope[span.token_start : span.token_end], q_pe[span.token_start : span.token_end]], dim=-1)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                               attn_mask=mask, is_causal=mask is None, scale=self.scale)
-            out[span.token_start : span.token_end] = o.squeeze(0).transpose(0, 1)  # [Lq, H, dv]
+            tokens = slice(span.token_start, span.token_end)
+            out[tokens] = self.mla_expanded_attention(q_nope[tokens], q_pe[tokens], rows, w_uk, w_uv, mask)
         return out
+
+    def mla_expanded_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, w_uk: torch.Tensor,
+                               w_uv: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The naive MLA of one request: q_nope [Lq, H, dn], q_pe [Lq, H, dr], its latent rows [S, r + dr]
+        expanded into per-head keys [H, S, dn + dr] and values [H, S, dv]; mask [Lq, S] (None: causal,
+        no cached context) -> [Lq, H, dv]. (Also what ``benchmarks/mla_decode.py`` times decodes with.)"""
+        num_heads, rank = w_uk.shape[0], w_uk.shape[2]
+        latent, rope = rows[:, :rank], rows[:, rank:]
+        k_nope = torch.einsum("sr,hdr->hsd", latent, w_uk)  # [H, S, dn]
+        values = torch.einsum("sr,hvr->hsv", latent, w_uv)  # [H, S, dv]
+        keys = torch.cat([k_nope, rope.unsqueeze(0).expand(num_heads, -1, -1)], dim=-1)  # [H, S, dn + dr]
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1).unsqueeze(0)  # [1, H, Lq, dn + dr]
+        o = F.scaled_dot_product_attention(q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+                                           is_causal=mask is None, scale=self.scale)
+        return o.squeeze(0).transpose(0, 1)  # [Lq, H, dv]
