@@ -275,8 +275,10 @@ def test_kv_cache_group_usage_matches_a_hand_count(tmp_path, _no_multiprocess):
         return result
 
     sched.update_from_output = recorded
-    llm.generate([{"prompt_token_ids": [1] + [(7 * i) % 500 + 3 for i in range(99)]}],
-                 SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    (out,) = llm.generate([{"prompt_token_ids": [1] + [(7 * i) % 500 + 3 for i in range(99)]}],
+                          SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    m = out.metrics  # (the offline API's RequestOutput.metrics: the phases' time stamps, in order)
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
     assert len(seen) == 12
     for computed, stats in seen[1:-1]:  # (the first step holds the whole prompt; after the last one, nothing)
         (n,) = computed
