@@ -196,7 +196,7 @@ def get_model_info(config: EngineConfig, platform: Platform) -> ModelInfo:
     pooler_config = resolve_pooler_config(path, config.pooler_config)
     is_classifier = arch.endswith(CLASSIFIER_SUFFIX)
     id2label = getattr(hf_config, "id2label", None) or {}
-    model_cls = _transformers_class() if model_impl == "transformers" else model_class(arch, platform.name)
+    model_cls = _transformers_class(arch) if model_impl == "transformers" else model_class(arch, platform.name)
     multimodal = supports_multimodal(model_cls)
     if config.kv_cache_dtype == "auto":
         elem_size = torch.empty((), dtype=dtype).element_size()
@@ -274,10 +274,10 @@ def resolve_model_impl(config: EngineConfig, hf_config: Any) -> tuple[str, str]:
     return arch, "transformers"
 
 
-def _transformers_class() -> type[ModelModule]:
-    from halserve.models.transformers_backend import TransformersForCausalLM
+def _transformers_class(arch: str) -> type[ModelModule]:
+    from halserve.models.transformers_backend import transformers_model_class
 
-    return TransformersForCausalLM
+    return transformers_model_class(arch)
 
 
 def _max_images(config: EngineConfig) -> int:
@@ -475,7 +475,8 @@ def load_model(config: EngineConfig, info: ModelInfo, platform: Platform, attn_b
     """
     from halserve.layers.context import ModelContext
 
-    model_cls = _transformers_class() if info.model_impl == "transformers" else model_class(info.architecture, platform.name)
+    model_cls = (_transformers_class(info.architecture) if info.model_impl == "transformers"
+                 else model_class(info.architecture, platform.name))
     ctx = ModelContext(
         platform_name=platform.name,
         dtype=info.dtype,

@@ -43,6 +43,7 @@ from torch import nn
 
 from halserve.layers import Attention, ModelContext, ParallelLMHead, VocabParallelEmbedding
 from halserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from halserve.models.interfaces import CLASSIFIER_SUFFIX
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,14 @@ def check_config(config: Any, hf_config: Any, architecture: str) -> None:
         refuse(f"transformers {transformers.__version__} has no class {architecture!r}"
                + (" (the checkpoint ships its own code: pass trust_remote_code)" if auto_map else
                   "; upgrade transformers (pip install -U transformers)"))
-    if not architecture.endswith("ForCausalLM"):
-        refuse("it serves decoder language models (*ForCausalLM) only; classification, embedding-only "
-               "and vision-language heads are not wired to it yet")
+    if not architecture.endswith(("ForCausalLM", CLASSIFIER_SUFFIX)):
+        refuse(f"it serves decoder language models (*ForCausalLM, embeddings from their final hidden states) and "
+               f"*{CLASSIFIER_SUFFIX} heads only; other heads (vision-language, token classification, ...) are "
+               "not wired to it")
+    if architecture.endswith(CLASSIFIER_SUFFIX):
+        num_labels = getattr(hf_config, "num_labels", 0)
+        if not isinstance(num_labels, int) or num_labels < 1:
+            refuse(f"a sequence classifier needs num_labels >= 1 in its config.json, got {num_labels!r}")
     if getattr(hf_config, "is_encoder_decoder", False):
         refuse("it is an encoder-decoder model (cross-attention has no paged KV cache here)")
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
@@ -319,13 +325,19 @@ class TransformersForCausalLM(nn.Module):
         embed = (_ScaledEmbedding(vocab_size, hidden_size, ctx, float(scale)) if scale is not None
                  else VocabParallelEmbedding(vocab_size, hidden_size, ctx))
         self.model.set_input_embeddings(embed)
-        self.lm_head = ParallelLMHead(vocab_size, hidden_size, ctx, tie_to=embed if self.tie_word_embeddings else None)
+        self._build_head(ctx, embed)
         # what transformers' *ForCausalLM head does to the logits besides the projection
         self.logits_divisor = float(getattr(hf_config, "logits_scaling", None) or 1.0)  # Granite
         self.logit_scale = float(getattr(hf_config, "logit_scale", None) or 1.0)  # Cohere
         self.final_logit_softcap = getattr(hf_config, "final_logit_softcapping", None)  # Gemma 2/3
         self._materialize(device, ctx.dtype)
         self.layers = nn.ModuleList(self._attach_attention(ctx))
+
+    def _build_head(self, ctx: ModelContext, embed: VocabParallelEmbedding) -> None:
+        """The LM head (tied to ``embed`` when the config says so)."""
+        config = self.config
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx,
+                                      tie_to=embed if self.tie_word_embeddings else None)
 
     def _materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Every parameter still on the meta device -> an empty one on ``device`` (floats in ``dtype``)."""
@@ -466,3 +478,50 @@ class TransformersForCausalLM(nn.Module):
         if self.tie_word_embeddings and "lm_head.weight" in params:
             loaded.add("lm_head.weight")
         return loaded
+
+
+class TransformersForSequenceClassification(TransformersForCausalLM):
+    """Any ``*ForSequenceClassification`` (and reward model) whose decoder transformers implements: the
+    base model as above, then transformers' ``score`` head on the pooled last token, with the model-module
+    protocol of ``halserve.models.sequence_classification`` (``classify`` / ``activate``, no LM head)::
+
+        hidden = base model (paged attention)       [T, H]
+        pooled = hidden[last prompt token]          [N, H]   the model runner's pooler (LAST)
+        logits = pooled @ score.weight.T            [N, num_labels]  float32
+    """
+
+    def _build_head(self, ctx: ModelContext, embed: VocabParallelEmbedding) -> None:
+        from halserve.models.sequence_classification import classifier_activation
+
+        config = self.config
+        self.tie_word_embeddings = False  # (a classifier checkpoint has no lm_head to tie)
+        # [num_labels, H]: whole on every rank (the final hidden state is whole on every rank)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False, dtype=ctx.dtype)
+        self.activation = classifier_activation(config)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a sequence classifier has no LM head; the runner calls classify()")
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Raw class logits [N, num_labels] (float32) of pooled final hidden states [N, H]."""
+        return nn.functional.linear(hidden.float(), self.score.weight.float())
+
+    def activate(self, logits: torch.Tensor) -> torch.Tensor:
+        """The config's activation (``classifier_activation``) of ``classify``'s logits, per row."""
+        if self.activation == "softmax":
+            return logits.softmax(dim=-1)
+        if self.activation == "sigmoid":
+            return logits.sigmoid()
+        return logits
+
+    def _target(self, name: str) -> str | None:
+        if name.startswith("score."):
+            return name
+        return super()._target(name)
+
+
+def transformers_model_class(architecture: str) -> type[TransformersForCausalLM]:
+    """The backend's model module for a checkpoint architecture (what the loader builds)."""
+    if architecture.endswith(CLASSIFIER_SUFFIX):
+        return TransformersForSequenceClassification
+    return TransformersForCausalLM
