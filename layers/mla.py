@@ -16,6 +16,8 @@ so ``q_nope . k_nope = (W_UK^T q_nope) . kv_c``: a decode attends over the laten
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -42,11 +44,12 @@ class MLAAttention(nn.Module):
         self.num_kv_heads = 1  # one latent shared by every head
         self.prefix = prefix
         self.spec = MLASpec(kv_lora_rank, qk_rope_head_dim)
-        if not hasattr(ctx.attn_backend_cls, "forward_mla") or "mla" not in ctx.attn_backend_cls.kv_cache_spec_kinds():
-            kinds = ", ".join(ctx.attn_backend_cls.kv_cache_spec_kinds())
-            raise ValueError(f"{prefix}: attention backend {ctx.attn_backend_cls.name!r} does not serve the mla "
+        backend_cls: Any = ctx.attn_backend_cls
+        if not hasattr(backend_cls, "forward_mla") or "mla" not in backend_cls.kv_cache_spec_kinds():
+            kinds = ", ".join(backend_cls.kv_cache_spec_kinds())
+            raise ValueError(f"{prefix}: attention backend {backend_cls.name!r} does not serve the mla "
                              f"KV-cache kind (it serves {kinds}); choose a backend that does, e.g. 'torch'")
-        self.backend = ctx.attn_backend_cls(num_heads, self.head_size, scale, 1, kv_cache_dtype=ctx.kv_cache_dtype)
+        self.backend = backend_cls(num_heads, self.head_size, scale, 1, kv_cache_dtype=ctx.kv_cache_dtype)
         self.kv_cache = torch.empty(0)
         self.k_scale = 1.0
         self.v_scale = 1.0

@@ -26,7 +26,7 @@ import math
 import re
 from collections.abc import Iterable
 from itertools import islice
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -282,7 +282,8 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             raise ValueError("DeepSeek-V2/V3 do not run with pipeline parallelism yet; use pipeline_parallel_size=1")
         self.config = hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = DeepseekModel(hf_config, ctx)
+        # (Llama's attribute is a LlamaModel; the loader and protocol only need its modules)
+        self.model: DeepseekModel = DeepseekModel(hf_config, ctx)  # type: ignore[assignment]
         self.lm_head = ctx.layer(ParallelLMHead)(hf_config.vocab_size, hf_config.hidden_size, ctx,
                                                  tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
 
@@ -295,7 +296,8 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     @property
     def attention_layers(self) -> list[MLAAttention]:  # type: ignore[override]
         model = self.model
-        return [layer.self_attn.attn for layer in islice(model.layers, model.start_layer, model.end_layer)]
+        layers = cast(list[DeepseekDecoderLayer], list(islice(model.layers, model.start_layer, model.end_layer)))
+        return [layer.self_attn.attn for layer in layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         num_layers = self.config.num_hidden_layers
