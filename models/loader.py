@@ -219,7 +219,8 @@ def get_model_info(config: EngineConfig, platform: Platform) -> ModelInfo:
         eos_token_ids=eos,
         generation_defaults=generation_defaults(config, gen),
         max_logprobs=getattr(config, "max_logprobs", MAX_LOGPROBS),
-        kv_cache_bytes_per_token=2 * text_config.num_hidden_layers * num_kv_heads * head_size * elem_size,
+        kv_cache_bytes_per_token=_kv_cache_bytes_per_token(text_config, model_impl, num_kv_heads, head_size,
+                                                           elem_size, config.tensor_parallel_size),
         pooler_config=pooler_config,
         runner="pooling" if is_classifier else "generate",
         num_labels=hf_config.num_labels if is_classifier else None,
@@ -231,6 +232,17 @@ def get_model_info(config: EngineConfig, platform: Platform) -> ModelInfo:
         gguf_file=gguf_file,
         model_impl=model_impl,
     )
+
+
+def _kv_cache_bytes_per_token(text_config: Any, model_impl: str, num_kv_heads: int, head_size: int, elem_size: int,
+                              tp: int) -> int:
+    """K and V of every layer, all ranks together; an MLA model (DeepSeek-V2/V3) keeps its latent and
+    rotary key instead, whole on every rank (halserve.kv_cache.spec.MLASpec)."""
+    from halserve.models.deepseek import is_deepseek_mla
+
+    if model_impl == "halserve" and is_deepseek_mla(text_config):
+        return tp * text_config.num_hidden_layers * (text_config.kv_lora_rank + text_config.qk_rope_head_dim) * elem_size
+    return 2 * text_config.num_hidden_layers * num_kv_heads * head_size * elem_size
 
 
 def resolve_model_impl(config: EngineConfig, hf_config: Any) -> tuple[str, str]:

@@ -175,6 +175,8 @@ def test_cpu_native_refuses_the_mla_kind_and_auto_selection_skips_it(checkpoint)
         select_attention_backend(config, platform, info)
     auto = EngineConfig(model=path, dtype="float32")
     assert select_attention_backend(auto, platform, info) is TorchAttentionBackend
+    # the latent and the rotary key of 3 layers, float32 (per-head K/V would be 2 x 3 x 4 x 8 x 4 bytes)
+    assert info.kv_cache_bytes_per_token == 3 * (RANK + ROPE) * 4 == 480
 
 
 @pytest.mark.slow  # the engine, twice per shape
@@ -207,6 +209,24 @@ def test_engine_greedy_with_chunks_preemption_prefix_hits(checkpoint, shape):
         hits = stats.prefix_cache_hits
         assert generate_ids(llm, prompts, greedy_params(max_tokens)) == want  # now from the prefix cache
         assert llm.llm_engine.get_stats().prefix_cache_hits > hits
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow  # the engine
+def test_engine_fp8_latent_pages(checkpoint):
+    """An fp8 cache holds the latents in one byte each (the page a quarter of float32's); greedy decoding
+    runs through them (tokens may differ from transformers' float32, so only lengths are checked)."""
+    from halserve import LLM
+
+    llm = LLM(checkpoint("v3"), platform="cpu", dtype="float32", block_size=4, max_num_batched_tokens=16,
+              max_model_len=64, kv_cache_dtype="fp8", num_kv_blocks=32)
+    try:
+        runner = llm.llm_engine.core.executor.worker.model_runner
+        assert runner.kv_caches[0].dtype == torch.float8_e4m3fn
+        assert runner.bytes_per_block() == LAYERS * 4 * (RANK + ROPE) * 1
+        got = generate_ids(llm, [[1, 45, 74, 299, 17, 273, 5, 88, 410, 9], [1, 300]], greedy_params(6))
+        assert [len(g) for g in got] == [6, 6]
     finally:
         llm.llm_engine.shutdown()
 
