@@ -291,6 +291,19 @@ def apply_tp_plan(model: nn.Module, plan: dict[str, str], ctx: ModelContext, pre
     return split_parents
 
 
+def use_platform_linears(model: nn.Module, ctx: ModelContext, prefix: str = "model") -> set[str]:
+    """On one rank: every ``nn.Linear`` of ``model`` -> halserve's linear layer (the same parameter names),
+    so its GEMMs run on the platform's kernel (CPU: oneDNN's prepacked weights) instead of ``F.linear``.
+    Returns no split modules (one rank holds every head)."""
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear:
+            layer = _HFColumnParallelLinear(module.in_features, module.out_features, module.bias is not None, ctx,
+                                            f"{prefix}.{name}")
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, layer)
+    return set()
+
+
 class TransformersForCausalLM(nn.Module):
     """Any ``*ForCausalLM`` transformers implements, as a halserve ``TextGenerationModel``
     (``halserve.models.interfaces``): built as ``cls(hf_config, ctx)`` by the loader."""
@@ -315,7 +328,8 @@ class TransformersForCausalLM(nn.Module):
 
         self.tp_size = get_tp_size()
         # attention modules whose heads the ranks split (their q/k/v stay sharded); none on one rank
-        self.split_heads = (apply_tp_plan(model, tp_plan(hf_config), ctx) if self.tp_size > 1 else set())
+        self.split_heads = (apply_tp_plan(model, tp_plan(hf_config), ctx) if self.tp_size > 1
+                            else use_platform_linears(model, ctx))
         self.base_model_prefix = getattr(model, "base_model_prefix", "model") or "model"
         self.ignored_keys = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))

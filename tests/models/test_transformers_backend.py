@@ -95,6 +95,11 @@ def test_sharded_tied_checkpoint_loads(tmp_path):
     assert got == hf_greedy(path, prompts, NEW_TOKENS)
     model = llm.llm_engine.core.executor.worker.model_runner.model  # (the uni executor: in this process)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    # one rank: transformers' nn.Linear layers run as halserve's (the platform's GEMM kernel)
+    from halserve.layers.linear import ColumnParallelLinear
+
+    attn = model.model.layers[0].self_attn
+    assert all(isinstance(m, ColumnParallelLinear) for m in (attn.q_proj, attn.o_proj, model.model.layers[0].mlp.up_proj))
 
 
 # architectures with no native code in halserve, served by auto's fallback: (config class, architecture,
