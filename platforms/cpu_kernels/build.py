@@ -31,7 +31,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CFLAGS = ("-O3", "-march=native", "-fopenmp")  # -fopenmp: at::parallel_for's pragmas need it
+MARCH_ENV = "HALSERVE_CPU_MARCH"  # e.g. x86-64-v3: build for AVX2 only on an AVX-512 machine (to profile that path)
 LDFLAGS = ("-fopenmp",)
 CACHE_ENV = "HALSERVE_KERNEL_CACHE"
 PROGRESS_EVERY_S = 10.0  # seconds between progress lines while a build runs
@@ -45,6 +45,15 @@ def extensions_root() -> str:
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(cache, "halserve", "cpu_kernels")
     return root
+
+
+def compile_flags() -> tuple[str, ...]:
+    """``-O3 -march=native -fopenmp`` (-fopenmp: at::parallel_for's pragmas need it); ``$HALSERVE_CPU_MARCH``
+    replaces ``native`` (``x86-64-v3`` builds the AVX2 path on an AVX-512 machine, to measure it there)."""
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not march.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ValueError(f"{MARCH_ENV}={march!r} is not a -march value (e.g. native, x86-64-v3, skylake-avx512)")
+    return ("-O3", f"-march={march}", "-fopenmp")
 
 
 def _cpu_identity() -> bytes:
@@ -64,7 +73,7 @@ def build_key(sources: list[str], defines: tuple[str, ...] = ()) -> str:
         digest.update(os.path.basename(path).encode())
         with open(path, "rb") as f:
             digest.update(f.read())
-    flags = (CFLAGS, LDFLAGS, torch.__version__) + ((tuple(defines),) if defines else ())
+    flags = (compile_flags(), LDFLAGS, torch.__version__) + ((tuple(defines),) if defines else ())
     digest.update(repr(flags).encode())
     digest.update(_cpu_identity())
     return digest.hexdigest()[:16]
@@ -166,7 +175,7 @@ def build_and_load(name: str, sources: list[str], *, is_python_module: bool = Tr
     label = label or name
     directory = build_directory(name, sources, defines)
     os.makedirs(directory, exist_ok=True)
-    cflags = [*CFLAGS, *(f"-D{d}" for d in defines)]
+    cflags = [*compile_flags(), *(f"-D{d}" for d in defines)]
     with open(directory + ".flock", "a+") as guard:
         try:
             fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -27,8 +27,8 @@ float amax_of(const T* x, int64_t n) {
   int64_t i = 0;
   v16 mv = v16{};
   for (; i + 16 <= n; i += 16) {
-    const v16 a = (v16)((vu16)load16(x + i) & 0x7FFFFFFFu);
-    mv = a > mv ? a : mv;
+    const v16 a = as_v16(as_vu16(load16(x + i)) & 0x7FFFFFFFu);
+    mv = max16(a, mv);
   }
   float m = hmax16(mv);
   for (; i < n; ++i) m = std::max(m, std::fabs(static_cast<float>(x[i])));
@@ -39,14 +39,19 @@ float amax_of(const T* x, int64_t n) {
 // too) -> 0x7F; below 2^-6 the subnormal codes by one float addition (round to nearest even);
 // otherwise round to nearest even on the bits.
 inline void store_e4m3fn16(c10::Float8_e4m3fn* q, v16 v) {
+  // 64-byte GCC vectors whatever v16 is (the AVX2 build lowers these through memory: this is
+  // the fp8 quantization path, not a per-step kernel)
   typedef uint8_t vb16 __attribute__((vector_size(16)));
-  const vu16 denorm = vu16{} + (141u << 23);
-  vu16 bits = (vu16)v;
-  const vu16 sign = bits & 0x80000000u;
+  typedef uint32_t wu16 __attribute__((vector_size(64), aligned(4)));
+  typedef float wf16 __attribute__((vector_size(64), aligned(4)));
+  const wu16 denorm = wu16{} + (141u << 23);
+  wu16 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const wu16 sign = bits & 0x80000000u;
   bits ^= sign;
-  const vu16 sub = (vu16)((v16)bits + (v16)denorm) - denorm;
-  const vu16 normal = (bits + ((7u - 127u) << 23) + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20;
-  vu16 r = bits >= (1087u << 20) ? vu16{} + 0x7Fu : (bits < (121u << 23) ? sub : normal);
+  const wu16 sub = (wu16)((wf16)bits + (wf16)denorm) - denorm;
+  const wu16 normal = (bits + ((7u - 127u) << 23) + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20;
+  wu16 r = bits >= (1087u << 20) ? wu16{} + 0x7Fu : (bits < (121u << 23) ? sub : normal);
   r = (r & 0xFFu) | (sign >> 24);
   const vb16 b = __builtin_convertvector(r, vb16);
   std::memcpy(q, &b, sizeof(b));
@@ -59,7 +64,7 @@ void quantize(const T* x, int64_t n, float scale, float fmax, F8* q) {
     const v16 s = splat16(scale), hi = splat16(fmax), lo = splat16(-fmax);
     for (; i + 16 <= n; i += 16) {
       v16 v = load16(x + i) / s;
-      v = v > hi ? hi : (v < lo ? lo : v);  // NaN fails both tests and stays NaN
+      v = select16(lt16(hi, v), hi, select16(lt16(v, lo), lo, v));  // NaN fails both tests and stays NaN
       store_e4m3fn16(q + i, v);
     }
   }

@@ -151,7 +151,7 @@ void decode_task_fast(const DecodeTask<T>& k, std::vector<float>& scores, std::v
     v16 m = splat16(ninf);
     for (int64_t i = 0; i < span; i += 16) {
       const v16 x = load16(s + i);
-      m = x > m ? x : m;
+      m = max16(x, m);
     }
     const v16 mx = splat16(hmax16(m));
     v16 sum = v16{};

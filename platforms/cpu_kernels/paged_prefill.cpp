@@ -97,13 +97,17 @@ void prefill_tile(const Problem<T>& P, int64_t token_start, int64_t query_len, i
     const bool edge = c0 + 15 > pos_lo || c0 < k_begin || (P.window > 0 && c0 <= pos_hi - P.window);
     for (int r = 0; r < R; ++r) {
       v16 x = s[r] * P.scale;
-      if (P.cap > 0.f)
-        for (int t = 0; t < 16; ++t) x[t] = std::tanh(x[t] / P.cap) * P.cap;
+      if (P.cap > 0.f) {
+        float lanes[16];
+        store16(lanes, x);
+        for (int t = 0; t < 16; ++t) lanes[t] = std::tanh(lanes[t] / P.cap) * P.cap;
+        x = load16(lanes);
+      }
       if (edge) {  // visible: key <= query position, key < seq_len, key > query position - window
         const vi16 kpos = iota16() + static_cast<int32_t>(c0);
-        vi16 visible = (kpos <= static_cast<int32_t>(qpos[r])) & (kpos < static_cast<int32_t>(seq_len));
-        if (P.window > 0) visible &= kpos > static_cast<int32_t>(qpos[r] - P.window);
-        x = visible ? x : splat16(ninf);
+        vi16 visible = le16(kpos, static_cast<int32_t>(qpos[r])) & lt16(kpos, static_cast<int32_t>(seq_len));
+        if (P.window > 0) visible &= gt16(kpos, static_cast<int32_t>(qpos[r] - P.window));
+        x = select16(visible, x, splat16(ninf));
       }
       const float mx = std::max(m[r], hmax16(x));
       if (mx == ninf) {  // nothing visible to this row yet
