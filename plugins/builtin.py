@@ -51,9 +51,9 @@ def halserve_kv_connectors() -> list[type]:
 @hookimpl
 def halserve_model_architectures() -> dict[str, str]:
     return {
-        "GemmaForCausalLM": "halserve.models.gemma:GemmaForCausalLM",
         "DeepseekV2ForCausalLM": "halserve.models.deepseek:DeepseekForCausalLM",
         "DeepseekV3ForCausalLM": "halserve.models.deepseek:DeepseekForCausalLM",
+        "GemmaForCausalLM": "halserve.models.gemma:GemmaForCausalLM",
         "Gemma2ForCausalLM": "halserve.models.gemma:GemmaForCausalLM",
         "Gemma3ForCausalLM": "halserve.models.gemma:GemmaForCausalLM",
         "InternVLForConditionalGeneration": "halserve.models.internvl:InternVLForConditionalGeneration",
