@@ -28,7 +28,12 @@ Tensor parallelism follows the config's ``base_model_tp_plan``: each ``nn.Linear
 halserve's ``ColumnParallelLinear`` (``colwise``; ``colwise_gather_output`` all-gathers) or
 ``RowParallelLinear`` (``rowwise``; ``rowwise_split_input`` slices a whole input), under the same parameter
 names; an attention module whose q/k/v stay sharded gets an ``Attention`` over its rank's heads. A plan
-entry with no such layer is refused by name.
+entry with no such layer is refused by name. On one rank every ``nn.Linear`` becomes halserve's linear layer
+all the same, so the GEMMs run on the platform's kernel (CPU: oneDNN's prepacked weights; BENCHMARKS.md).
+
+``*ForSequenceClassification`` checkpoints build ``TransformersForSequenceClassification`` (the base model
+and a ``score`` head, served by the pooling runner: ``/classify``); every decoder's final hidden states
+serve embeddings as a native model's do.
 """
 from __future__ import annotations
 
