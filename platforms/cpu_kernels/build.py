@@ -18,11 +18,13 @@ ships. A build already in the cache is loaded, and logged as such, in well under
 from __future__ import annotations
 
 import fcntl
+import functools
 import glob
 import hashlib
 import json
 import logging
 import os
+import subprocess
 import threading
 import time
 
@@ -54,6 +56,24 @@ def compile_flags() -> tuple[str, ...]:
     if not march.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ValueError(f"{MARCH_ENV}={march!r} is not a -march value (e.g. native, x86-64-v3, skylake-avx512)")
     return ("-O3", f"-march={march}", "-fopenmp")
+
+
+@functools.lru_cache(maxsize=8)
+def _march_macros(march: str) -> frozenset[str]:
+    try:
+        out = subprocess.run(["c++", f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull],
+                             capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    return frozenset(line.split()[1] for line in out.splitlines() if line.startswith("#define "))
+
+
+def target_has(macro: str) -> bool:
+    """Whether the kernels' build target defines ``macro`` (e.g. ``__AVX512BF16__``): always for
+    ``-march=native`` (the CPU's own flags decide), else what the compiler predefines for
+    ``$HALSERVE_CPU_MARCH``."""
+    march = compile_flags()[1].removeprefix("-march=")
+    return march == "native" or macro in _march_macros(march)
 
 
 def _cpu_identity() -> bytes:

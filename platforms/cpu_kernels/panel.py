@@ -4,6 +4,7 @@ their ``torch.ops.halserve_cpu`` ops (a library per weight format: ``library``).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -33,10 +34,13 @@ class PanelKernel(Kernel):
 
     @classmethod
     def _supports(cls, **problem) -> str | None:
-        from halserve.platforms.cpu_kernels import toolchain_missing
+        from halserve.platforms.cpu_kernels import build, toolchain_missing
 
         if "avx512_bf16" not in cpu_flags():
             return f"{cls.op}/cpu_native needs AVX512-BF16 (this CPU's /proc/cpuinfo flags lack avx512_bf16)"
+        if not build.target_has("__AVX512BF16__"):
+            return (f"{cls.op}/cpu_native needs AVX512-BF16, which the kernels' build target "
+                    f"({build.MARCH_ENV}={os.environ.get(build.MARCH_ENV)}) lacks")
         return toolchain_missing()
 
     def __init__(self) -> None:
