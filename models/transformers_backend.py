@@ -227,7 +227,7 @@ def _parameters_on_meta() -> Iterator[None]:
         if param is not None:
             module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
     try:
         with no_init_weights():
             yield
@@ -428,7 +428,7 @@ class TransformersForCausalLM(nn.Module):
             attn = Attention(local_heads, head_size, float(scale) if scale is not None else head_size**-0.5,
                              local_kv_heads, ctx, sliding_window=window, logits_soft_cap=soft_cap,
                              prefix=f"model.{name}.attn")
-            attn.scale = float(scale) if scale is not None else head_size**-0.5
+            attn.scale = float(scale) if scale is not None else head_size**-0.5  # type: ignore[assignment]
             module.__dict__["halserve_attn"] = attn  # (a plain attribute: self.layers owns it)
             layers.append(attn)
         return layers
@@ -455,7 +455,7 @@ class TransformersForCausalLM(nn.Module):
 
     @property
     def attention_layers(self) -> list[Attention]:
-        return list(self.layers)
+        return [layer for layer in self.layers if isinstance(layer, Attention)]
 
     def _target(self, name: str) -> str | None:
         """A checkpoint name -> this module's parameter name; None for a tensor to skip."""
