@@ -5,6 +5,7 @@ step's tokens to their adapters.
     set_batch(...)     once per step: activate the step's adapters (at most max_loras on the
                        device, LRU), tell every wrapped layer which tokens use which adapter
     remove(lora_id)    forget it (an unload, or the core's max_cpu_loras eviction)
+    lora_requests()    the loaded adapters' requests (to load them again into a new model)
 
 A step's adapters always fit: the scheduler admits at most ``max_loras`` distinct adapters
 among running requests. Adapters are loaded and dropped only when the engine core says
@@ -173,6 +174,11 @@ class LoRAManager:
 
     def list_loras(self) -> list[int]:
         return list(self._cpu)
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """The requests of the adapters loaded here, in the order they were added: what to ``add`` to
+        another manager to load the same adapters (the worker's sleep mode, after a reload of the model)."""
+        return [lora for lora, _ in self._cpu.values()]
 
     def _load(self, lora: LoRARequest) -> dict[str, LoRAPair]:
         adapter_dir = resolve_adapter_dir(lora)

@@ -73,7 +73,7 @@ def sleep(runner: ModelRunner, state: SleepState, level: int) -> None:
         state.kv_dropped = True
     if level == 2:
         manager = runner.lora_manager
-        state.lora_requests = [lora for lora, _ in manager._cpu.values()] if manager is not None else []
+        state.lora_requests = manager.lora_requests() if manager is not None else []
         runner.lora_manager = None
         runner.model = None
         state.weights_dropped, state.weights_offloaded = True, False
@@ -118,7 +118,7 @@ def update_weights(runner: ModelRunner, state: SleepState, path: str) -> None:
         [(layer.kv_cache, getattr(layer, "kv_cache_group", None)) for layer in old.attention_layers]
     if old is not None:
         manager = runner.lora_manager
-        state.lora_requests = [lora for lora, _ in manager._cpu.values()] if manager is not None else []
+        state.lora_requests = manager.lora_requests() if manager is not None else []
     had_graphs = runner.step_graphs is not None
     runner.model = runner.lora_manager = runner.step_graphs = None
     del old
