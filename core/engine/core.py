@@ -224,6 +224,13 @@ class EngineCore:
             raise ValueError(f"collective_rpc: method must be a worker method's name or a function, got {method!r}")
         if isinstance(method, str) and method.startswith("_"):
             raise ValueError(f"collective_rpc: {method!r} is private; call a public worker method")
+        if isinstance(method, str):
+            from halserve.worker.worker import Worker
+
+            if not callable(getattr(Worker, method, None)):
+                public = sorted(n for n in dir(Worker) if not n.startswith("_") and callable(getattr(Worker, n)))
+                raise ValueError(f"collective_rpc: the worker has no method {method!r}; call one of "
+                                 f"{', '.join(public)} (halserve.worker.worker.Worker) or pass a function")
         return self.executor.collective_rpc(method, *tuple(args), **(kwargs or {}))
 
     def _check_idle(self, what: str) -> None:

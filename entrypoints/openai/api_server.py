@@ -4,7 +4,7 @@ Routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embedding
 /v1/score), /rerank (and /v1/rerank, /v2/rerank), /tokenize, /detokenize, /v1/load_lora_adapter,
 /v1/unload_lora_adapter, Anthropic's /v1/messages and /v1/messages/count_tokens (``halserve.entrypoints.anthropic``);
 GET /v1/models, /v1/models/{model}, /health (and HEAD), /version, /metrics; with --enable-sleep-mode, POST /sleep,
-/wake_up, /reset_prefix_cache, /update_weights and GET /is_sleeping (serving_sleep.py).
+/wake_up, /reset_prefix_cache, /update_weights, /collective_rpc and GET /is_sleeping (serving_sleep.py).
 Request bodies are parsed here (not by FastAPI) so malformed JSON and wrong types are OpenAI-shaped
 400s, and a body over ``max_body_bytes`` is a 413 before it is all read. Large bodies are parsed
 (and large /detokenize calls served) in a worker process (offload.py), so no single request

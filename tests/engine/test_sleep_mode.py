@@ -144,6 +144,8 @@ def test_update_weights_serves_the_new_checkpoint_and_refuses_a_mismatch(checkpo
             llm.sleep(level=3)
         with pytest.raises(ValueError, match="timeout"):
             llm.collective_rpc("memory_in_use", timeout=1.0)
+        with pytest.raises(ValueError, match="the worker has no method 'memory_used'; call one of .*memory_in_use"):
+            llm.collective_rpc("memory_used")
     finally:
         llm.llm_engine.shutdown()
 
