@@ -58,6 +58,26 @@ def _rotary(ctx: Any) -> tuple[tuple, list]:
     return (head, head, 128, params, 128, ctx), [lambda m: m(positions, q.clone(), k.clone())]
 
 
+def _fused_moe(ctx: Any) -> tuple[tuple, list]:
+    experts, top_k = 4, 2
+    hidden, router_logits = torch.randn(TOKENS, HIDDEN), torch.randn(TOKENS, experts)
+    return (experts, top_k, HIDDEN, 96, True, ctx, "layer"), [lambda m: m(hidden, router_logits)]
+
+
+def _sampler(ctx: Any) -> tuple[tuple, list]:
+    """Greedy rows (the argmax, exactly) and random rows restricted to one token by top_k=1:
+    both leave a conforming sampler exactly one answer, whatever its random draw."""
+    from halserve.sampling.metadata import SamplingMetadata
+
+    rows = 5
+    logits = torch.randn(rows, VOCAB)
+    greedy = SamplingMetadata(num_reqs=rows, vocab_size=VOCAB, all_greedy=True, all_random=False)
+    top1 = SamplingMetadata(num_reqs=rows, vocab_size=VOCAB, all_greedy=False, all_random=True,
+                            temperature=torch.full((rows,), 0.8), top_k=torch.ones(rows, dtype=torch.int64),
+                            max_top_k=1)
+    return (), [lambda m: m(logits.clone(), greedy)[0], lambda m: m(logits.clone(), top1)[0]]
+
+
 # built-in class name -> (ctx -> (constructor arguments, [run(module) -> output(s)]))
 CASES: dict[str, Callable[[Any], tuple[tuple, list]]] = {
     "RMSNorm": _norm,
@@ -70,6 +90,8 @@ CASES: dict[str, Callable[[Any], tuple[tuple, list]]] = {
     "VocabParallelEmbedding": _embedding,
     "ParallelLMHead": _lm_head,
     "RotaryEmbedding": _rotary,
+    "FusedMoE": _fused_moe,
+    "Sampler": _sampler,
 }
 
 
@@ -116,10 +138,12 @@ def _compare(report: ConformanceReport, subject: str, name: str, override: Any, 
     args, runs = case_of(ctx)
     with device:
         builtin = override.replaces(*args)
-        for param in builtin.parameters():
-            param.data.copy_(torch.randn_like(param) * 0.5 + (1.0 if param.dim() == 1 and "norm" in name.lower() else 0.0))
         mine = override.cls(*args)
-        mine.load_state_dict(builtin.state_dict(), strict=True)  # same names and shapes, or it raises
+        if isinstance(builtin, torch.nn.Module):  # (a sampler has no weights)
+            for param in builtin.parameters():
+                param.data.copy_(torch.randn_like(param) * 0.5
+                                 + (1.0 if param.dim() == 1 and "norm" in name.lower() else 0.0))
+            mine.load_state_dict(builtin.state_dict(), strict=True)  # same names and shapes, or it raises
     _finish(builtin)
     _finish(mine)
     for index, run in enumerate(runs):

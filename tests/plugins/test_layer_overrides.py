@@ -24,6 +24,7 @@ from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.config import EngineConfig
 from halserve.entrypoints.cli import main
 from halserve.layers import ModelContext, ParallelLMHead, RMSNorm
+from halserve.layers.fused_moe import FusedMoE
 from halserve.models.llama import LlamaForCausalLM
 from halserve.models.loader import get_model_info, load_model
 from halserve.platforms.cpu import CpuPlatform
@@ -361,7 +362,8 @@ def test_kit_checks_each_override_against_its_builtin_on_the_same_weights() -> N
     assert rows[("CountingRMSNorm (cpu/RMSNorm)", "vs RMSNorm #0")].status == "passed"
     assert rows[("CountingRMSNorm (cpu/RMSNorm)", "vs RMSNorm #1")].status == "passed"  # the residual form
     assert rows[("CountingLMHead (cpu/ParallelLMHead)", "vs ParallelLMHead #0")].status == "passed"
-    assert rows[("CountingSampler (cpu/Sampler)", "vs Sampler")].status == "declined"
+    assert rows[("CountingSampler (cpu/Sampler)", "vs Sampler #0")].status == "passed"  # greedy rows
+    assert rows[("CountingSampler (cpu/Sampler)", "vs Sampler #1")].status == "passed"  # top_k=1 rows
     assert report.ok, report.table()
 
     bad = _kit_manager("bad", [LayerOverride(RMSNorm, DoublingRMSNorm, "cpu")])
@@ -369,3 +371,41 @@ def test_kit_checks_each_override_against_its_builtin_on_the_same_weights() -> N
     failed = [r for r in report.results if r.status == "failed"]
     assert len(failed) == 2 and all("DoublingRMSNorm" in r.subject for r in failed), report.table()
     assert "tolerance" in failed[0].detail
+
+
+class LoopedFusedMoE(FusedMoE):
+    """The built-in's contract with its own (slow, per-expert) arithmetic: the kit must pass it."""
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, experts = router_logits.softmax(-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)  # (renormalize=True in the kit's case)
+        out = torch.zeros_like(hidden)
+        local = self.intermediate_size_per_partition
+        for t in range(hidden.shape[0]):
+            for w, e in zip(weights[t], experts[t]):
+                gate_up = self.w13_weight[e] @ hidden[t]
+                act = torch.nn.functional.silu(gate_up[:local]) * gate_up[local:]
+                out[t] += w * (self.w2_weight[e] @ act)
+        return out
+
+
+class LastTokenSampler(Sampler):
+    """Keeps the contract but always answers the last token id: the kit must catch it."""
+
+    def __call__(self, logits, meta):
+        ids, logprobs = super().__call__(logits, meta)
+        return torch.full_like(ids, logits.shape[1] - 1), logprobs
+
+
+def test_kit_checks_fused_moe_and_sampler_overrides() -> None:
+    from halserve.plugins.testing import run_conformance
+
+    report = run_conformance("moe", checks=("layers",), manager=_kit_manager("moe", [
+        LayerOverride(FusedMoE, LoopedFusedMoE, "cpu")]))
+    rows = [r for r in report.results if r.check == "layer"]
+    assert [r.status for r in rows] == ["passed"], report.table()
+
+    report = run_conformance("bad", checks=("layers",), manager=_kit_manager("bad", [
+        LayerOverride(Sampler, LastTokenSampler, "cpu")]))
+    failed = [r for r in report.results if r.status == "failed"]
+    assert {r.case for r in failed} == {"vs Sampler #0", "vs Sampler #1"}, report.table()
