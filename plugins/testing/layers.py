@@ -20,12 +20,13 @@ TOLERANCE = 1e-4  # relative to max |reference| (fp32), as the kernel check
 HIDDEN, VOCAB, TOKENS = 64, 128, 7
 
 
-def _ctx(platform: str) -> Any:
+def _ctx(platform: str, overrides: dict | None = None) -> Any:
     from halserve.attention_backends.torch_ref import TorchAttentionBackend
     from halserve.layers import ModelContext
 
-    # no overrides inside the layers under test: each side is exactly what it claims to be
-    return ModelContext(platform, torch.float32, TorchAttentionBackend, layer_overrides={})
+    # no overrides inside the layers under test (but the quant method under test): each side is
+    # exactly what it claims to be
+    return ModelContext(platform, torch.float32, TorchAttentionBackend, layer_overrides=overrides or {})
 
 
 def _norm(ctx: Any) -> tuple[tuple, list[Callable[[Any], Any]]]:
@@ -78,6 +79,15 @@ def _sampler(ctx: Any) -> tuple[tuple, list]:
     return (), [lambda m: m(logits.clone(), greedy)[0], lambda m: m(logits.clone(), top1)[0]]
 
 
+def _unquantized_method(ctx: Any) -> tuple[tuple, list]:
+    """A replacement of the dense linear method, inside a ReplicatedLinear (``_compare`` builds the
+    layer on each side: the built-in method, then the replacement through the context's overrides)."""
+    x = torch.randn(TOKENS, HIDDEN)
+    return (HIDDEN, 96, True), [lambda m: m(x)]
+
+
+QUANT_METHOD_CASES = {"UnquantizedLinearMethod"}  # the others need a checkpoint's quantization config
+
 # built-in class name -> (ctx -> (constructor arguments, [run(module) -> output(s)]))
 CASES: dict[str, Callable[[Any], tuple[tuple, list]]] = {
     "RMSNorm": _norm,
@@ -92,6 +102,7 @@ CASES: dict[str, Callable[[Any], tuple[tuple, list]]] = {
     "RotaryEmbedding": _rotary,
     "FusedMoE": _fused_moe,
     "Sampler": _sampler,
+    "UnquantizedLinearMethod": _unquantized_method,
 }
 
 
@@ -137,8 +148,16 @@ def _compare(report: ConformanceReport, subject: str, name: str, override: Any, 
     torch.manual_seed(0)
     args, runs = case_of(ctx)
     with device:
-        builtin = override.replaces(*args)
-        mine = override.cls(*args)
+        if name in QUANT_METHOD_CASES:  # the same linear layer, on the built-in method and on the replacement
+            from halserve.layers import ReplicatedLinear
+
+            builtin = ReplicatedLinear(*args, ctx, "layer")
+            mine = ReplicatedLinear(*args, _ctx(override.platform, {override.replaces: (override.cls, "kit")}), "layer")
+            if not isinstance(mine.quant_method, override.cls):
+                raise TypeError(f"the layer took {type(mine.quant_method).__name__}, not {override.cls.__name__}")
+        else:
+            builtin = override.replaces(*args)
+            mine = override.cls(*args)
         if isinstance(builtin, torch.nn.Module):  # (a sampler has no weights)
             for param in builtin.parameters():
                 param.data.copy_(torch.randn_like(param) * 0.5

@@ -38,6 +38,7 @@ from halserve.plugins import (
     hookimpl,
 )
 from halserve.plugins import manager as manager_module
+from halserve.quant_methods.unquantized import UnquantizedLinearMethod
 from halserve.sampling import Sampler
 
 
@@ -409,3 +410,31 @@ def test_kit_checks_fused_moe_and_sampler_overrides() -> None:
         LayerOverride(Sampler, LastTokenSampler, "cpu")]))
     failed = [r for r in report.results if r.status == "failed"]
     assert {r.case for r in failed} == {"vs Sampler #0", "vs Sampler #1"}, report.table()
+
+
+class TorchMatmulMethod(UnquantizedLinearMethod):
+    """The dense method's weights, its own matmul (and no prepacked layout): the kit must pass it."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, layer.weight, bias)
+
+
+class NoBiasMethod(TorchMatmulMethod):
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, layer.weight)
+
+
+def test_kit_checks_a_linear_method_override_inside_a_linear_layer() -> None:
+    from halserve.plugins.testing import run_conformance
+
+    report = run_conformance("qm", checks=("layers",), manager=_kit_manager("qm", [
+        LayerOverride(UnquantizedLinearMethod, TorchMatmulMethod, "cpu")]))
+    rows = [r for r in report.results if r.check == "layer"]
+    assert [r.status for r in rows] == ["passed"], report.table()
+
+    report = run_conformance("bad", checks=("layers",), manager=_kit_manager("bad", [
+        LayerOverride(UnquantizedLinearMethod, NoBiasMethod, "cpu")]))
+    assert [r.status for r in report.results if r.check == "layer"] == ["failed"], report.table()
