@@ -8,7 +8,8 @@ gets its span in that trace, as a child of the caller's span.
 The HTTP layer puts the incoming trace headers in a context variable (``set_trace_headers``);
 ``AsyncLLM.submit`` reads them (``current_trace_headers``) into the request's state, and the
 ``RequestTracer`` (an ``AsyncLLM`` stats observer) writes the span when the request finishes,
-with the request's real start and end times.
+with the request's real start and end times. Offline, ``LLM(otlp_traces_endpoint=...)`` gives the
+same tracer to its ``LLMEngine``, which reports each request as it finishes in ``step``.
 
 This module imports nothing of OpenTelemetry until a ``RequestTracer`` is made: the SDK is the
 optional ``halserve[otel]`` extra, and ``import halserve`` never needs it.
@@ -96,22 +97,24 @@ class TraceContextMiddleware:
             reset_trace_headers(token)
 
 
-def check_otel_installed() -> None:
-    """ValueError naming the pip command when the OpenTelemetry SDK or its OTLP/HTTP exporter is missing."""
+def check_otel_installed(option: str = "--otlp-traces-endpoint") -> None:
+    """ValueError naming the pip command when the OpenTelemetry SDK or its OTLP/HTTP exporter is missing
+    (``option``: how the caller asked for traces)."""
     try:
         import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
         import opentelemetry.sdk.trace  # noqa: F401
     except ImportError as exc:
-        raise ValueError(f"--otlp-traces-endpoint needs the OpenTelemetry SDK and its OTLP/HTTP exporter, "
+        raise ValueError(f"{option} needs the OpenTelemetry SDK and its OTLP/HTTP exporter, "
                          f"which are not installed ({exc}): {OTEL_INSTALL_HINT}") from None
 
 
-def traces_url(endpoint: str) -> str:
+def traces_url(endpoint: str, option: str = "--otlp-traces-endpoint") -> str:
     """The OTLP/HTTP traces URL of ``endpoint``: as given, or with ``/v1/traces`` appended when it
-    names only a collector (``http://host:4318``). ValueError for anything but an http(s) URL."""
-    parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"--otlp-traces-endpoint {endpoint!r}: give the OTLP/HTTP URL of a collector, e.g. "
+    names only a collector (``http://host:4318``). ValueError for anything but an http(s) URL
+    (``option``: how the caller gave it, for the message)."""
+    parts = urlsplit(endpoint) if isinstance(endpoint, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{option} {endpoint!r}: give the OTLP/HTTP URL of a collector, e.g. "
                          "http://localhost:4318/v1/traces (halserve exports over HTTP/protobuf, not gRPC)")
     return endpoint if parts.path not in ("", "/") else endpoint.rstrip("/") + "/v1/traces"
 
@@ -121,7 +124,7 @@ def _ns(seconds: float) -> int:
 
 
 class RequestTracer:
-    """An ``AsyncLLM`` stats observer that exports one span per finished request."""
+    """A stats observer (``AsyncLLM``'s, or ``LLMEngine``'s offline) that exports one span per finished request."""
 
     def __init__(self, endpoint: str, model_name: str, service_name: str = "halserve") -> None:
         url = traces_url(endpoint)

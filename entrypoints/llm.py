@@ -33,7 +33,10 @@ class LLM:
     ``pooler_config={"pooling_type": "MEAN", "normalize": False}`` (embeddings, as vLLM's).
     ``allowed_local_media_path``: the directory ``chat``'s ``file://`` image URLs may read from
     (vLLM's; None: file URLs are refused); ``allowed_media_domains``: the hosts its http(s) image URLs
-    may name (None: any).
+    may name (None: any). ``otlp_traces_endpoint``: send one OpenTelemetry span per finished request to this
+    OTLP/HTTP collector URL, named and attributed as the server's ``--otlp-traces-endpoint`` spans
+    (``halserve.tracing``; needs the ``halserve[otel]`` extra). Spans are exported in batches in the
+    background; the rest at ``llm.llm_engine.shutdown()`` or at the process's exit.
     """
 
     def __init__(
@@ -53,9 +56,16 @@ class LLM:
         tokenizer: str | None = None,
         allowed_local_media_path: str | None = None,
         allowed_media_domains: list[str] | None = None,
+        otlp_traces_endpoint: str | None = None,
         **kwargs: Any,
     ) -> None:
         from halserve.engine.llm_engine import LLMEngine
+
+        if otlp_traces_endpoint is not None:  # (a bad URL or a missing SDK: said before the model loads)
+            from halserve.tracing import check_otel_installed, traces_url
+
+            traces_url(otlp_traces_endpoint, "otlp_traces_endpoint=")
+            check_otel_installed("otlp_traces_endpoint=")
 
         config = EngineConfig(
             model=model,
@@ -72,7 +82,12 @@ class LLM:
             tokenizer=tokenizer,
             **kwargs,
         )
-        self.llm_engine = LLMEngine(config)
+        observers = []
+        if otlp_traces_endpoint is not None:
+            from halserve.tracing import RequestTracer
+
+            observers.append(RequestTracer(otlp_traces_endpoint, model))
+        self.llm_engine = LLMEngine(config, stat_observers=observers)
         self.allowed_local_media_path = allowed_local_media_path
         self.allowed_media_domains = allowed_media_domains
         self._counter = itertools.count()

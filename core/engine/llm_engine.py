@@ -1,6 +1,7 @@
 """LLMEngine: the synchronous engine (vLLM's shape): add_request, step, abort_request."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -8,11 +9,14 @@ from halserve.config import EngineConfig
 from halserve.engine.core import EngineCore
 from halserve.engine.output_processor import OutputProcessor
 from halserve.engine.processor import InputProcessor, PromptType
+from halserve.engine.request_stream import FinishedRequestStats
 from halserve.outputs import RequestOutput
 from halserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.models.loader import ModelInfo
+
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(config: EngineConfig, model_info: ModelInfo) -> Any:
@@ -29,13 +33,22 @@ def load_tokenizer(config: EngineConfig, model_info: ModelInfo) -> Any:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """``stat_observers``: objects whose ``on_request_stats(FinishedRequestStats)`` is called once per
+    finished request, from ``step`` (``LLM(otlp_traces_endpoint=...)``'s ``RequestTracer``); an aborted
+    request is not reported. ``shutdown`` calls their ``shutdown()`` where they have one (the tracer
+    exports what it still holds)."""
+
+    def __init__(self, config: EngineConfig, stat_observers: list[Any] | None = None) -> None:
         self.config = config
         self.core = EngineCore(config)
         self.model_info = self.core.model_info
         self.tokenizer = load_tokenizer(config, self.model_info)
         self.input_processor = InputProcessor(self.model_info, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_observers: list[Any] = list(stat_observers or [])
+        # what a finished request's stats need that its RequestOutput lacks (only kept with observers):
+        # request id -> (the first sample's params, the adapter's name)
+        self._observed: dict[str, tuple[SamplingParams, str | None]] = {}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -71,6 +84,9 @@ class LLMEngine:
             self.core.abort_requests(added)
             raise
         self.output_processor.add_request(text, children)
+        if self.stat_observers:
+            lora = children[0].lora_request
+            self._observed[request_id] = (children[0].sampling_params, None if lora is None else lora.lora_name)
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One engine step; outputs of the requests that progressed (only those that
@@ -78,12 +94,47 @@ class LLMEngine:
         core_outputs = self.core.step()
         outputs, to_abort = self.output_processor.process_outputs(core_outputs, final_only)
         self.core.abort_requests(to_abort)
+        if self._observed:
+            for out in outputs:
+                if out.finished and out.request_id in self._observed:
+                    self._report_finished(out, *self._observed.pop(out.request_id))
         return outputs
+
+    def _report_finished(self, out: RequestOutput, params: SamplingParams, lora_name: str | None) -> None:
+        metrics = out.metrics
+        assert metrics is not None and metrics.finished_time is not None, "a finished output has its times"
+        stats = FinishedRequestStats(
+            request_id=out.request_id,
+            finish_reason=next((o.finish_reason for o in out.outputs if o.finish_reason), "stop"),
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_generation_tokens=sum(len(o.token_ids) for o in out.outputs),
+            num_cached_tokens=out.num_cached_tokens,
+            params=params,
+            n=len(out.outputs),
+            max_tokens=params.max_tokens,
+            lora_name=lora_name,
+            arrival_time=metrics.arrival_time,
+            first_scheduled_time=metrics.first_scheduled_time,
+            first_token_time=metrics.first_token_time,
+            last_token_time=metrics.last_token_time,
+            finished_time=metrics.finished_time,
+            prompt_text=out.prompt,
+            trace_headers=None,
+        )
+        for observer in self.stat_observers:
+            on_request_stats = getattr(observer, "on_request_stats", None)
+            if on_request_stats is None:
+                continue
+            try:
+                on_request_stats(stats)
+            except Exception:  # noqa: BLE001 - a trace exporter's bug must not fail generate()
+                logger.exception("request stats observer failed")
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
+            self._observed.pop(rid, None)
             self.core.abort_requests(self.output_processor.abort_request(rid))
 
     def add_lora(self, lora_request: Any) -> bool:
@@ -127,7 +178,12 @@ class LLMEngine:
         return self.core.get_stats()
 
     def shutdown(self) -> None:
-        self.core.shutdown()
+        try:
+            self.core.shutdown()
+        finally:
+            for observer in self.stat_observers:
+                if hasattr(observer, "shutdown"):
+                    observer.shutdown()
 
 
 def apply_model_defaults(params: SamplingParams, model_info: ModelInfo | None) -> SamplingParams:

@@ -358,3 +358,52 @@ def test_served_requests_are_traced_logged_and_measured(checkpoint, receiver, tm
         assert samples[f"halserve:request_{phase}_time_seconds_count"] == [({"model_name": SERVED_NAME}, 3.0)]
     assert samples["halserve:iteration_tokens_total_count"][0][1] == 3 * 4
     assert samples["halserve:iteration_tokens_total_sum"][0][1] == num_prompt_tokens + 3 * 3
+
+
+# ---------------------------------------------------------------- the offline API
+def test_offline_tracing_checks_the_endpoint_before_loading_the_model():
+    from halserve import LLM
+
+    with pytest.raises(ValueError, match=r"otlp_traces_endpoint= 'grpc://localhost:4317': give the OTLP/HTTP URL"):
+        LLM("no/such/checkpoint", otlp_traces_endpoint="grpc://localhost:4317")
+
+
+@pytest.mark.slow
+def test_offline_llm_sends_the_servers_spans(checkpoint, receiver):
+    """``LLM(otlp_traces_endpoint=...)``: one ``llm_request`` span per finished request, with the server's
+    attributes, its start and end at the request's arrival and finish (RequestOutput.metrics), and the
+    ones still queued exported at shutdown."""
+    from halserve import LLM
+
+    llm = LLM(checkpoint, platform="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128,
+              otlp_traces_endpoint=receiver.url)
+    sampled = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5, max_tokens=4, ignore_eos=True, seed=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    try:
+        outs = llm.generate(["the quick brown fox", {"prompt_token_ids": [5, 6, 7, 8, 9]}], [sampled, greedy],
+                            use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()  # (exports what the batch processor still holds)
+    spans = {attributes(s)["gen_ai.request.id"]: s for s in receiver.wait_spans(2, timeout=5)}
+    assert len(receiver.spans()) == 2 and set(spans) == {out.request_id for out in outs}
+    for out, params in zip(outs, (sampled, greedy)):
+        span, m = spans[out.request_id], out.metrics
+        attrs = attributes(span)
+        assert span.name == "llm_request" and span.kind == 2  # SPAN_KIND_SERVER
+        assert (span.start_time_unix_nano, span.end_time_unix_nano) == (int(m.arrival_time * 1e9),
+                                                                         int(m.finished_time * 1e9))
+        assert attrs["gen_ai.response.model"] == checkpoint
+        assert attrs["gen_ai.response.finish_reasons"] == ["length"]
+        assert attrs["gen_ai.usage.prompt_tokens"] == len(out.prompt_token_ids)
+        assert attrs["gen_ai.usage.completion_tokens"] == sum(len(o.token_ids) for o in out.outputs) == \
+            params.n * params.max_tokens
+        assert (attrs["gen_ai.request.n"], attrs["gen_ai.request.max_tokens"]) == (params.n, params.max_tokens)
+        assert attrs["gen_ai.request.temperature"] == params.temperature
+        queue, prefill, decode = (attrs[f"gen_ai.latency.{k}"] for k in ("time_in_queue", "time_in_model_prefill",
+                                                                            "time_in_model_decode"))
+        assert queue == pytest.approx(m.first_scheduled_time - m.arrival_time)
+        assert queue + prefill == pytest.approx(attrs["gen_ai.latency.time_to_first_token"])
+        assert prefill + decode == pytest.approx(attrs["gen_ai.latency.time_in_model_inference"])
+        assert attrs["gen_ai.latency.e2e"] == pytest.approx(m.finished_time - m.arrival_time)
+    sampled_attrs = attributes(spans[outs[0].request_id])
+    assert (sampled_attrs["gen_ai.request.top_p"], sampled_attrs["gen_ai.request.top_k"]) == (pytest.approx(0.9), 5)
