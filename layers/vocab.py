@@ -102,6 +102,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             if hasattr(self.gemm, "min_activation_levels"):  # a kernel that rounds activations to int8 blocks:
                 # two levels (x ~ d q + d2 q2) here, as one level's ~0.7% error flips near-tie tokens
                 self.gemm.min_activation_levels = 2
+            if hasattr(self.gemm, "cache_panel"):  # many rows (32+ streams): keep the dequantized head between
+                # steps rather than dequantizing all its rows each step (vocab x hidden x 4 bytes, on first use)
+                self.gemm.cache_panel = True
         else:
             self.gemm = resolve_kernel("gemm", ctx.platform_name, dtype=ctx.dtype_name,
                                        n=self.rows_per_rank, k=embedding_dim)

@@ -127,6 +127,12 @@ class NativeGgufGemm(Kernel):
     # its logits pick the token, and SmolLM2's first answer token to its Paris prompt is a near tie that one
     # level flips. At one decode row two levels are one pass over the weight too (0.83 -> 1.16 ms, 49152 x 576 Q8_0)
     min_activation_levels = 1
+    # (optional) keep the float32 panel of the whole weight between calls for M >= PANEL_MIN_ROWS; the LM head
+    # sets it (halserve.layers.vocab). Its panel is N x K floats dequantized per call, each decode step at 32+
+    # streams (SmolLM2's 49152 x 576 head: 113 MB written and read per step, which put 64-stream decode below
+    # the float32 head's). Costs N x K x 4 bytes of memory from the first such call (113 MB for SmolLM2), none
+    # where the head never sees 32 rows; refreshed when the blocks change (another tensor, or written in place).
+    cache_panel = False
 
     def __init__(self, isa: str | None = None) -> None:
         reason = self._supports()
@@ -144,12 +150,22 @@ class NativeGgufGemm(Kernel):
             return dequantize(qweight, qtype, k)
         return self.ops.gguf_dequantize(qweight, QTYPE_CODES[qtype], k)
 
+    def _cached_panel(self, qweight: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+        key = (qweight.data_ptr(), tuple(qweight.shape), qweight._version, qtype, k)
+        cached: tuple[tuple, torch.Tensor] | None = getattr(self, "_panel", None)
+        if cached is None or cached[0] != key:
+            self._panel = cached = None  # the old panel goes before the new one is made (peak memory)
+            self._panel = cached = (key, self.dequantize(qweight, qtype, k))
+        return cached[1]
+
     def __call__(self, x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None = None):
         m, k = x.shape
         code = QTYPE_CODES[qtype]
         if m < PANEL_MIN_ROWS:
             levels = max(self.min_activation_levels, 1 if m < TWO_LEVEL_MIN_ROWS else 2)
             out = self.ops.gguf_gemv(x, qweight, code, self.isa_code, levels)  # [M, N] float32
+        elif self.cache_panel:
+            out = F.linear(x.float(), self._cached_panel(qweight, qtype, k))
         else:
             xf = x.float()
             n = qweight.shape[0]

@@ -145,6 +145,37 @@ def test_panel_chunks_over_output_rows(monkeypatch):
     assert torch.allclose(NativeGgufGemm()(x, w, "Q4_1"), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])
+def test_cached_panel_matches_the_float_reference_and_follows_the_weight(qtype):
+    # cache_panel (the LM head's): M >= PANEL_MIN_ROWS keeps the whole dequantized weight between calls; few
+    # rows still take the integer path; new blocks (another tensor, or the same one written in place) refresh it
+    g = torch.Generator().manual_seed(13)
+    n, k = _shapes(qtype)[3]
+    kernel = NativeGgufGemm()
+    kernel.cache_panel = True
+    w = random_blocks(qtype, n, k, g)
+    x = torch.randn(PANEL_MIN_ROWS + 5, k, generator=g)
+
+    def check(weight: torch.Tensor) -> None:
+        want = x @ dequantize(weight, qtype, k).t()
+        got = kernel(x, weight, qtype)
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), qtype
+
+    check(w)
+    panel = kernel._panel[1]
+    check(w)
+    assert kernel._panel[1] is panel  # reused, not dequantized again
+    few = kernel(x[:3], w, qtype)  # few rows: the integer path, as without the cache
+    assert torch.equal(few, NativeGgufGemm()(x[:3], w, qtype))
+    w2 = random_blocks(qtype, n, k, g)
+    check(w2)
+    assert kernel._panel[1] is not panel
+    w2.copy_(w)  # in place: same storage, new contents
+    check(w2)
+    assert torch.equal(kernel._panel[1], dequantize(w, qtype, k)) or torch.allclose(
+        kernel._panel[1], dequantize(w, qtype, k), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("m", [1, 64])
 def test_bfloat16_activations(m):
     g = torch.Generator().manual_seed(5)
