@@ -151,8 +151,10 @@ def _compare(report: ConformanceReport, subject: str, name: str, override: Any, 
         if name in QUANT_METHOD_CASES:  # the same linear layer, on the built-in method and on the replacement
             from halserve.layers import ReplicatedLinear
 
-            builtin = ReplicatedLinear(*args, ctx, "layer")
-            mine = ReplicatedLinear(*args, _ctx(override.platform, {override.replaces: (override.cls, "kit")}), "layer")
+            size_in, size_out, bias = args
+            builtin = ReplicatedLinear(size_in, size_out, bias, ctx, "layer")
+            mine = ReplicatedLinear(size_in, size_out, bias,
+                                    _ctx(override.platform, {override.replaces: (override.cls, "kit")}), "layer")
             if not isinstance(mine.quant_method, override.cls):
                 raise TypeError(f"the layer took {type(mine.quant_method).__name__}, not {override.cls.__name__}")
         else:
