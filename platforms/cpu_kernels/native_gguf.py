@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -153,7 +154,9 @@ class NativeGgufGemm(Kernel):
     def _cached_panel(self, qweight: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
         key = (qweight.data_ptr(), tuple(qweight.shape), qweight._version, qtype, k)
         cached: tuple[tuple, torch.Tensor] | None = getattr(self, "_panel", None)
-        if cached is None or cached[0] != key:
+        owner = getattr(self, "_panel_owner", None)  # a weak reference: a new tensor at a freed one's address
+        if cached is None or cached[0] != key or owner is None or owner() is not qweight:  # is not the same
+            self._panel_owner = weakref.ref(qweight)
             self._panel = cached = None  # the old panel goes before the new one is made (peak memory)
             self._panel = cached = (key, self.dequantize(qweight, qtype, k))
         return cached[1]
