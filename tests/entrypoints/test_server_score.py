@@ -227,8 +227,11 @@ def test_lora_adapter_selected_by_model(second_server):
 def test_client_disconnect_aborts_the_embeddings(second_server):
     url = second_server.url
     # 4,000 distinct documents take seconds to queue; the client leaves once the first are being
-    # embedded: queueing stops there (it used to go on for every document) and the rest is aborted
-    documents = [f"document {i}: the quick brown fox" for i in range(4000)]
+    # embedded: queueing stops there (it used to go on for every document) and the rest is aborted.
+    # Each document spans a few 32-token steps, so the engine is always behind the queueing and some
+    # are in flight when the client leaves (with 10-token documents it sometimes had finished every
+    # queued one by then, and nothing was left to abort)
+    documents = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * 8 for i in range(4000)]
     num_finished_before = num_finished(url)
     before = wait_idle(url)
     key = 'halserve:request_success_total{finished_reason="abort"}'
