@@ -126,9 +126,29 @@ FALLBACK = {
 DEFAULT_FALLBACK = ("olmo2", "exaone4")  # (the rest are slow: the default suite keeps a full and a hybrid one)
 
 
+@pytest.fixture(scope="module")
+def fallback_models(tmp_path_factory):
+    """``get(name) -> (path, transformers' greedy tokens for _prompts())``: one tiny checkpoint per
+    architecture ("llama" or a FALLBACK name) and its reference, made once and shared by the tests here."""
+    made: dict[str, tuple[str, list[list[int]]]] = {}
+
+    def get(name: str) -> tuple[str, list[list[int]]]:
+        if name not in made:
+            folder = tmp_path_factory.mktemp(name)
+            if name == "llama":
+                path = make_checkpoint(folder, "llama")
+            else:
+                config_name, arch, overrides = FALLBACK[name]
+                path = make_hf_checkpoint(folder, config_name, arch, **overrides)
+            made[name] = (path, hf_greedy(path, _prompts(), NEW_TOKENS))
+        return made[name]
+
+    return get
+
+
 @pytest.mark.parametrize("name", [n if n in DEFAULT_FALLBACK else pytest.param(n, marks=pytest.mark.slow)
                                   for n in FALLBACK])
-def test_architecture_without_native_code_falls_back_to_transformers(tmp_path, name, caplog):
+def test_architecture_without_native_code_falls_back_to_transformers(fallback_models, name, caplog):
     """One engine per architecture: 16-token chunks, a 10-block cache that forces preemption, and a second
     pass served from the first's cached prefixes, all token-identical to transformers' generate()."""
     from halserve.models import supported_architectures
@@ -136,9 +156,8 @@ def test_architecture_without_native_code_falls_back_to_transformers(tmp_path, n
 
     config_name, arch, overrides = FALLBACK[name]
     assert arch not in supported_architectures(), f"{arch} became native: pick another fallback architecture"
-    path = make_hf_checkpoint(tmp_path / name, config_name, arch, **overrides)
+    path, expected = fallback_models(name)
     prompts = _prompts()
-    expected = hf_greedy(path, prompts, NEW_TOKENS)
     with caplog.at_level("WARNING", logger="halserve.models.loader"):
         got, llm = _generate(path, prompts, max_num_batched_tokens=BLOCK, num_kv_blocks=10)  # model_impl "auto"
     info = llm.llm_engine.model_info
@@ -163,35 +182,33 @@ def _tp_layout(worker) -> dict:
             "down_proj": (type(down).__name__, (down.output_size_per_partition, down.input_size_per_partition))}
 
 
-# two ranks from each model's base_model_tp_plan: Llama's colwise/rowwise (heads split), OLMo 2's
-# colwise_gather_output/rowwise_split_input (q/k/v gathered for its full-width q/k norms: every rank
-# attends over all heads), EXAONE 4's replicated q/k norms with a sliding layer
-TP_CASES = {"llama": (2, 1), "olmo2": (4, 2), "exaone4": (2, 1)}  # -> (heads, KV heads) per rank
+# two ranks from each model's base_model_tp_plan: Llama's colwise/rowwise (heads split), OLMo 2/3's
+# colwise_gather_output/rowwise_split_input (q/k/v gathered for their full-width q/k norms: every rank
+# attends over all heads), GLM-4's gathered gate_up_proj, EXAONE 4's replicated q/k norms, sliding layers
+# (SmolLM3, EXAONE 4, Cohere 2, OLMo 3), biases added once after the all-reduce (ERNIE 4.5, GLM-4),
+# Cohere 2's parallel attention + MLP and Granite's multipliers
+TP_GATHERED = ("olmo2", "olmo3")  # -> 4 heads / 2 KV heads per rank; the rest: 2 / 1
 
 
-@pytest.mark.slow  # (two spawned ranks per case: ~6 s each)
-@pytest.mark.parametrize("name", list(TP_CASES))
-def test_two_tensor_parallel_ranks_match_one(tmp_path, name):
-    if name == "llama":
-        path, impl = make_checkpoint(tmp_path / name, "llama"), "transformers"
-    else:
-        config_name, arch, overrides = FALLBACK[name]
-        path, impl = make_hf_checkpoint(tmp_path / name, config_name, arch, **overrides), "auto"
-    prompts = _prompts()
-    engine = dict(model_impl=impl, max_num_batched_tokens=BLOCK, num_kv_blocks=10)
-    one, _ = _generate(path, prompts, **engine)
-    assert one == hf_greedy(path, prompts, NEW_TOKENS)
-    two, llm = _generate(path, prompts, tensor_parallel_size=2, **engine)
+@pytest.mark.slow  # (two spawned ranks per case: ~5 s each)
+@pytest.mark.parametrize("name", ["llama", *FALLBACK])
+def test_two_tensor_parallel_ranks_match_transformers(fallback_models, name):
+    """TP=2 against transformers' generate() (one rank is checked against it above), with 16-token chunks,
+    preemption and prefix-cache hits; both ranks hold the layout their base_model_tp_plan gives."""
+    path, expected = fallback_models(name)
+    impl = "transformers" if name == "llama" else "auto"
+    two, llm = _generate(path, _prompts(), model_impl=impl, max_num_batched_tokens=BLOCK, num_kv_blocks=10,
+                         tensor_parallel_size=2)
     try:
         assert llm.llm_engine.model_info.model_impl == "transformers"
-        assert two == one
         stats = llm.llm_engine.get_stats()
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
         layouts = llm.collective_rpc(_tp_layout)
     finally:
         llm.llm_engine.shutdown()
+    assert two == expected
     assert len(layouts) == 2 and layouts[0] == layouts[1]
-    assert layouts[0]["heads"] == [TP_CASES[name]] * 2
+    assert layouts[0]["heads"] == [(4, 2) if name in TP_GATHERED else (2, 1)] * 2
     assert layouts[0]["q_proj"] == ("_HFColumnParallelLinear", (32, 64))  # half of [64, 64] on each rank
     assert layouts[0]["down_proj"] == ("_HFRowParallelLinear", (64, 64))  # half of [64, 128]
 
