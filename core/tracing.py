@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from halserve.engine.request_stream import FinishedRequestObserver
+
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.request_stream import FinishedRequestStats
 
@@ -123,7 +125,7 @@ def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
-class RequestTracer:
+class RequestTracer(FinishedRequestObserver):
     """A stats observer (``AsyncLLM``'s, or ``LLMEngine``'s offline) that exports one span per finished request."""
 
     def __init__(self, endpoint: str, model_name: str, service_name: str = "halserve") -> None:
@@ -144,16 +146,6 @@ class RequestTracer:
         self._tracer = self._provider.get_tracer("halserve.engine")
         self._propagator = TraceContextTextMapPropagator()
         self._kind = SpanKind.SERVER
-
-    # -- StatsObserver (only the finished request matters) ----------------------------
-    def on_request_added(self, num_prompt_tokens: int) -> None:
-        pass
-
-    def on_new_tokens(self, num_new_tokens: int, ttft: float | None, itl: float | None) -> None:
-        pass
-
-    def on_request_finished(self, finish_reason: str, e2e_latency: float) -> None:
-        pass
 
     def on_request_stats(self, stats: FinishedRequestStats) -> None:
         context = self._propagator.extract(stats.trace_headers) if stats.trace_headers else None

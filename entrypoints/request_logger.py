@@ -14,6 +14,8 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
+from halserve.engine.request_stream import FinishedRequestObserver
+
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.engine.request_stream import FinishedRequestStats
 
@@ -53,7 +55,7 @@ def request_log_record(stats: FinishedRequestStats, model_name: str, log_prompts
     return record
 
 
-class RequestLogger:
+class RequestLogger(FinishedRequestObserver):
     """An ``AsyncLLM`` stats observer writing one line per finished request (see the module docstring)."""
 
     def __init__(self, model_name: str, log_prompts: bool = False, max_prompt_chars: int | None = None) -> None:
@@ -64,15 +66,6 @@ class RequestLogger:
             logger.setLevel(logging.INFO)
         self.log_prompts = log_prompts
         self.max_prompt_chars = max_prompt_chars
-
-    def on_request_added(self, num_prompt_tokens: int) -> None:
-        pass
-
-    def on_new_tokens(self, num_new_tokens: int, ttft: float | None, itl: float | None) -> None:
-        pass
-
-    def on_request_finished(self, finish_reason: str, e2e_latency: float) -> None:
-        pass
 
     def on_request_stats(self, stats: FinishedRequestStats) -> None:
         record = request_log_record(stats, self.model_name, self.log_prompts, self.max_prompt_chars)

@@ -14,8 +14,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.outputs import RequestOutput
     from halserve.sampling_params import SamplingParams
 
-__all__ = ["EngineDeadError", "EngineStoppedError", "FinishedRequestStats", "PreparedRequest", "RequestState",
-           "RequestStream", "StatsObserver"]
+__all__ = ["EngineDeadError", "EngineStoppedError", "FinishedRequestObserver", "FinishedRequestStats",
+           "PreparedRequest", "RequestState", "RequestStream", "StatsObserver"]
 
 
 class EngineDeadError(RuntimeError):
@@ -42,6 +42,23 @@ class StatsObserver(Protocol):
     # (optional) default: absent. Called by ``AsyncLLM`` once per finished or aborted request, after
     # ``on_request_finished``, with every figure of it (request logs, traces, per-phase histograms).
     # def on_request_stats(self, stats: FinishedRequestStats) -> None: ...
+
+
+class FinishedRequestObserver:
+    """Base of the stats observers that read each request once, whole, when it finishes (the request
+    log, the tracer): the per-token callbacks do nothing; a subclass implements ``on_request_stats``."""
+
+    def on_request_added(self, num_prompt_tokens: int) -> None:
+        pass
+
+    def on_new_tokens(self, num_new_tokens: int, ttft: float | None, itl: float | None) -> None:
+        pass
+
+    def on_request_finished(self, finish_reason: str, e2e_latency: float) -> None:
+        pass
+
+    def on_request_stats(self, stats: FinishedRequestStats) -> None:
+        raise NotImplementedError
 
 
 def _span(start: float | None, end: float | None) -> float | None:
