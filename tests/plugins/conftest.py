@@ -1,4 +1,5 @@
-"""Fixtures for the plugin tests: the third-party fixture plugin, built into its own wheel.
+"""Fixtures for the plugin tests: the third-party fixture plugin, built into its own wheel, and
+a plugin module a test built, installed in this process through a fake entry point.
 
 The wheel is installed with ``pip install --target`` into a temporary folder that only
 the subprocesses of these tests put on ``PYTHONPATH``, so the system Python (and every
@@ -11,10 +12,16 @@ import os
 import shutil
 import subprocess
 import sys
+import types
+from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 from plugin_test_utils import clean_env
+
+from halserve.plugins import PluginManager
+from halserve.plugins import manager as manager_module
 
 FIXTURE_SRC = Path(__file__).parent / "fixture_plugin"
 
@@ -54,3 +61,36 @@ def fixture_env(fixture_site: Path):
         return env
 
     return make
+
+
+@pytest.fixture
+def install_plugin(monkeypatch: pytest.MonkeyPatch) -> Callable[..., PluginManager]:
+    """``install_plugin(module)``: ``module`` installed as a vendor's plugin would be, through an entry
+    point named "acme", then discovered afresh with builtin and cpu (``HALSERVE_PLUGINS``); returns the
+    new process-wide manager, after checking that the plugin loaded and claims no name another plugin
+    has (``must_load=False``: no check, for a plugin meant to fail). Installing again replaces the
+    plugin; the test's end restores the manager and the environment."""
+    real = metadata.entry_points  # (taken before any patch: a second install replaces the first)
+
+    def install(plugin: types.ModuleType, must_load: bool = True) -> PluginManager:
+        monkeypatch.setitem(sys.modules, plugin.__name__, plugin)
+
+        def entry_points(**kwargs):  # (other groups unchanged: transformers reads some)
+            eps = real(**kwargs)
+            if kwargs.get("group") != manager_module.ENTRY_POINT_GROUP:
+                return eps
+            fake = metadata.EntryPoint(name="acme", value=plugin.__name__, group=kwargs["group"])
+            return metadata.EntryPoints([*eps, fake])
+
+        monkeypatch.setattr(manager_module.metadata, "entry_points", entry_points)
+        monkeypatch.setenv("HALSERVE_PLUGINS", "builtin,cpu,acme")
+        monkeypatch.delenv("HALSERVE_DISABLE_PLUGINS", raising=False)
+        monkeypatch.delenv("HALSERVE_PLATFORM", raising=False)
+        monkeypatch.setattr(manager_module, "_manager", None)
+        mgr = manager_module.get_plugin_manager()
+        if must_load:
+            assert mgr.record("acme").status == "loaded", mgr.record("acme").error
+            mgr.check_conflicts()
+        return mgr
+
+    return install

@@ -1,11 +1,15 @@
-"""Helpers for the plugin tests: run halserve / Python in a fresh subprocess."""
+"""Helpers for the plugin tests: load a plugin module into a new manager; run halserve / Python in a
+fresh subprocess."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import types
 from dataclasses import dataclass
+
+from halserve.plugins import PluginManager, PluginRecord
 
 
 @dataclass
@@ -24,6 +28,15 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HALSERVE_")}
     env.update(extra)
     return env
+
+
+def load_plugin(plugin: types.ModuleType, name: str = "acme") -> tuple[PluginManager, PluginRecord]:
+    """A new PluginManager with ``plugin`` (a module the test built) loaded under ``name``, and the
+    plugin's record: status "loaded", or "failed" with its error."""
+    mgr = PluginManager()
+    record = PluginRecord(name=name, target=plugin.__name__, distribution=None)
+    mgr.load_plugin(name, plugin, record)
+    return mgr, record
 
 
 def run_python(code_or_args: list[str], env: dict[str, str], timeout: int = 120) -> Result:

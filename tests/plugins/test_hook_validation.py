@@ -8,17 +8,15 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
 import types
-from importlib import metadata
 
 import pytest
+from plugin_test_utils import load_plugin
 
 from halserve.entrypoints.cli import main
 from halserve.kernels import Kernel
 from halserve.platforms.base import Platform, ProbeResult
 from halserve.plugins import PluginManager, PluginManifest, PluginRecord, hookimpl
-from halserve.plugins import manager as manager_module
 
 
 class AcmePlatform(Platform):
@@ -51,13 +49,6 @@ def make_plugin(mark: bool = True, **hooks) -> types.ModuleType:
     return module
 
 
-def load(plugin) -> tuple[PluginManager, PluginRecord]:
-    mgr = PluginManager()
-    record = PluginRecord(name="acme", target="halserve_acme_test_plugin", distribution=None)
-    mgr.load_plugin("acme", plugin, record)
-    return mgr, record
-
-
 def assert_refused_whole(mgr: PluginManager, record: PluginRecord) -> None:
     assert record.status == "failed"
     for registry in mgr.registries.values():
@@ -68,7 +59,7 @@ def assert_refused_whole(mgr: PluginManager, record: PluginRecord) -> None:
 
 @pytest.mark.parametrize("mark", [True, False], ids=["hookimpl", "unmarked"])
 def test_misspelt_hook_refuses_the_plugin_whole(mark: bool) -> None:
-    mgr, record = load(make_plugin(mark, halserve_platfroms=lambda: [AcmePlatform]))
+    mgr, record = load_plugin(make_plugin(mark, halserve_platfroms=lambda: [AcmePlatform]))
     assert_refused_whole(mgr, record)
     assert record.error.startswith("PluginValidationError: plugin 'acme' defines halserve_platfroms,")
     assert "did you mean halserve_platforms?" in record.error
@@ -80,7 +71,7 @@ def test_hook_with_an_argument_the_spec_lacks_refuses_the_plugin_whole(mark: boo
     def halserve_platforms(device):
         return [AcmePlatform]
 
-    mgr, record = load(make_plugin(mark, halserve_platforms=halserve_platforms))
+    mgr, record = load_plugin(make_plugin(mark, halserve_platforms=halserve_platforms))
     assert_refused_whole(mgr, record)
     assert "halserve_platforms(device) takes device, which halserve_platforms() does not pass" in record.error
     assert "gemm/acme_hv_gemm" not in mgr.kernels
@@ -90,14 +81,14 @@ def test_update_config_with_an_unknown_argument_is_refused() -> None:
     def halserve_update_config(config, platform, model):
         raise AssertionError("never called")
 
-    mgr, record = load(make_plugin(halserve_update_config=halserve_update_config))
+    mgr, record = load_plugin(make_plugin(halserve_update_config=halserve_update_config))
     assert_refused_whole(mgr, record)
     assert "takes model, which halserve_update_config(config, platform) does not pass" in record.error
     mgr.call_update_config(config=object(), platform="cpu")  # the refused plugin is not called
 
 
 def test_hook_that_is_not_a_function_is_refused() -> None:
-    mgr, record = load(make_plugin(halserve_platforms=[AcmePlatform]))
+    mgr, record = load_plugin(make_plugin(halserve_platforms=[AcmePlatform]))
     assert_refused_whole(mgr, record)
     assert "halserve_platforms is a list, not a function" in record.error
 
@@ -109,7 +100,7 @@ def test_hook_wrapper_is_refused() -> None:
 
     module = make_plugin()
     module.halserve_platforms = hookimpl(wrapper=True)(halserve_platforms)
-    mgr, record = load(module)
+    mgr, record = load_plugin(module)
     assert_refused_whole(mgr, record)
     assert "halserve_platforms is a hook wrapper" in record.error
 
@@ -118,7 +109,7 @@ def test_hook_that_raises_leaves_nothing_registered() -> None:
     def halserve_platforms():
         raise OSError("no acme driver")
 
-    mgr, record = load(make_plugin(halserve_platforms=halserve_platforms))
+    mgr, record = load_plugin(make_plugin(halserve_platforms=halserve_platforms))
     assert_refused_whole(mgr, record)
     assert record.error == "OSError: no acme driver"
     assert "no acme driver" in record.traceback
@@ -131,7 +122,7 @@ def test_plugin_for_another_api_is_refused_before_its_hooks_are_checked() -> Non
 
     module = make_plugin(halserve_new_in_api_3=halserve_new_in_api_3)
     module.halserve_manifest = hookimpl(lambda: manifest(api=">=3,<4"))
-    mgr, record = load(module)
+    mgr, record = load_plugin(module)
     assert record.status == "refused"
     assert "supports halserve plugin API >=3,<4" in record.error
     assert mgr.pm.get_plugin("acme") is None and len(mgr.kernels) == 0
@@ -140,7 +131,7 @@ def test_plugin_for_another_api_is_refused_before_its_hooks_are_checked() -> Non
 def test_optional_unknown_hook_is_accepted() -> None:
     module = make_plugin()
     module.halserve_from_another_plugin = hookimpl(optionalhook=True)(lambda: None)
-    mgr, record = load(module)
+    mgr, record = load_plugin(module)
     assert record.status == "loaded", record.error
 
 
@@ -155,7 +146,7 @@ def test_good_plugin_is_dispatched_through_pluggy(mark: bool) -> None:
     def halserve_model_architectures():
         return {"AcmeForCausalLM": "acme.models:AcmeForCausalLM"}
 
-    mgr, record = load(make_plugin(
+    mgr, record = load_plugin(make_plugin(
         mark, halserve_platforms=lambda: [AcmePlatform], halserve_update_config=halserve_update_config,
         halserve_model_architectures=halserve_model_architectures,
     ))
@@ -174,30 +165,15 @@ def test_good_plugin_is_dispatched_through_pluggy(mark: bool) -> None:
 
 def test_update_config_may_take_a_subset_of_the_arguments() -> None:
     seen = []
-    mgr, record = load(make_plugin(halserve_update_config=lambda platform: seen.append(platform)))
+    mgr, record = load_plugin(make_plugin(halserve_update_config=lambda platform: seen.append(platform)))
     assert record.status == "loaded", record.error
     mgr.call_update_config(config=object(), platform="cpu")
     assert seen == ["cpu"]
 
 
-def test_bad_plugin_is_listed_as_failed_by_halserve_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_plugin_is_listed_as_failed_by_halserve_plugins(install_plugin) -> None:
     """Through discovery: a fake entry point naming a plugin with a misspelt hook."""
-    module = make_plugin(halserve_platfroms=lambda: [AcmePlatform])
-    monkeypatch.setitem(sys.modules, "halserve_acme_test_plugin", module)
-    real = metadata.entry_points
-
-    def entry_points(**kwargs):
-        eps = list(real(**kwargs))
-        if kwargs.get("group") == manager_module.ENTRY_POINT_GROUP:
-            eps.append(metadata.EntryPoint(name="acme", value="halserve_acme_test_plugin", group=kwargs["group"]))
-        return eps
-
-    monkeypatch.setattr(manager_module.metadata, "entry_points", entry_points)
-    monkeypatch.setenv("HALSERVE_PLUGINS", "builtin,cpu,acme")
-    monkeypatch.delenv("HALSERVE_DISABLE_PLUGINS", raising=False)
-    monkeypatch.delenv("HALSERVE_PLATFORM", raising=False)
-    monkeypatch.setattr(manager_module, "_manager", None)
-    mgr = manager_module.get_plugin_manager()
+    mgr = install_plugin(make_plugin(halserve_platfroms=lambda: [AcmePlatform]), must_load=False)
     assert mgr.record("cpu").status == "loaded" and mgr.record("builtin").status == "loaded"
     assert "gemm/acme_hv_gemm" not in mgr.kernels
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
 import types
-from importlib import metadata
 
 import pytest
 import torch
 from model_factory import make_checkpoint
+from plugin_test_utils import load_plugin
 from torch import nn
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
@@ -37,7 +36,6 @@ from halserve.plugins import (
     PluginRecord,
     hookimpl,
 )
-from halserve.plugins import manager as manager_module
 from halserve.quant_methods.unquantized import UnquantizedLinearMethod
 from halserve.sampling import Sampler
 
@@ -101,38 +99,12 @@ GOOD_OVERRIDES = [
 GOOD_ARCHITECTURES = {"LlamaForCausalLM": ModelArchitecture(AcmeLlama, platform="cpu", override=True)}
 
 
-def load(plugin) -> tuple[PluginManager, PluginRecord]:
-    mgr = PluginManager()
-    record = PluginRecord(name="acme", target="halserve_acme_overrides_plugin", distribution=None)
-    mgr.load_plugin("acme", plugin, record)
-    return mgr, record
-
-
 @pytest.fixture
-def acme_installed(monkeypatch: pytest.MonkeyPatch) -> PluginManager:
+def acme_installed(install_plugin) -> PluginManager:
     """The good plugin installed through a fake entry point, discovered with builtin and cpu."""
     plugin = make_plugin(GOOD_OVERRIDES, GOOD_ARCHITECTURES)
     plugin.halserve_platforms = hookimpl(lambda: [OtherPlatform])
-    monkeypatch.setitem(sys.modules, "halserve_acme_overrides_plugin", plugin)
-    real = metadata.entry_points
-
-    def entry_points(**kwargs):  # (other groups unchanged: transformers reads some)
-        eps = real(**kwargs)
-        if kwargs.get("group") != manager_module.ENTRY_POINT_GROUP:
-            return eps
-        fake = metadata.EntryPoint(name="acme", value="halserve_acme_overrides_plugin", group=kwargs["group"])
-        return metadata.EntryPoints([*eps, fake])
-
-    monkeypatch.setattr(manager_module.metadata, "entry_points", entry_points)
-    monkeypatch.setenv("HALSERVE_PLUGINS", "builtin,cpu,acme")
-    monkeypatch.delenv("HALSERVE_DISABLE_PLUGINS", raising=False)
-    monkeypatch.delenv("HALSERVE_PLATFORM", raising=False)
-    monkeypatch.setattr(manager_module, "_manager", None)
-    mgr = manager_module.get_plugin_manager()
-    assert mgr.record("acme").status == "loaded", mgr.record("acme").error
-    mgr.check_conflicts()
-    yield mgr
-    monkeypatch.setattr(manager_module, "_manager", None)
+    return install_plugin(plugin)
 
 
 def _build(path: str, platform) -> tuple[nn.Module, torch.Tensor]:
@@ -258,7 +230,7 @@ class WrongComputeLogitsHead(ParallelLMHead):
          "not-replaceable", "not-a-LayerOverride"],
 )
 def test_bad_override_fails_the_plugin_naming_it(override, expected: str) -> None:
-    mgr, record = load(make_plugin([override]))
+    mgr, record = load_plugin(make_plugin([override]))
     assert record.status == "failed"
     assert record.error.startswith("LayerOverrideError: plugin 'acme'"), record.error
     assert expected in record.error, record.error
@@ -279,7 +251,7 @@ def test_extra_weight_is_refused_when_first_built() -> None:
 
 
 def test_two_plugins_overriding_one_layer_on_one_platform_conflict() -> None:
-    mgr, record = load(make_plugin(GOOD_OVERRIDES[:1]))
+    mgr, record = load_plugin(make_plugin(GOOD_OVERRIDES[:1]))
     other = PluginRecord(name="rival", target="rival", distribution=None)
     rival = make_plugin([LayerOverride(RMSNorm, WrongForwardNorm.__base__, "acme")])  # another platform: fine
     rival.halserve_layer_overrides = hookimpl(lambda: [LayerOverride(RMSNorm, CountingRMSNorm, "cpu")])
@@ -314,7 +286,7 @@ def test_unscoped_shadowing_of_an_architecture_stays_a_conflict() -> None:
     ids=["no-override-flag", "unscoped", "star"],
 )
 def test_undeclared_or_unscoped_variant_fails_the_plugin(value, expected: str) -> None:
-    mgr, record = load(make_plugin(architectures={"LlamaForCausalLM": value}))
+    mgr, record = load_plugin(make_plugin(architectures={"LlamaForCausalLM": value}))
     assert record.status == "failed"
     assert "plugin 'acme': architecture 'LlamaForCausalLM'" in record.error and expected in record.error
     assert len(mgr.model_variants) == 0 and len(mgr.models) == 0
@@ -323,12 +295,12 @@ def test_undeclared_or_unscoped_variant_fails_the_plugin(value, expected: str) -
 def test_api_1_plugin_loads_under_api_2_with_a_deprecation_warning() -> None:
     with pytest.warns(DeprecationWarning, match=r"declares plugin API >=1,<2, built for API 1; this halserve "
                                                 r"provides API 2 .* declare api='>=1,<3'"):
-        mgr, record = load(make_plugin(GOOD_OVERRIDES[:1], api=">=1,<2"))
+        mgr, record = load_plugin(make_plugin(GOOD_OVERRIDES[:1], api=">=1,<2"))
     assert record.status == "loaded"
 
 
 def test_plugin_for_api_3_is_refused_naming_both_versions() -> None:
-    mgr, record = load(make_plugin(GOOD_OVERRIDES, api=">=3"))
+    mgr, record = load_plugin(make_plugin(GOOD_OVERRIDES, api=">=3"))
     assert record.status == "refused"
     assert "supports halserve plugin API >=3" in record.error and "provides plugin API 2" in record.error
     assert len(mgr.layer_overrides) == 0

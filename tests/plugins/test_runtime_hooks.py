@@ -13,13 +13,12 @@ import contextlib
 import io
 import json
 import os
-import sys
 import types
-from importlib import metadata
 
 import pytest
 import torch
 from model_factory import make_checkpoint
+from plugin_test_utils import load_plugin
 from safetensors.torch import load_file
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
@@ -37,7 +36,6 @@ from halserve.plugins import (
     PluginRecord,
     hookimpl,
 )
-from halserve.plugins import manager as manager_module
 
 WEIGHTS_FILE = "weights.pt"
 
@@ -130,42 +128,10 @@ def make_plugin(formats=None, platforms=None, architectures=None) -> types.Modul
     return module
 
 
-def load(plugin) -> tuple[PluginManager, PluginRecord]:
-    mgr = PluginManager()
-    record = PluginRecord(name="acme", target="halserve_acme_runtime_plugin", distribution=None)
-    mgr.load_plugin("acme", plugin, record)
-    return mgr, record
-
-
-def install(monkeypatch: pytest.MonkeyPatch, plugin: types.ModuleType) -> PluginManager:
-    """``plugin`` installed through a fake entry point, discovered with builtin and cpu."""
-    monkeypatch.setitem(sys.modules, "halserve_acme_runtime_plugin", plugin)
-    real = metadata.entry_points
-
-    def entry_points(**kwargs):  # (other groups unchanged: transformers reads some)
-        eps = real(**kwargs)
-        if kwargs.get("group") != manager_module.ENTRY_POINT_GROUP:
-            return eps
-        fake = metadata.EntryPoint(name="acme", value="halserve_acme_runtime_plugin", group=kwargs["group"])
-        return metadata.EntryPoints([*eps, fake])
-
-    monkeypatch.setattr(manager_module.metadata, "entry_points", entry_points)
-    monkeypatch.setenv("HALSERVE_PLUGINS", "builtin,cpu,acme")
-    monkeypatch.delenv("HALSERVE_DISABLE_PLUGINS", raising=False)
-    monkeypatch.delenv("HALSERVE_PLATFORM", raising=False)
-    monkeypatch.setattr(manager_module, "_manager", None)
-    mgr = manager_module.get_plugin_manager()
-    assert mgr.record("acme").status == "loaded", mgr.record("acme").error
-    mgr.check_conflicts()
-    return mgr
-
-
 @pytest.fixture
-def acme_installed(monkeypatch: pytest.MonkeyPatch):
-    yield install(monkeypatch, make_plugin([TorchSaveFormat], [AcmePlatform],
-                                           {"LlamaForCausalLM": ModelArchitecture(AcmeLlama, platform="acme",
-                                                                                  override=True)}))
-    monkeypatch.setattr(manager_module, "_manager", None)
+def acme_installed(install_plugin) -> PluginManager:
+    return install_plugin(make_plugin([TorchSaveFormat], [AcmePlatform],
+                                      {"LlamaForCausalLM": ModelArchitecture(AcmeLlama, platform="acme", override=True)}))
 
 
 # -- load formats ---------------------------------------------------------------------------------
@@ -219,14 +185,14 @@ class EmptyFormat(LoadFormat):
     ids=["reserved-name", "no-name", "no-method", "not-a-LoadFormat"],
 )
 def test_bad_load_format_fails_the_plugin_naming_it(fmt, expected: str) -> None:
-    mgr, record = load(make_plugin([fmt]))
+    mgr, record = load_plugin(make_plugin([fmt]))
     assert record.status == "failed"
     assert record.error.startswith("LoadFormatError: plugin 'acme'") and expected in record.error, record.error
     assert len(mgr.load_formats) == 0
 
 
 def test_two_plugins_registering_one_load_format_conflict() -> None:
-    mgr, record = load(make_plugin([TorchSaveFormat]))
+    mgr, record = load_plugin(make_plugin([TorchSaveFormat]))
     rival = PluginRecord(name="rival", target="rival", distribution=None)
     mgr.load_plugin("rival", make_plugin([TorchSaveFormat]), rival)
     assert any("load_format 'acme_pt' is registered by both plugin 'acme' and plugin 'rival'" in c
@@ -258,7 +224,7 @@ def test_halserve_plugins_lists_load_formats_and_the_platforms_communicator(acme
 
 # -- the conformance kit ---------------------------------------------------------------------------
 def _platform_manager(platform: type) -> PluginManager:
-    mgr, record = load(make_plugin(platforms=[platform]))
+    mgr, record = load_plugin(make_plugin(platforms=[platform]))
     assert record.status == "loaded", record.error
     mgr.records = [record]
     return mgr
@@ -290,11 +256,11 @@ def test_kit_checks_the_communicator_against_gloo_on_two_ranks() -> None:
 
 
 @pytest.mark.slow  # four small engines (~3 s)
-def test_kit_checks_a_model_variant_greedy_against_the_builtin(monkeypatch) -> None:
+def test_kit_checks_a_model_variant_greedy_against_the_builtin(install_plugin) -> None:
     from halserve.plugins.testing import run_conformance
 
     for variant, expected in ((AcmeLlama, "passed"), (SkewedLlama, "failed")):
-        mgr = install(monkeypatch, make_plugin(
+        mgr = install_plugin(make_plugin(
             platforms=[AcmePlatform],
             architectures={"LlamaForCausalLM": ModelArchitecture(variant, platform="acme", override=True)}))
         report = run_conformance("acme", checks=("variants",), manager=mgr)
@@ -302,4 +268,3 @@ def test_kit_checks_a_model_variant_greedy_against_the_builtin(monkeypatch) -> N
         assert (row.subject, row.case, row.status) == ("LlamaForCausalLM on acme", "greedy vs built-in LlamaForCausalLM",
                                                        expected), report.table()
         assert variant.__name__ in row.detail or "differs from the built-in LlamaForCausalLM on acme" in row.detail
-    monkeypatch.setattr(manager_module, "_manager", None)
