@@ -46,7 +46,7 @@ from halserve.layers import (
 from halserve.layers.fused_moe import ExpertWeightLoader
 from halserve.layers.mla import MLAAttention
 from halserve.layers.rotary import ROPE_TYPE_ALIASES, ROPE_TYPES, RotaryEmbedding, rope_parameters_from_config
-from halserve.models.llama import LlamaForCausalLM, LlamaMLP, model_type
+from halserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, model_type
 from halserve.models.pipeline import make_layers
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -236,15 +236,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(hf_config, ctx, f"{prefix}.mlp") if is_dense else DeepseekMoE(hf_config, ctx,
                                                                                             f"{prefix}.mlp")
 
-    def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    forward = LlamaDecoderLayer.forward  # (the same norms around attention and MLP; only the modules differ)
 
 
 class DeepseekModel(nn.Module):

@@ -42,7 +42,7 @@ from halserve.layers import (
     get_rope,
 )
 from halserve.layers.rotary import RotaryEmbedding
-from halserve.models.llama import LlamaAttention, LlamaForCausalLM, head_size_of, layer_sliding_windows
+from halserve.models.llama import LlamaAttention, LlamaForCausalLM, head_size_of, layer_sliding_windows, norm_and_attend
 from halserve.models.pipeline import IntermediateTensors, PPMissingLayer, make_layers
 
 VERSIONS = {"gemma": 1, "gemma2": 2, "gemma3_text": 3}
@@ -151,13 +151,7 @@ class GemmaDecoderLayer(nn.Module):
             self.post_feedforward_layernorm = ctx.layer(GemmaRMSNorm)(hidden, eps, ctx)
 
     def forward(self, positions, hidden, residual):
-        # residual carries the un-normed stream; the norm after each add fuses that add
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden, residual = norm_and_attend(self, positions, hidden, residual)
         if not self.has_sandwich_norms:  # Gemma: post_attention_layernorm is the pre-MLP norm
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden), residual

@@ -151,15 +151,22 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else LlamaMLP(hf_config, ctx, f"{prefix}.mlp")
 
     def forward(self, positions, hidden, residual):
-        # residual carries the un-normed stream; the norms fuse the add
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden, residual = norm_and_attend(self, positions, hidden, residual)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+def norm_and_attend(layer: nn.Module, positions: torch.Tensor, hidden: torch.Tensor,
+                    residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention half of a pre-norm decoder layer (``layer.input_layernorm``, then ``layer.self_attn``):
+    (the attention's output, the residual stream). ``residual`` carries the un-normed stream (None in the
+    first layer); the norm fuses the add of the previous layer's output into it."""
+    if residual is None:
+        residual = hidden
+        hidden = layer.input_layernorm(hidden)
+    else:
+        hidden, residual = layer.input_layernorm(hidden, residual)
+    return layer.self_attn(positions, hidden), residual
 
 
 class LlamaModel(nn.Module):
