@@ -14,9 +14,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from halserve.models.loader import ModelInfo
 
 
+MAMBA_HYBRID_MODEL_TYPES = ("bamba",)
+"""Model types whose decoder mixes Mamba2 layers (a ``MambaSpec`` each) with attention layers."""
+
+
 def model_kv_cache_specs(info: ModelInfo) -> tuple[KVCacheSpec, ...]:
-    """One spec per attention layer of the decoder, in order; () when every layer is full attention
-    (DeepSeek-V2/V3 served natively: an ``MLASpec`` per layer)."""
+    """One spec per cached layer of the decoder, in order; () when every layer is full attention
+    (DeepSeek-V2/V3 served natively: an ``MLASpec`` per layer; Bamba: a ``MambaSpec`` per Mamba2 layer
+    and a full-attention spec per attention layer)."""
     from halserve.models.llama import layer_sliding_windows
 
     hf_config = info.hf_config
@@ -27,6 +32,10 @@ def model_kv_cache_specs(info: ModelInfo) -> tuple[KVCacheSpec, ...]:
         if is_deepseek_mla(text_config):  # one latent per position: MLASpec on every layer
             spec = MLASpec(text_config.kv_lora_rank, text_config.qk_rope_head_dim)
             return (spec,) * text_config.num_hidden_layers
+        if getattr(text_config, "model_type", None) in MAMBA_HYBRID_MODEL_TYPES:  # Mamba2 layers beside attention
+            from halserve.models.bamba import bamba_kv_cache_specs
+
+            return bamba_kv_cache_specs(text_config)
     windows = layer_sliding_windows(text_config)
     if all(w is None for w in windows):
         return ()

@@ -51,6 +51,7 @@ def halserve_kv_connectors() -> list[type]:
 @hookimpl
 def halserve_model_architectures() -> dict[str, str]:
     return {
+        "BambaForCausalLM": "halserve.models.bamba:BambaForCausalLM",
         "DeepseekV2ForCausalLM": "halserve.models.deepseek:DeepseekForCausalLM",
         "DeepseekV3ForCausalLM": "halserve.models.deepseek:DeepseekForCausalLM",
         "GemmaForCausalLM": "halserve.models.gemma:GemmaForCausalLM",

@@ -35,7 +35,9 @@ def select_attention_backend(config: EngineConfig, platform: Platform, info: Mod
     # the KV-cache kinds its layers keep (halserve.kv_cache.spec): a backend must serve each
     from halserve.models.kv_cache_specs import model_kv_cache_specs
 
-    kinds = sorted({spec.kind for spec in model_kv_cache_specs(info)} - {"full_attention", "sliding_window"})
+    # (a recurrent layer's state, e.g. Mamba2's, is no backend's: its layer reads and writes its pages itself)
+    kinds = sorted({spec.kind for spec in model_kv_cache_specs(info) if not spec.is_recurrent}
+                   - {"full_attention", "sliding_window"})
 
     def refusal(cls: type) -> str | None:
         missing = [kind for kind in kinds if kind not in cls.kv_cache_spec_kinds()]

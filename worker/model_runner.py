@@ -22,6 +22,7 @@ full records only for new or resumed requests and diffs for the rest.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -136,6 +137,9 @@ class ModelRunner:
         if config.kv_transfer_config is not None:
             raise ValueError(f"{what}: KV connectors move one block table per request; drop kv_transfer_config")
         spec = config.speculative_config
+        if spec is not None and any(g.spec.is_recurrent for g in self.kv_cache_groups):
+            raise ValueError(f"{self.info.architecture} has recurrent (Mamba) layers, whose state cannot take back "
+                             "rejected draft tokens; drop speculative_config")
         if spec is not None and spec.method == "draft_model":
             raise ValueError(f"{what}: a draft model shares one block table; use speculative method 'ngram' or none")
 
@@ -193,7 +197,9 @@ class ModelRunner:
 
     def _local_kv_heads(self) -> int:
         layers = self.model.attention_layers if self.model is not None else []
-        return layers[0].num_kv_heads if layers else self.info.num_kv_heads
+        # (a hybrid model's first cached layer may be recurrent: a Mamba2 mixer keeps no heads)
+        return next((layer.num_kv_heads for layer in layers if not layer.kv_cache_spec.is_recurrent),
+                    self.info.num_kv_heads)
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit the KV budget: ``kv_cache_memory`` bytes if set, else the
@@ -244,10 +250,10 @@ class ModelRunner:
                              f"declares {declared} (models/kv_cache_specs.py); the model and its config disagree")
         kinds = self.attn_backend_cls.kv_cache_spec_kinds()
         for spec in dict.fromkeys(actual):
-            if spec.kind not in kinds:
+            if spec.kind not in kinds and not spec.is_recurrent:  # (a recurrent layer reads its pages itself)
                 raise ValueError(f"attention backend {self.attn_backend_cls.name!r} cannot serve {spec.kind} layers "
                                  f"(it serves {', '.join(kinds)}); choose another attention_backend")
-        shapes = {(layer.num_kv_heads, layer.head_size) for layer in layers}
+        shapes = {(layer.num_kv_heads, layer.head_size) for layer in layers if not layer.kv_cache_spec.is_recurrent}
         if len(shapes) > 1:
             raise ValueError(f"{self.info.architecture}: the KV-cache groups share tensors, so every attention layer "
                              f"needs the same (kv heads, head size); its layers have {sorted(shapes)}")
@@ -259,6 +265,10 @@ class ModelRunner:
             for j, index in enumerate(group.layer_indices):
                 layers[index].kv_cache = tensors[j]
                 layers[index].kv_cache_group = g
+                if group.spec.is_recurrent:  # its state goes into the pages of its slot's tensor (layers/mamba2.py)
+                    layers[index].page_views = functools.partial(
+                        self.attn_backend_cls.kv_cache_block_views, block_size=self.block_size,
+                        num_kv_heads=num_kv_heads, head_size=head_size)
         self.kv_caches = [layer.kv_cache for layer in layers]  # (per layer, in order: aliases of the tensors)
         logger.info("hybrid KV cache: %d groups of up to %d layers (%s) over one pool", len(self.kv_cache_groups),
                     len(tensors), ", ".join(f"{g.spec.kind}{getattr(g.spec, 'window', '') or ''}"
@@ -345,9 +355,11 @@ class ModelRunner:
         )
         attn_metadata = self.attn_backend_cls.build_metadata(common)
         if step.group_common is not None:  # a hybrid model: one metadata per KV-cache group
-            attn_metadata = [attn_metadata] + [self.attn_backend_cls.build_metadata(dataclasses.replace(
-                common, block_table=gc.block_table.to(dev, non_blocking=True),
-                slot_mapping=gc.slot_mapping.to(dev, non_blocking=True))) for gc in step.group_common]
+            # (a recurrent group's layers read the host metadata: their state's block ids)
+            attn_metadata = [attn_metadata] + [gc if group.spec.is_recurrent else self.attn_backend_cls.build_metadata(
+                dataclasses.replace(common, block_table=gc.block_table.to(dev, non_blocking=True),
+                                    slot_mapping=gc.slot_mapping.to(dev, non_blocking=True)))
+                for gc, group in zip(step.group_common, self.kv_cache_groups[1:])]
         from halserve.forward_context import set_forward_context
 
         input_ids = step.input_ids.to(dev, non_blocking=True)

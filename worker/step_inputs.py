@@ -93,9 +93,11 @@ def prepare_inputs(out: SchedulerOutput, requests: dict[str, CachedRequestState]
     if num_kv_groups > 1:
         group_common = []
         for g in range(num_kv_groups - 1):
-            table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+            # (a recurrent group's table is its state's blocks, whatever the context: maybe more than max_blocks)
+            width = max(max_blocks, max(len(state.group_block_ids[g]) for state in states))
+            table = np.zeros((num_reqs, width), dtype=np.int32)
             for r, state in enumerate(states):
-                ids = state.group_block_ids[g][:max_blocks]
+                ids = state.group_block_ids[g][:width]
                 table[r, : len(ids)] = ids
             slots = table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
             group_common.append(dataclasses.replace(common, block_table=torch.from_numpy(table),

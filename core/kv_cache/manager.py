@@ -20,22 +20,35 @@ runs; its table keeps the null block there, so positions still index it (window 
     full group:     [ blk 7 | blk 2 | blk 9 | blk 4 ]
     sliding group:  [ null  | null  | blk 5 | blk 8 ]      blocks 0, 1 freed (9 < 10 - 1)
 
+A recurrent group (``MambaSpec``) holds its request's state in the first ``num_state_blocks`` blocks
+of its table from the first allocation to ``free``; its table never grows. Such a model runs without
+prefix caching (a state is the whole prefix's, not a block's: no hit without state checkpoints).
+
 The scheduler sees group 0 as before (``allocate_slots``' return value, ``get_block_ids``); the
 other groups' tables go to the worker through ``new_group_block_ids`` / ``get_group_block_ids``.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 from halserve.kv_cache.block import BlockId, KVCacheBlock
 from halserve.kv_cache.block_pool import BlockPool
 from halserve.kv_cache.hashing import extend_block_hashes
-from halserve.kv_cache.spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec, group_layers
+from halserve.kv_cache.spec import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    group_layers,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from halserve.request import Request, RequestId
 
+logger = logging.getLogger(__name__)
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -58,12 +71,22 @@ class KVCacheManager:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
         self.max_model_len = max_model_len
         self.groups: list[KVCacheGroup] = (group_layers(list(layer_specs)) if layer_specs
                                            else [KVCacheGroup(FullAttentionSpec(), (0,))])
         self.specs = [group.spec for group in self.groups]
         self.num_groups = len(self.groups)
+        if self.specs[0].is_recurrent:
+            raise ValueError("a model whose every cached layer is recurrent has no attention pages to keep its "
+                             "state in; it needs at least one attention layer")
+        # recurrent groups: their state's block count (fixed per request); None for the growing groups
+        self._num_state_blocks = [spec.num_state_blocks(block_size) if isinstance(spec, MambaSpec) else None
+                                  for spec in self.specs]
+        if enable_prefix_caching and any(spec.is_recurrent for spec in self.specs):
+            logger.info("prefix caching is off: this model's recurrent (Mamba) layers keep one state per request, "
+                        "not per block, so a cached prefix could not restore it")
+            enable_prefix_caching = False
+        self.enable_prefix_caching = enable_prefix_caching
         # the only release of blocks while a request runs: sliding windows (full attention and MLA
         # latents keep every position)
         self._windowed = [g for g, spec in enumerate(self.specs) if isinstance(spec, SlidingWindowSpec)]
@@ -272,11 +295,14 @@ class KVCacheManager:
         )
         num_known = min(num_total, request.num_tokens)
         assert self.max_model_len is None or num_total + num_lookahead_tokens <= self.max_model_len
-        num_have = (0 if tables is None else len(tables[0])) + num_hit
-        num_new_blocks = max(0, cdiv(num_total + num_lookahead_tokens, bs) - num_have)
+        # every growing group to the same length; a recurrent one to its state's blocks (the first time)
+        num_wanted = cdiv(num_total + num_lookahead_tokens, bs)
+        num_new_blocks = [max(0, (num_wanted if fixed is None else fixed)
+                              - (0 if tables is None else len(tables[g])) - len(hits[g]))
+                          for g, fixed in enumerate(self._num_state_blocks)]
         num_revived = sum(1 for hit in hits for block in hit if block.ref_cnt == 0 and not block.is_null)
         # (a block hit in two groups cannot happen: each group registers under its own key)
-        if num_new_blocks * self.num_groups + num_revived > self.block_pool.get_num_free_blocks():
+        if sum(num_new_blocks) + num_revived > self.block_pool.get_num_free_blocks():
             return None
 
         # -- commit --
@@ -294,7 +320,7 @@ class KVCacheManager:
             tables[g].extend(hits[g])
         new_ids: list[list[BlockId]] = []
         for g in range(self.num_groups):
-            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks[g])
             assert new_blocks is not None
             tables[g].extend(new_blocks)
             new_ids.append([block.block_id for block in (*hits[g], *new_blocks)])

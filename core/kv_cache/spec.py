@@ -15,6 +15,16 @@ Only the *full attention* group's blocks grow with the context; a sliding-window
 ``window / block_size + 1`` blocks per request (``SingleTypeManager.remove_skipped_blocks``), so
 long requests fit several times more often. A model with one spec has one group of all its layers:
 exactly the single block table of before.
+
+Recurrent layers (Mamba2, ``MambaSpec``) keep no per-position K/V but one fixed-size state per request
+(conv window + SSM state). It lives in the same pages: a request's state takes the first
+``num_state_blocks`` blocks of its group's table, allocated with the request and freed with it, whatever
+its length::
+
+    Bamba, 4 layers (mamba, attention, mamba, mamba) -> 4 groups of one layer (group_size 1)
+    full group (layer 1):   [ blk 3 | blk 8 | blk 11 | ... ]     grows with the context
+    mamba group (layer 0):  [ blk 5 | blk 6 ]                    conv + SSM state, fixed
+    block b of the tensor = K/V of layer 1, or 1/2 of the state of layer 0, 2 or 3
 """
 from __future__ import annotations
 
@@ -32,6 +42,7 @@ class FullAttentionSpec:
     """Every position's K/V for the whole request."""
 
     kind: ClassVar[str] = "full_attention"
+    is_recurrent: ClassVar[bool] = False  # (MambaSpec: a state per request, read by no attention backend)
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens no later query of the request will read (their wholly-covered blocks are freed)."""
@@ -48,6 +59,7 @@ class SlidingWindowSpec:
 
     window: int
     kind: ClassVar[str] = "sliding_window"
+    is_recurrent: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -83,6 +95,7 @@ class MLASpec:
     kv_lora_rank: int
     qk_rope_head_dim: int
     kind: ClassVar[str] = "mla"
+    is_recurrent: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.kv_lora_rank < 1 or self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2:
@@ -109,8 +122,50 @@ class MLASpec:
         return cdiv(num_tokens, block_size)
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec
-SPEC_KINDS = ("full_attention", "sliding_window", "mla")
+@dataclass(frozen=True, slots=True)
+class MambaSpec:
+    """A Mamba2 layer's recurrent state: one per request, of a fixed size whatever the request's length.
+
+    ``conv_state_shape`` [conv_dim, d_conv - 1] (the last inputs of the causal conv) and
+    ``ssm_state_shape`` [num_heads, head_dim, d_state], in that order in the state's flat elements. The
+    state is written into the pages of the attention layers it shares the pool with:
+    ``page_token_elements`` is what one token of one such layer takes (2 * kv_heads * head_size, K and V),
+    so a block holds ``block_size * page_token_elements`` state elements and a state needs::
+
+        num_state_blocks = cdiv(conv + ssm elements, block_size * page_token_elements)
+
+    (Bamba-9B: 8192 * 3 + 128 * 64 * 128 = 1073152 elements over 16-token pages of 2 * 8 * 128: 263
+    blocks; vLLM raises the attention block size instead so one page holds a state.)
+    """
+
+    conv_state_shape: tuple[int, int]
+    ssm_state_shape: tuple[int, int, int]
+    page_token_elements: int
+    kind: ClassVar[str] = "mamba"
+    is_recurrent: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.page_token_elements < 1 or min(self.conv_state_shape + self.ssm_state_shape) < 1:
+            raise ValueError(f"a Mamba state needs positive sizes, got conv {self.conv_state_shape}, ssm "
+                             f"{self.ssm_state_shape} over pages of {self.page_token_elements} elements per token")
+
+    @property
+    def num_state_elements(self) -> int:
+        return math.prod(self.conv_state_shape) + math.prod(self.ssm_state_shape)
+
+    def num_state_blocks(self, block_size: int) -> int:
+        """Blocks one request's state takes (the first of its group's table)."""
+        return cdiv(self.num_state_elements, block_size * self.page_token_elements)
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return 0
+
+    def max_num_blocks(self, num_tokens: int, block_size: int, max_step_tokens: int) -> int:
+        return self.num_state_blocks(block_size)
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec | MambaSpec
+SPEC_KINDS = ("full_attention", "sliding_window", "mla", "mamba")
 """The spec kinds halserve's KV-cache manager serves (``AttentionBackend.kv_cache_spec_kinds``)."""
 
 
@@ -128,7 +183,8 @@ class KVCacheGroup:
 
 
 def group_layers(layer_specs: list[KVCacheSpec]) -> list[KVCacheGroup]:
-    """Groups of equal-spec layers, all of one size (the tensors' count), in order of first layer.
+    """Groups of equal-spec layers, all of one size (the tensors' count), in order of first layer, the
+    recurrent groups last (group 0, the one the scheduler sees, grows with the context).
 
     One spec: one group of every layer (the single block table of a plain model). Several: the group
     size is the gcd of the specs' layer counts when that keeps groups few (<= 8), else the smallest
@@ -146,7 +202,7 @@ def group_layers(layer_specs: list[KVCacheSpec]) -> list[KVCacheGroup]:
     if sum(count // size for count in counts) > 8:
         size = min(counts)
     groups = []
-    for spec, layers in by_spec.items():
+    for spec, layers in sorted(by_spec.items(), key=lambda item: item[0].is_recurrent):
         for start in range(0, len(layers), size):
             groups.append(KVCacheGroup(spec, tuple(layers[start:start + size])))
     return groups
