@@ -29,6 +29,19 @@ MAX_TOKENS = 8
 ENGINE: dict[str, Any] = dict(max_model_len=128, num_kv_blocks=96, max_num_batched_tokens=16, max_num_seqs=4)
 
 
+def greedy_mismatch(got: list[list[int]], want: list[list[int]], reference: str, label: str) -> str | None:
+    """Where greedy tokens for the kit's prompts (``PROMPTS``, then ``PREFIX_HIT_PROMPT``) first part
+    from ``reference``'s (named in the message, e.g. "the CPU reference"; ``label`` its tokens), or
+    None when they agree. A shorter output parts where it ends."""
+    prompts = PROMPTS + [PREFIX_HIT_PROMPT]
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            first = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+            return (f"prompt {i} ({prompts[i]!r}) differs from {reference} at generated token {first}: "
+                    f"got {g}, {label} {w}")
+    return None
+
+
 class _E2E:
     def __init__(self, quick: bool):
         self.quick = quick
@@ -138,13 +151,9 @@ def _compare(report, run: _E2E, subject, case, *, platform, backend, backend_cls
         return
     if backend_cls is not None:
         covered.add(backend_cls.name)
-    prompts = PROMPTS + [PREFIX_HIT_PROMPT]
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            first = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
-            report.add("e2e", subject, case, "failed",
-                       f"prompt {i} ({prompts[i]!r}) differs from the CPU reference at generated token {first}: "
-                       f"got {g}, reference {w}")
-            return
+    mismatch = greedy_mismatch(got, want, "the CPU reference", "reference")
+    if mismatch is not None:
+        report.add("e2e", subject, case, "failed", mismatch)
+        return
     report.add("e2e", subject, case, "passed",
-               f"{len(prompts)} prompts x {MAX_TOKENS} greedy tokens identical to platform cpu + torch attention")
+               f"{len(PROMPTS) + 1} prompts x {MAX_TOKENS} greedy tokens identical to platform cpu + torch attention")

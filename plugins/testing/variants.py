@@ -68,7 +68,7 @@ def check_model_variants(report: ConformanceReport, manager: Any, resolver: Targ
 
 def _compare(report: ConformanceReport, tmp: str, subject: str, case: str, platform: str, arch: str,
              variant: type) -> None:
-    from halserve.plugins.testing.e2e import PREFIX_HIT_PROMPT, PROMPTS
+    from halserve.plugins.testing.e2e import PROMPTS, greedy_mismatch
     from halserve.plugins.testing.tiny_model import make_tiny_checkpoint
 
     path = os.path.join(tmp, arch)
@@ -85,14 +85,10 @@ def _compare(report: ConformanceReport, tmp: str, subject: str, case: str, platf
         report.add("variant", subject, case, "failed",
                    f"platform {platform} built {type(model).__name__}, not the registered variant {variant.__name__}")
         return
-    prompts = PROMPTS + [PREFIX_HIT_PROMPT]
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            first = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
-            report.add("variant", subject, case, "failed",
-                       f"prompt {i} ({prompts[i]!r}) differs from the built-in {arch} on {platform} at generated token "
-                       f"{first}: got {g}, built-in {w}")
-            return
+    mismatch = greedy_mismatch(got, want, f"the built-in {arch} on {platform}", "built-in")
+    if mismatch is not None:
+        report.add("variant", subject, case, "failed", mismatch)
+        return
     report.add("variant", subject, case, "passed",
-               f"{variant.__name__}: {len(prompts)} prompts x {len(want[0])} greedy tokens identical to the built-in "
+               f"{variant.__name__}: {len(PROMPTS) + 1} prompts x {len(want[0])} greedy tokens identical to the built-in "
                f"{arch} on platform {platform} (torch attention on both)")
