@@ -14,6 +14,7 @@ from halserve.kv_cache.spec import (
     group_layers,
     spec_for_window,
 )
+from halserve.kv_cache.spec_kinds import SpecKind, known_spec_kinds, register_spec_kind
 
 __all__ = [
     "NONE_HASH",
@@ -29,9 +30,12 @@ __all__ = [
     "KVCacheSpec",
     "MLASpec",
     "SlidingWindowSpec",
+    "SpecKind",
     "extend_block_hashes",
     "group_layers",
     "hash_block_tokens",
     "hash_request_tokens",
+    "register_spec_kind",
     "spec_for_window",
+    "known_spec_kinds",
 ]

@@ -14,8 +14,12 @@ the prefixes later steps attend to.
     mixed              decodes, a fresh prefill and a chunk after cached context, in one
                        step, in mixed order
     gqa / mqa          mixed with 8/2 and 4/1 query/KV heads (the base is 4/2)
-    sliding_window     mixed with a window of 5 (if the backend declares it)
+    sliding_window     mixed with a window of 5 (if the backend declares it; a backend that claims
+                       the sliding_window KV-cache kind and declines it fails)
     fp8_kv             mixed with an fp8 KV cache and k/v scales 0.5/0.25 (if declared)
+
+Then every KV-cache spec kind the backend claims beyond these (``kv_cache_spec_kinds``: MLA, a
+plugin's own kind) gets its own check (``spec_kind_checks.py``).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from halserve.plugins.testing.results import ConformanceReport
+from halserve.plugins.testing.spec_kind_checks import check_claimed_kinds, claimed_kinds
 from halserve.plugins.testing.target import INTERPRETER_BF16_REASON, Target, TargetResolver
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,6 +107,7 @@ def check_attention(report: ConformanceReport, manager: Any, resolver: TargetRes
                 if sc.kv_cache_dtype != "auto":
                     label += f" kv={sc.kv_cache_dtype}"
                 _run_scenario(report, reg.name, cls, sc, dtype, head_size, block_size, target, label, resolver)
+        check_claimed_kinds(report, reg.name, cls, target, quick, _fp8_platform(resolver, target))
 
 
 def _run_scenario(report, subject, cls, sc: Scenario, dtype, head_size, block_size, target: Target, label,
@@ -114,6 +120,10 @@ def _run_scenario(report, subject, cls, sc: Scenario, dtype, head_size, block_si
         report.add("attention", subject, label, "failed", f"supports() raised {type(exc).__name__}: {exc}")
         return
     if reason is not None:
+        if sc.sliding_window and "sliding_window" in claimed_kinds(cls) and "sliding window" in reason:
+            report.add("attention", subject, label, "failed", f"attention backend {subject} claims the sliding_window "
+                       f"KV-cache kind (kv_cache_spec_kinds) but declines a window of {sc.sliding_window}: {reason}")
+            return
         report.add("attention", subject, label, "declined", f"backend declines: {reason}")
         return
     if not target.runnable:
@@ -125,11 +135,8 @@ def _run_scenario(report, subject, cls, sc: Scenario, dtype, head_size, block_si
     if target.interpreter and sc.kv_cache_dtype != "auto":
         report.add("attention", subject, label, "declined", INTERPRETER_FP8_REASON)
         return
-    fp8_platform = None
-    if target.platform in resolver.manager.platforms:
-        fp8_platform = resolver.manager.platforms[target.platform].obj.fp8_dtype
     try:
-        worst = run_and_compare(cls, sc, dtype, head_size, block_size, target, fp8_platform)
+        worst = run_and_compare(cls, sc, dtype, head_size, block_size, target, _fp8_platform(resolver, target))
     except _Mismatch as exc:
         report.add("attention", subject, label, "failed", f"attention backend {subject}, case {label}: {exc}")
         return
@@ -138,6 +145,13 @@ def _run_scenario(report, subject, cls, sc: Scenario, dtype, head_size, block_si
                    f"attention backend {subject}, case {label}: raised {type(exc).__name__}: {exc}")
         return
     report.add("attention", subject, label, "passed", worst)
+
+
+def _fp8_platform(resolver: TargetResolver, target: Target) -> str | None:
+    """The fp8 flavour the target platform allocates for "fp8" (e.g. float8_e4m3fnuz on MI300)."""
+    if target.platform in resolver.manager.platforms:
+        return resolver.manager.platforms[target.platform].obj.fp8_dtype
+    return None
 
 
 class _Mismatch(AssertionError):
@@ -159,7 +173,6 @@ def run_and_compare(cls, sc: Scenario, dtype_name: str, head_size: int, block_si
     """Run every step on ``cls`` and the reference; raise ``_Mismatch`` on the first bad step."""
     import torch
 
-    from halserve.attention_backends.base import AttentionMetadata
     from halserve.attention_backends.torch_ref import TorchAttentionBackend
 
     dtype = getattr(torch, dtype_name)
@@ -170,18 +183,10 @@ def run_and_compare(cls, sc: Scenario, dtype_name: str, head_size: int, block_si
     qs = [torch.randn(n, hq, head_size, generator=g).to(dtype) for n in sc.lengths]
     ks = [torch.randn(n, hk, head_size, generator=g).to(dtype) for n in sc.lengths]
     vs = [torch.randn(n, hk, head_size, generator=g).to(dtype) for n in sc.lengths]
-    blocks_needed = [math.ceil(n / block_size) for n in sc.lengths]
-    num_blocks = sum(blocks_needed) + 3
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables: list[list[int]] = []
-    for r, nb in enumerate(blocks_needed):
-        owner = sc.shares.get(r)
-        shared = tables[owner[0]][: owner[1]] if owner else []
-        if owner:
-            upto = owner[1] * block_size
-            ks[r][:upto], vs[r][:upto] = ks[owner[0]][:upto], vs[owner[0]][:upto]
-        tables.append(shared + [order.pop() for _ in range(nb - len(shared))])
-    max_blocks = max(len(t) for t in tables)
+    for r, (owner, num_shared) in sc.shares.items():
+        upto = num_shared * block_size
+        ks[r][:upto], vs[r][:upto] = ks[owner][:upto], vs[owner][:upto]
+    tables, num_blocks = block_tables(sc, block_size, g)
 
     scale = 1.0 / math.sqrt(head_size)
     k_scale, v_scale = FP8_SCALES if sc.kv_cache_dtype != "auto" else (1.0, 1.0)
@@ -206,45 +211,78 @@ def run_and_compare(cls, sc: Scenario, dtype_name: str, head_size: int, block_si
         starts = [0]
         for _r, _s, n in step:
             starts.append(starts[-1] + n)
-        seq_lens = [s + n for _r, s, n in step]
-        table = torch.zeros(len(step), max_blocks, dtype=torch.int32)
-        slots = []
-        for row, (r, s, n) in enumerate(step):
-            table[row, : len(tables[r])] = torch.tensor(tables[r], dtype=torch.int32)
-            slots += [tables[r][p // block_size] * block_size + p % block_size for p in range(s, s + n)]
         outs = {}
         for key, (klass, impl, dev, _cdtype) in impls.items():
-            qsl = torch.tensor(starts, dtype=torch.int32)
-            sl = torch.tensor(seq_lens, dtype=torch.int32)
-            common = AttentionMetadata(
-                num_actual_tokens=q.shape[0], num_reqs=len(step), max_query_len=max(n for *_x, n in step),
-                max_seq_len=max(seq_lens), query_start_loc=qsl.to(dev), seq_lens=sl.to(dev),
-                block_table=table.to(dev), slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
-                query_start_loc_cpu=qsl, seq_lens_cpu=sl,
-            )
-            meta = klass.build_metadata(common)
-            out = impl.forward(q.to(dev), k.to(dev), v.to(dev), caches[key], meta, k_scale, v_scale)
-            outs[key] = out
-        got, want = outs["backend"], outs["reference"]
-        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
-            raise _Mismatch(f"step {step_index} returned {tuple(got.shape)} {got.dtype}, "
-                            f"expected {tuple(want.shape)} {want.dtype}")
-        diff = (got.detach().cpu().double() - want.double()).abs()  # [T, Hq, D]
-        if not bool(torch.isfinite(diff).all()):
-            bad = int((~torch.isfinite(diff)).flatten(1).any(1).nonzero()[0])
-            raise _Mismatch(f"step {step_index} output has NaN/inf at {_where(step, starts, bad)}")
-        ref_max = max(want.abs().max().item(), 1e-6)
-        per_token = diff.flatten(1).amax(1)  # [T]
-        err = per_token.max().item()
-        rel = err / ref_max
+            meta = klass.build_metadata(step_metadata(step, tables, block_size, dev))
+            outs[key] = impl.forward(q.to(dev), k.to(dev), v.to(dev), caches[key], meta, k_scale, v_scale)
+        rel = compare_step(outs["backend"], outs["reference"], step, starts, step_index, len(sc.steps), tol)
         worst_rel = max(worst_rel, rel)
-        if rel > tol:
-            t = int(per_token.argmax())
-            raise _Mismatch(
-                f"step {step_index} of {len(sc.steps)}: max |error| {err:.3g} = {rel:.2e} of max |ref| {ref_max:.3g} "
-                f"> tolerance {tol:.0e}; worst at {_where(step, starts, t)}"
-            )
     return f"{len(sc.steps)} steps, max |error| {worst_rel:.2e} of max |ref| (tolerance {tol:.0e})"
+
+
+def block_tables(sc: Scenario, block_size: int, g: Any) -> tuple[list[list[int]], int]:
+    """(each request's block ids, in a random order; the pool size with 3 spare blocks): a request
+    sharing another's first blocks (``sc.shares``: a prefix-cache hit) gets the same ids for them."""
+    import torch
+
+    blocks_needed = [math.ceil(n / block_size) for n in sc.lengths]
+    num_blocks = sum(blocks_needed) + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables: list[list[int]] = []
+    for r, nb in enumerate(blocks_needed):
+        owner = sc.shares.get(r)
+        shared = tables[owner[0]][: owner[1]] if owner else []
+        tables.append(shared + [order.pop() for _ in range(nb - len(shared))])
+    return tables, num_blocks
+
+
+def step_metadata(step: list[tuple[int, int, int]], tables: list[list[int]], block_size: int, dev: Any) -> Any:
+    """The common ``AttentionMetadata`` of one scenario step (request, first position, tokens), on ``dev``."""
+    import torch
+
+    from halserve.attention_backends.base import AttentionMetadata
+
+    starts = [0]
+    for _r, _s, n in step:
+        starts.append(starts[-1] + n)
+    seq_lens = [s + n for _r, s, n in step]
+    table = torch.zeros(len(step), max(len(t) for t in tables), dtype=torch.int32)
+    slots: list[int] = []
+    for row, (r, s, n) in enumerate(step):
+        table[row, : len(tables[r])] = torch.tensor(tables[r], dtype=torch.int32)
+        slots += [tables[r][p // block_size] * block_size + p % block_size for p in range(s, s + n)]
+    qsl = torch.tensor(starts, dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    return AttentionMetadata(
+        num_actual_tokens=starts[-1], num_reqs=len(step), max_query_len=max(n for *_x, n in step),
+        max_seq_len=max(seq_lens), query_start_loc=qsl.to(dev), seq_lens=sl.to(dev),
+        block_table=table.to(dev), slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+        query_start_loc_cpu=qsl, seq_lens_cpu=sl,
+    )
+
+
+def compare_step(got, want, step, starts: list[int], step_index: int, num_steps: int, tol: float) -> float:
+    """Max |got - want| over max |want| of one step ([T, ...] outputs); ``_Mismatch`` past ``tol``."""
+    import torch
+
+    if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+        raise _Mismatch(f"step {step_index} returned {tuple(got.shape)} {got.dtype}, "
+                        f"expected {tuple(want.shape)} {want.dtype}")
+    diff = (got.detach().cpu().double() - want.cpu().double()).abs()  # [T, H, D]
+    if not bool(torch.isfinite(diff).all()):
+        bad = int((~torch.isfinite(diff)).flatten(1).any(1).nonzero()[0])
+        raise _Mismatch(f"step {step_index} output has NaN/inf at {_where(step, starts, bad)}")
+    ref_max = max(want.abs().max().item(), 1e-6)
+    per_token = diff.flatten(1).amax(1)  # [T]
+    err = per_token.max().item()
+    rel = err / ref_max
+    if rel > tol:
+        t = int(per_token.argmax())
+        raise _Mismatch(
+            f"step {step_index} of {num_steps}: max |error| {err:.3g} = {rel:.2e} of max |ref| {ref_max:.3g} "
+            f"> tolerance {tol:.0e}; worst at {_where(step, starts, t)}"
+        )
+    return rel
 
 
 def _where(step, starts, token: int) -> str:
