@@ -18,8 +18,17 @@ SDPA per prompt, like the torch backend whose masks and metadata this backend re
 float16 and fp8 caches use the torch backend (the platform's next preference). In bfloat16
 the cache holds bf16 (half the bytes a decode step streams: W1's decode attention measured
 0.70 ms per layer against 1.98 in float32). The kernels are compiled on first use.
+
+MLA layers (DeepSeek-V2/V3, ``forward_mla``) keep the torch backend's latent pages
+``[num_blocks, block_size, r + dr]`` (``halserve.kv_cache.spec.MLASpec``). Decodes take the absorbed
+path with the attention native (``mla_decode.cpp``, the ``mla`` kernel library, built on the first MLA
+step): ``q_lat = W_UK^T q_nope`` and ``out = W_UV o_lat`` are batched matmuls in torch, the kernel
+scores the latent rows in place (float32, bfloat16 or fp8 pages) with an online softmax and returns
+``o_lat``. Prefills are the torch backend's naive path (latents expanded through W_UK / W_UV, SDPA).
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -42,9 +51,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
 
     @classmethod
     def kv_cache_spec_kinds(cls) -> tuple[str, ...]:
-        # not MLA: its latent pages have no native kernel here (the inherited forward_mla is the torch
-        # backend's, which an MLA model then selects by name)
-        return ("full_attention", "sliding_window")
+        return ("full_attention", "sliding_window", "mla")
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -62,6 +69,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
 
         self._kernel = cpu_kernels.load()
         self._prefill_ok: dict[int, bool] = {}
+        self._mla_decode: Any = None  # torch.ops.halserve_cpu_mla.mla_decode, loaded by the first MLA step
         if self._kernel is None:
             raise RuntimeError(
                 f"the cpu_native attention backend could not build its kernel: {cpu_kernels.load_error()}; "
@@ -116,6 +124,53 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             o = self._attend(q_pre, kk, vv, mask, is_causal=mask is None)
             out[span.token_start : span.token_end] = o.squeeze(0).transpose(0, 1)
         return out
+
+    # -- MLA (module docstring) -------------------------------------------------------------
+    def forward_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                    kv_cache: torch.Tensor, metadata: TorchAttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                    k_scale: float = 1.0) -> torch.Tensor:
+        """q_nope [T, H, dn], q_pe [T, H, dr], kv_c [T, r], k_pe [T, dr], kv_cache [num_blocks, B, r + dr],
+        w_uk [H, dn, r], w_uv [H, dv, r] -> [T, H, dv]. Writes the step's latents, then attends."""
+        if not isinstance(metadata, TorchAttentionMetadata):
+            raise TypeError("CpuNativeAttentionBackend.forward_mla needs the metadata from its build_metadata, got "
+                            f"{type(metadata).__name__}")
+        n = metadata.num_actual_tokens
+        self._write_mla(kv_cache, torch.cat([kv_c[:n], k_pe[:n]], dim=-1), metadata.slot_mapping[:n].long(), k_scale)
+        if not metadata.prefills and q_nope.shape[0] == n and self._all_decodes_in_order(metadata):
+            # the common decode step: the kernel's rows are the layer's output
+            return self._mla_absorbed(q_nope, q_pe, kv_cache, metadata.block_table, metadata.seq_lens, w_uk, w_uv,
+                                      k_scale)
+        out = q_nope.new_empty(q_nope.shape[0], w_uv.shape[0], w_uv.shape[1])
+        out[n:] = 0  # every real token is written below; padding reads zeros
+        if metadata.decode_req_indices:
+            token_idx, block_table, seq_lens = self._decode_rows(metadata)
+            o = self._mla_absorbed(q_nope.index_select(0, token_idx), q_pe.index_select(0, token_idx), kv_cache,
+                                   block_table, seq_lens, w_uk, w_uv, k_scale)
+            out.index_copy_(0, token_idx, o)
+        block_size = kv_cache.shape[1]
+        for span in metadata.prefills:  # naive, as the torch backend: the latents expanded into per-head K/V
+            block_ids, mask = self._prefill_inputs(metadata, span, block_size, q_nope.device)
+            rows = self._read_mla(kv_cache, block_ids, k_scale, q_nope.dtype)[: span.seq_len]  # [S, r + dr]
+            tokens = slice(span.token_start, span.token_end)
+            out[tokens] = self.mla_expanded_attention(q_nope[tokens], q_pe[tokens], rows, w_uk, w_uv, mask)
+        return out
+
+    def _mla_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                      block_table: torch.Tensor, seq_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                      k_scale: float) -> torch.Tensor:
+        """Decodes in order of ``block_table``'s rows: q_nope [Nd, H, dn], q_pe [Nd, H, dr] -> [Nd, H, dv]."""
+        if self._mla_decode is None:
+            from halserve.platforms import cpu_kernels
+
+            if cpu_kernels.load_library("mla") is None:
+                raise RuntimeError(f"the cpu_native backend could not build its MLA kernel: "
+                                   f"{cpu_kernels.load_error('mla')}; use attention_backend='torch'")
+            self._mla_decode = torch.ops.halserve_cpu_mla.mla_decode
+        rank = w_uk.shape[2]
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [Nd, H, r]
+        q_full = torch.cat([q_lat, q_pe], dim=-1).float()  # [Nd, H, r + dr]: the kernel computes in float32
+        o_lat = self._mla_decode(q_full, kv_cache, block_table, seq_lens, rank, self.scale, k_scale)  # [Nd, H, r]
+        return torch.einsum("thr,hvr->thv", o_lat.to(q_nope.dtype), w_uv)
 
     def _native_prefill(self, block_size: int) -> bool:
         ok = self._prefill_ok.get(block_size)

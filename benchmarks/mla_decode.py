@@ -1,5 +1,6 @@
 """MLA decode on the CPU: the absorbed path (attention over the latent rows, ``forward_mla``) against the
-naive one (each request's latents expanded into per-head K/V, then attention), one layer, torch backend.
+naive one (each request's latents expanded into per-head K/V, then attention), one layer, torch backend;
+and the cpu_native backend's absorbed path (the native kernel ``mla_decode.cpp`` over the cache in place).
 
     python benchmarks/mla_decode.py [--batch 8] [--context 512 2048] [--dtype float32] [--threads 2]
 
@@ -7,7 +8,9 @@ DeepSeek-V2-Lite's attention shape by default: 16 heads, kv_lora_rank 512, qk_no
 v 128, block size 16. Both paths read the same latent pages (576 values per position) and write the
 step's rows; the naive one is the prefill path's ``mla_expanded_attention`` applied to each decode.
 Prints ms per decode step of one layer and the implied decode tokens/s of the attention alone over
-V2-Lite's 27 layers (no projections, no MoE).
+V2-Lite's 27 layers (no projections, no MoE). ``--kv-cache-dtype fp8`` times the torch and native absorbed
+paths over fp8 pages (the naive column then reads the same pages). The native column is left out where
+the kernels cannot be built (no C++ toolchain).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import time
 import torch
 
 from halserve.attention_backends.base import AttentionMetadata
-from halserve.attention_backends.torch_ref import TorchAttentionBackend
+from halserve.attention_backends.torch_ref import TorchAttentionBackend, kv_cache_torch_dtype
 
 
 def decode_metadata(batch: int, context: int, block_size: int) -> TorchAttentionBackend:
@@ -44,6 +47,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
@@ -52,18 +56,23 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     h, r, dn, dr, dv, bs = args.heads, args.rank, args.nope, args.rope, args.v, args.block_size
-    backend = TorchAttentionBackend(h, dn + dr, (dn + dr) ** -0.5, 1)
+    kv_dtype = args.kv_cache_dtype
+    backend = TorchAttentionBackend(h, dn + dr, (dn + dr) ** -0.5, 1, kv_cache_dtype=kv_dtype)
+    native = native_backend(h, dn + dr, kv_dtype)
+    cache_dtype = kv_cache_torch_dtype(kv_dtype, dtype)
     w_uk = (torch.randn(h, dn, r, generator=gen) / r**0.5).to(dtype)
     w_uv = (torch.randn(h, dv, r, generator=gen) / r**0.5).to(dtype)
     print(f"MLA decode, one layer: batch {args.batch}, heads {h}, latent {r}+{dr}, nope {dn}, v {dv}, {args.dtype}, "
-          f"{torch.get_num_threads()} threads")
-    print("| context | absorbed ms/step | naive ms/step | naive / absorbed | absorbed tok/s (attention x "
-          f"{args.layers} layers) | naive tok/s |")
-    print("|---|---|---|---|---|---|")
+          f"kv cache {kv_dtype}, {torch.get_num_threads()} threads; tok/s: the attention alone x {args.layers} layers")
+    names = ["absorbed", "naive"] + (["native"] if native is not None else [])
+    print("| context | " + " | ".join(f"{name} ms/step" for name in names) + " | naive / absorbed"
+          + (" | absorbed / native" if native is not None else "") + " | "
+          + " | ".join(f"{name} tok/s" for name in names) + " |")
+    print("|---" * (2 * len(names) + len(names)) + "|")
     for context in args.context:
         meta = decode_metadata(args.batch, context, bs)
         num_blocks = 1 + args.batch * -(-context // bs)
-        cache = torch.randn(num_blocks, bs, r + dr, generator=gen).to(dtype)
+        cache = torch.randn(num_blocks, bs, r + dr, generator=gen).to(cache_dtype)
         q_nope = torch.randn(args.batch, h, dn, generator=gen).to(dtype)
         q_pe = torch.randn(args.batch, h, dr, generator=gen).to(dtype)
         kv_c = torch.randn(args.batch, r, generator=gen).to(dtype)
@@ -74,6 +83,10 @@ def main() -> None:
             meta.cache.clear()  # (a new step: its per-step gathers are rebuilt, as in serving)
             return backend.forward_mla(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv)
 
+        def on_native():
+            meta.cache.clear()
+            return native.forward_mla(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv)
+
         def naive():
             backend._write_mla(cache, torch.cat([kv_c, k_pe], dim=-1), meta.slot_mapping.long(), 1.0)
             outs = []
@@ -83,11 +96,15 @@ def main() -> None:
                                                            visible))
             return torch.cat(outs)
 
+        paths = {"absorbed": absorbed, "naive": naive, "native": on_native}
         with torch.inference_mode():
-            torch.testing.assert_close(absorbed(), naive(), atol=2e-2 if dtype == torch.bfloat16 else 1e-4,
-                                       rtol=2e-2 if dtype == torch.bfloat16 else 1e-4)
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+            want = absorbed()
+            for name in names[1:]:
+                torch.testing.assert_close(paths[name](), want, atol=tol, rtol=tol, msg=f"{name} differs from absorbed")
             times = {}
-            for name, fn in (("absorbed", absorbed), ("naive", naive)):
+            for name in names:
+                fn = paths[name]
                 fn()
                 best = float("inf")
                 for _ in range(args.iters):
@@ -97,7 +114,20 @@ def main() -> None:
                 times[name] = best * 1e3
         a, n = times["absorbed"], times["naive"]
         tok = lambda ms: args.batch / (ms * args.layers / 1e3)  # noqa: E731
-        print(f"| {context} | {a:.2f} | {n:.2f} | {n / a:.1f}x | {tok(a):.0f} | {tok(n):.0f} |")
+        ratios = f"{n / a:.1f}x" + (f" | {a / times['native']:.1f}x" if native is not None else "")
+        print(f"| {context} | " + " | ".join(f"{times[name]:.2f}" for name in names) + f" | {ratios} | "
+              + " | ".join(f"{tok(times[name]):.0f}" for name in names) + " |")
+
+
+def native_backend(heads: int, head_size: int, kv_cache_dtype: str):
+    """The cpu_native backend for MLA layers of this shape, or None where its kernels cannot be built."""
+    from halserve.attention_backends.cpu_native import CpuNativeAttentionBackend
+    from halserve.platforms import cpu_kernels
+
+    if cpu_kernels.toolchain_missing() is not None or cpu_kernels.load_library("mla") is None:
+        print(f"(no native column: {cpu_kernels.toolchain_missing() or cpu_kernels.load_error('mla')})")
+        return None
+    return CpuNativeAttentionBackend(heads, head_size, head_size**-0.5, 1, kv_cache_dtype=kv_cache_dtype)
 
 
 if __name__ == "__main__":

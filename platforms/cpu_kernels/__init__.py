@@ -46,6 +46,8 @@ LIBRARIES: dict[str, KernelLibrary] = {
         "the fp8 panel GEMM and fp8 activation quant", defines=("HALSERVE_PANEL_ISA_OP=fp8_panel_gemm_isa",),
         estimate_s=15.0),
     "int8": KernelLibrary("halserve_cpu_int8_gemm", ("int8_gemm.cpp",), "the AMX int8 (W8A8) GEMM", estimate_s=15.0),
+    "mla": KernelLibrary("halserve_cpu_mla", ("mla_decode.cpp",),
+                         "MLA (DeepSeek) decode attention over the paged latent cache", estimate_s=15.0),
 }
 
 _lock = threading.Lock()

@@ -161,7 +161,10 @@ def test_absorbed_decode_and_naive_prefill_equal_attention_over_expanded_kv(kv_c
         start += q_len
 
 
-def test_cpu_native_refuses_the_mla_kind_and_auto_selection_skips_it(checkpoint):
+def test_backend_selection_serves_the_mla_kind(checkpoint):
+    """cpu_native serves MLA layers (tests/models/test_deepseek_cpu_native.py), so the CPU platform picks it
+    first; fp8 latent pages, which it does not declare, take the torch backend."""
+    from halserve.attention_backends.cpu_native import CpuNativeAttentionBackend
     from halserve.config import EngineConfig
     from halserve.models.loader import get_model_info
     from halserve.platforms.cpu import CpuPlatform
@@ -169,12 +172,11 @@ def test_cpu_native_refuses_the_mla_kind_and_auto_selection_skips_it(checkpoint)
 
     path = checkpoint("v2_lite")
     platform = CpuPlatform()
-    config = EngineConfig(model=path, dtype="float32", attention_backend="cpu_native")
-    info = get_model_info(config, platform)
-    with pytest.raises(ValueError, match=r"attention backend 'cpu_native' cannot run this model: .*\bmla\b"):
-        select_attention_backend(config, platform, info)
     auto = EngineConfig(model=path, dtype="float32")
-    assert select_attention_backend(auto, platform, info) is TorchAttentionBackend
+    info = get_model_info(auto, platform)
+    assert select_attention_backend(auto, platform, info) is CpuNativeAttentionBackend
+    fp8 = EngineConfig(model=path, dtype="float32", kv_cache_dtype="fp8")
+    assert select_attention_backend(fp8, platform, info) is TorchAttentionBackend
     # the latent and the rotary key of 3 layers, float32 (per-head K/V would be 2 x 3 x 4 x 8 x 4 bytes)
     assert info.kv_cache_bytes_per_token == 3 * (RANK + ROPE) * 4 == 480
 
