@@ -51,7 +51,7 @@ def test_builtin_passes_every_op_and_the_torch_backend():
         assert ("kernel", f"{op}/torch") in passed, f"no passing case for {op}/torch"
     scenarios = {r["case"].split()[0] for r in report["results"] if r["check"] == "attention" and r["status"] == "passed"}
     assert scenarios >= {"prefill_only", "decode_only", "prefix_hit_chunked", "mixed", "gqa", "mqa", "sliding_window",
-                         "fp8_kv"}
+                         "fp8_kv", "mla"}  # (mla: the KV-cache kind it claims, tests/plugins/test_spec_kinds.py)
     assert ("e2e", "torch") in passed
 
 
@@ -69,6 +69,9 @@ def test_triton_plugins_pass_in_the_interpreter(plugin):
                and r["case"] != "declaration"]
         assert len({r["subject"] for r in ran}) >= 9, "the Triton kernels and backend should really run"
         assert any(r["subject"].startswith("triton_paged") and r["status"] == "passed" for r in rows)
+        mla = [r for r in rows if r["subject"].startswith("triton_paged") and r["case"].startswith("mla ")]
+        assert {r["case"].split()[1] for r in mla if r["status"] == "passed"} >= {"prefill_only", "decode_only",
+                                                                                    "prefix_hit_chunked", "mixed"}
         e2e = [r for r in rows if r["check"] == "e2e"]
         assert e2e and all(r["status"] == "declined" and "unavailable here" in r["detail"] for r in e2e)
 
