@@ -8,16 +8,16 @@
 # weights beside the roofline and transformers; DRY_RUN=1 runs its logic on a CPU, tiny configs)
 #
 # (a device command may run 10 minutes: "all" budgets about 3 for the attention benchmark and its
-# sweep, 4.5 for the tests (8 pytest-xdist workers where the image has xdist) and 1 for the GEMMs,
-# under 9.5 in all; "tests" and "bench" give either more room; "moe" runs the fused-MoE
-# benchmark alone at Mixtral-8x7B and Qwen1.5-MoE shapes)
+# sweep, 4.5 for the tests (2.5 with 8 pytest-xdist workers where the image has xdist, then 2
+# for the sleep-mode test alone) and 1 for the GEMMs, under 9.5 in all; "tests" and "bench" give
+# either more room; "moe" runs the fused-MoE benchmark alone at Mixtral-8x7B and Qwen1.5-MoE shapes)
 #
 # 1. installs the carried wheels (benchmarks/gpu/fetch_wheels.sh) and halserve from this tree
 # 2. the decode benchmark at batch 64 x context 4096 x head 128 bf16 (acceptance: >= 70% of
 #    peak HBM bandwidth) with its tuning sweep, and prefill
 # 3. the Triton test directory compiled on the GPU (no TRITON_INTERPRET): the same kernel
 #    tests as the interpreter suite plus the `gpu` ones (bf16, fp8 casts, torch._scaled_mm,
-#    engine greedy vs transformers)
+#    engine greedy vs transformers); then, alone on the device, sleep mode's device memory
 # 4. the GEMMs (and, in "bench" mode, fused MoE at Mixtral-8x7B shapes)
 # Logs go to $OUT (or ./gpu_out) so they come back. Exits non-zero if the tests failed.
 set -uo pipefail
@@ -70,12 +70,20 @@ tests_rc=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
     workers=()
     python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
-    timeout "$([ "$what" = tests ] && echo 540 || echo 260)" \
+    timeout "$([ "$what" = tests ] && echo 420 || echo 150)" \
         python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider "${workers[@]}" --timeout 200 \
             --junitxml="$OUT/pytest_gpu.xml" tests/platforms/triton \
             --ignore=tests/platforms/triton/test_triton_gpu_compile.py \
             --ignore=tests/platforms/triton/test_triton_moe_compile.py 2>&1 | tee "$OUT/pytest_gpu.log"
     tests_rc=${PIPESTATUS[0]}
+    # sleep mode (issue 30) measures the device's free memory (mem_get_info counts every process):
+    # alone, after the parallel run
+    timeout 120 \
+        python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider --timeout 110 \
+            --junitxml="$OUT/pytest_gpu_sleep.xml" -m gpu tests/worker/test_sleep_mode_device.py 2>&1 \
+            | tee "$OUT/pytest_gpu_sleep.log"
+    sleep_rc=${PIPESTATUS[0]}
+    [ "$tests_rc" -eq 0 ] && tests_rc=$sleep_rc
 fi
 
 # 4. the GEMMs (and, in "bench" mode, fused MoE)
