@@ -145,3 +145,47 @@ def test_bf16_deepseek_v3_shapes_gpu(specs, device):
                                            dims=dims, backend=backend)
     assert _same_bytes(cache, ref_cache)
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.slow  # a whole engine through the Triton interpreter (MoE, norms, rotary and MLA kernels)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the interpreted stack is for CPU-only hosts")
+def test_deepseek_v2_engine_interpreted_matches_transformers(monkeypatch, tmp_path):
+    """A DeepSeek-V2-Lite-shaped model (rotary head 64, the smallest head size triton_paged takes) on the
+    cuda platform's whole stack in the interpreter (test_triton_engine_interpreted.py's patching): chunked
+    prefills, decodes, a second pass of prefix-cache hits, greedy-identical to transformers."""
+    import transformers
+    from engine_helpers import hf_greedy
+    from model_factory import _randomize, make_tokenizer
+    from test_triton_engine_interpreted import _interpret_on_cpu
+
+    from halserve import LLM, SamplingParams
+    from halserve.platforms.cuda import CudaPlatform
+
+    _interpret_on_cpu(monkeypatch, CudaPlatform, capability=lambda self, index=0: (9, 0))
+    config = transformers.DeepseekV2Config(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16,
+        intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, topk_method="greedy", max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0)
+    config.architectures = ["DeepseekV2ForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.DeepseekV2ForCausalLM(config).to(torch.float32)
+    _randomize(model, 64, 0)
+    path = str(tmp_path)
+    model.save_pretrained(path)
+    make_tokenizer(512).save_pretrained(path)
+    prompts = [[5, 9, 33, 70, 200, 7, 8, 9, 10, 11, 12, 13] * 4, [300, 301, 7], [44, 45, 46, 47, 48, 49, 50, 51, 52]]
+    expected = hf_greedy(path, prompts, 6)
+
+    llm = LLM(path, platform="cuda", dtype="float32", max_num_batched_tokens=32, block_size=16,
+              attention_backend="triton_paged")
+    runner = llm.llm_engine.core.executor.worker.model_runner
+    assert runner.attn_backend_cls.name == "triton_paged"
+    assert type(runner.model.attention_layers[0].backend) is TritonPagedAttentionBackend
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for attempt in ("first", "prefix hits"):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for i, (o, e) in enumerate(zip(outs, expected)):
+            assert o.outputs[0].token_ids == e, f"{attempt}: prompt {i} differs"
+    assert outs[0].num_cached_tokens >= 16
