@@ -45,29 +45,19 @@ def classifier_activation(hf_config: Any) -> str:
     return "sigmoid" if hf_config.num_labels < 2 else "softmax"
 
 
-class LlamaForSequenceClassification(nn.Module):
-    STACKED_PARAMS = LlamaForCausalLM.STACKED_PARAMS
-    supports_pipeline_parallel = True
+class ClassifierHead:
+    """The ``score`` head of a decoder classifier, shared by ``LlamaForSequenceClassification`` and the
+    Transformers backend's ``TransformersForSequenceClassification``: ``build_score_head`` in the model's
+    ``__init__``, then ``classify`` and ``activate`` as the pooling runner calls them."""
 
-    def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
-        super().__init__()
-        num_labels = getattr(hf_config, "num_labels", 0)
-        if not isinstance(num_labels, int) or num_labels < 1:
-            raise ValueError(f"a sequence classifier needs num_labels >= 1 in its config.json, got {num_labels!r}")
-        self.config = hf_config
-        self.model = LlamaModel(hf_config, ctx)
-        # (read by the decoder's load_weights: a classifier checkpoint has no lm_head to skip or tie,
-        # whatever its config's tie_word_embeddings says)
-        self.tie_word_embeddings = False
+    score: nn.Linear
+    activation: str
+
+    def build_score_head(self, hf_config: Any, ctx: ModelContext) -> None:
         # [num_labels, H], a few rows: every tensor-parallel rank holds all of it, as the final hidden
         # state is whole on every rank
-        self.score = nn.Linear(hf_config.hidden_size, num_labels, bias=False, dtype=ctx.dtype)
+        self.score = nn.Linear(hf_config.hidden_size, hf_config.num_labels, bias=False, dtype=ctx.dtype)
         self.activation = classifier_activation(hf_config)
-
-    # The decoder's, unchanged: the same checkpoint names, plus `score.weight` (a plain parameter).
-    forward = LlamaForCausalLM.forward
-    attention_layers = LlamaForCausalLM.attention_layers
-    load_weights = LlamaForCausalLM.load_weights
 
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:
         """Raw class logits [N, num_labels] of pooled final hidden states [N, H], in float32
@@ -81,3 +71,25 @@ class LlamaForSequenceClassification(nn.Module):
         if self.activation == "sigmoid":
             return logits.sigmoid()
         return logits
+
+
+class LlamaForSequenceClassification(ClassifierHead, nn.Module):
+    STACKED_PARAMS = LlamaForCausalLM.STACKED_PARAMS
+    supports_pipeline_parallel = True
+
+    def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
+        super().__init__()
+        num_labels = getattr(hf_config, "num_labels", 0)
+        if not isinstance(num_labels, int) or num_labels < 1:
+            raise ValueError(f"a sequence classifier needs num_labels >= 1 in its config.json, got {num_labels!r}")
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, ctx)
+        # (read by the decoder's load_weights: a classifier checkpoint has no lm_head to skip or tie,
+        # whatever its config's tie_word_embeddings says)
+        self.tie_word_embeddings = False
+        self.build_score_head(hf_config, ctx)
+
+    # The decoder's, unchanged: the same checkpoint names, plus `score.weight` (a plain parameter).
+    forward = LlamaForCausalLM.forward
+    attention_layers = LlamaForCausalLM.attention_layers
+    load_weights = LlamaForCausalLM.load_weights

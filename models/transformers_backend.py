@@ -49,6 +49,7 @@ from torch import nn
 from halserve.layers import Attention, ModelContext, ParallelLMHead, VocabParallelEmbedding
 from halserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from halserve.models.interfaces import CLASSIFIER_SUFFIX
+from halserve.models.sequence_classification import ClassifierHead
 
 logger = logging.getLogger(__name__)
 
@@ -499,7 +500,7 @@ class TransformersForCausalLM(nn.Module):
         return loaded
 
 
-class TransformersForSequenceClassification(TransformersForCausalLM):
+class TransformersForSequenceClassification(ClassifierHead, TransformersForCausalLM):
     """Any ``*ForSequenceClassification`` (and reward model) whose decoder transformers implements: the
     base model as above, then transformers' ``score`` head on the pooled last token, with the model-module
     protocol of ``halserve.models.sequence_classification`` (``classify`` / ``activate``, no LM head)::
@@ -510,28 +511,11 @@ class TransformersForSequenceClassification(TransformersForCausalLM):
     """
 
     def _build_head(self, ctx: ModelContext, embed: VocabParallelEmbedding) -> None:
-        from halserve.models.sequence_classification import classifier_activation
-
-        config = self.config
         self.tie_word_embeddings = False  # (a classifier checkpoint has no lm_head to tie)
-        # [num_labels, H]: whole on every rank (the final hidden state is whole on every rank)
-        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False, dtype=ctx.dtype)
-        self.activation = classifier_activation(config)
+        self.build_score_head(self.config, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a sequence classifier has no LM head; the runner calls classify()")
-
-    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Raw class logits [N, num_labels] (float32) of pooled final hidden states [N, H]."""
-        return nn.functional.linear(hidden.float(), self.score.weight.float())
-
-    def activate(self, logits: torch.Tensor) -> torch.Tensor:
-        """The config's activation (``classifier_activation``) of ``classify``'s logits, per row."""
-        if self.activation == "softmax":
-            return logits.softmax(dim=-1)
-        if self.activation == "sigmoid":
-            return logits.sigmoid()
-        return logits
 
     def _target(self, name: str) -> str | None:
         if name.startswith("score."):
