@@ -48,6 +48,28 @@ def _attention_case(target: GpuTarget, *, dtype: str, head_size: int, qpk: int, 
     )
 
 
+def _mla_case(target: GpuTarget, *, dtype: str, heads: int, fp8_cache: bool = False, num_splits: int = 1) -> None:
+    """A decode step of the triton_paged backend's MLA path at DeepSeek-V3's latent (rank 512, rope 64):
+    the latent write, then the absorbed decode (+ split reduce). (Its prefills run the unified kernel
+    on expanded heads of 192: ``attention/prefill-bf16-h192-mha-mla-expanded``.)"""
+    import torch
+
+    from halserve.attention_backends import triton_paged_mla_kernels as K
+
+    rank, rope, num_reqs, seq_len, block_size = 512, 64, 4, 1000, 16
+    dt = getattr(torch, dtype)
+    blocks_per_req = -(-seq_len // block_size)
+    cache = torch.empty(num_reqs * blocks_per_req, block_size, rank + rope,
+                        dtype=getattr(torch, target.fp8_dtype) if fp8_cache else dt)
+    K.write_mla_cache(torch.empty(num_reqs, rank, dtype=dt), torch.empty(num_reqs, rope, dtype=dt), cache,
+                      torch.zeros(num_reqs, dtype=torch.int64), 0.5)
+    q_lat = torch.empty(num_reqs, heads, rank, dtype=dt)
+    K.mla_decode(torch.empty_like(q_lat), q_lat, torch.empty(num_reqs, heads, rope, dtype=dt), cache,
+                 torch.arange(num_reqs * blocks_per_req, dtype=torch.int32).reshape(num_reqs, blocks_per_req),
+                 torch.full((num_reqs,), seq_len, dtype=torch.int32), torch.arange(num_reqs + 1, dtype=torch.int32),
+                 num_reqs=num_reqs, scale=192**-0.5, k_scale=0.5, num_splits=num_splits)
+
+
 def _gemm_case(target: GpuTarget, *, kind: str, m: int, dtype: str = "bfloat16", group: int = 128) -> None:
     """A Llama-3-8B-sized projection (N=K=4096) through the registered GEMM kernel classes
     (``group``: the 4-bit GEMMs' group size, -1 per channel)."""
@@ -163,6 +185,13 @@ def cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
                  qpk=4, block_size=16, decode=decode, fp8_cache=True)
     attn("decode-bf16-h128-gqa4-split8", dtype="bfloat16", head_size=128, qpk=4, block_size=16, decode=True,
          num_splits=8)
+    # MLA (DeepSeek-V3 on 8 ranks: 16 heads; on one: 128), absorbed decode and the expanded prefill's heads
+    for dtype, heads, fp8, splits in (("bfloat16", 16, False, 1), ("bfloat16", 128, False, 1),
+                                      ("bfloat16", 16, True, 4), ("float16", 16, False, 8), ("float32", 16, False, 1)):
+        name = f"mla/decode-{dtype}-heads{heads}" + ("-fp8cache" if fp8 else "") + (f"-split{splits}" if splits > 1 else "")
+        if not fp8 or target.fp8_dtype:
+            out[name] = lambda kw=dict(dtype=dtype, heads=heads, fp8_cache=fp8, num_splits=splits): _mla_case(target, **kw)
+    attn("prefill-bf16-h192-mha-mla-expanded", dtype="bfloat16", head_size=192, qpk=1, block_size=16, decode=False)
     # the widest fp32 tiles (FMA dots hold their operands in registers)
     attn("decode-float32-h256-gqa8-split2", dtype="float32", head_size=256, qpk=8, block_size=16, decode=True,
          num_splits=2)
