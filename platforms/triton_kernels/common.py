@@ -43,6 +43,7 @@ def kernels_for(platform: str) -> list[type[Kernel]]:
     from halserve.platforms.triton_kernels.fp8_block_gemm import BLOCK_FP8_KERNELS
     from halserve.platforms.triton_kernels.fp8_gemm import TritonFp8ScaledGemm
     from halserve.platforms.triton_kernels.fused_moe import TritonFusedMoe
+    from halserve.platforms.triton_kernels.gguf import TritonGgufGemm
     from halserve.platforms.triton_kernels.int8_gemm import TritonInt8ScaledGemm
     from halserve.platforms.triton_kernels.quant import TritonScaledFp8Quant, TritonScaledInt8Quant
     from halserve.platforms.triton_kernels.rms_norm import TritonRmsNorm
@@ -52,7 +53,7 @@ def kernels_for(platform: str) -> list[type[Kernel]]:
     bases = [
         TritonFp8ScaledGemm, TritonInt8ScaledGemm, TritonScaledFp8Quant, TritonScaledInt8Quant,
         TritonAwqGemm, TritonGptqGemm, TritonRmsNorm, TritonRotaryEmbedding, TritonSiluAndMul, TritonGeluTanhAndMul,
-        TritonFusedMoe, *BLOCK_FP8_KERNELS,
+        TritonFusedMoe, TritonGgufGemm, *BLOCK_FP8_KERNELS,
     ]
     return [for_platform(cls, platform) for cls in bases]
 

@@ -112,6 +112,20 @@ def _gemm_case(target: GpuTarget, *, kind: str, m: int, dtype: str = "bfloat16",
                          g_idx if kind == "gptq_act_order" else None, group)
 
 
+def _gguf_case(target: GpuTarget, *, qtype: str, m: int, dtype: str = "bfloat16") -> None:
+    """A Llama-3-8B-sized projection (N=K=4096) in GGUF blocks of ``qtype`` (``torch.empty`` blocks: the
+    compile only needs their shapes), with a bias."""
+    import torch
+
+    from halserve.kernels.gguf_blocks import row_bytes
+    from halserve.platforms.triton_kernels.gguf import TritonGgufGemm
+
+    n = k = 4096
+    dt = getattr(torch, dtype)
+    TritonGgufGemm()(torch.empty(m, k, dtype=dt), torch.empty(n, row_bytes(qtype, k), dtype=torch.uint8), qtype,
+                     torch.empty(n, dtype=dt))
+
+
 def _elementwise_case(target: GpuTarget, *, kind: str, dtype: str = "bfloat16", hidden: int = 4096,
                       head: int = 128) -> None:
     """The elementwise kernels at Llama-3-8B sizes (``hidden``: model width; the MLP's
@@ -202,6 +216,11 @@ def cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
     out["gemm/awq-m64-fp16"] = lambda: _gemm_case(target, kind="awq", m=64, dtype="float16")
     for kind in ("awq", "gptq_act_order"):  # fp32 activations: FMA dots, their own tiles
         out[f"gemm/{kind}-m512-float32"] = lambda kind=kind: _gemm_case(target, kind=kind, m=512, dtype="float32")
+    for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):  # decode and prefill rows, each type
+        for m in (1, 512):
+            out[f"gemm/gguf-{qtype}-m{m}"] = lambda qtype=qtype, m=m: _gguf_case(target, qtype=qtype, m=m)
+    out["gemm/gguf-Q4_K-m64-fp16"] = lambda: _gguf_case(target, qtype="Q4_K", m=64, dtype="float16")
+    out["gemm/gguf-Q8_0-m512-float32"] = lambda: _gguf_case(target, qtype="Q8_0", m=512, dtype="float32")
     for kind in ("rms_norm", "rotary_neox", "rotary_gptj", "silu_and_mul", "gelu_tanh_and_mul", "quant"):
         out[f"elementwise/{kind}"] = lambda kind=kind: _elementwise_case(target, kind=kind)
     # Mixtral-8x7B at 0.25, 16, 128 and 1024 rows per expert: every tile bucket of moe_tiles
@@ -218,8 +237,8 @@ def cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
 def sweep_cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
     """Every configuration the kernels declare, crossed. Attention: head sizes x dtypes x GQA
     ratios (1, 4, 8, 32) x decode (single pass, split) / prefill x model-dtype / fp8 cache.
-    GEMMs: every M bucket x output dtype, and the 4-bit GEMMs' group sizes (32, 128, per
-    channel). RMSNorm, SiLU-and-mul and quantization at model widths 2048-16384, rotary at
+    GEMMs: every M bucket x output dtype, the 4-bit GEMMs' group sizes (32, 128, per
+    channel), every GGUF type. RMSNorm, SiLU-and-mul and quantization at model widths 2048-16384, rotary at
     head sizes 64-256, in every dtype. About 500 cases, minutes per target: a developer's
     check (``--sweep``), not the suite's."""
     out: dict[str, Callable[[], None]] = {}
@@ -228,6 +247,10 @@ def sweep_cases(target: GpuTarget) -> dict[str, Callable[[], None]]:
         for group in (32, 128, -1) if kind in ("awq", "gptq", "gptq_act_order") else (128,):
             name = f"sweep/gemm-{kind}-m{m}-{dtype}" + (f"-g{group}" if kind not in ("fp8", "int8") else "")
             out[name] = lambda kw=dict(kind=kind, m=m, dtype=dtype, group=group): _gemm_case(target, **kw)
+    for qtype, m, dtype in itertools.product(("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"), (1, 32, 64, 512),
+                                             ("float16", "bfloat16", "float32")):
+        out[f"sweep/gemm-gguf-{qtype}-m{m}-{dtype}"] = lambda kw=dict(qtype=qtype, m=m, dtype=dtype): \
+            _gguf_case(target, **kw)
     fp8_choices = (False, True) if target.fp8_dtype else (False,)
     for head_size, dtype, qpk, step in itertools.product(
         (64, 80, 96, 128, 256), ("float16", "bfloat16", "float32"), (1, 4, 8, 32), ("decode", "split4", "prefill")

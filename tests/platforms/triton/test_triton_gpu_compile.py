@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # real Triton compiler per GPU, minutes (inner lo
 
 # A few bytes of spill (one register on one path) is noise; a real spill is hundreds.
 MAX_SPILL_BYTES = 16
-DOT_KERNELS = ("unified_attention_kernel", "scaled_gemm_kernel", "wo4_gemm_kernel")
+DOT_KERNELS = ("unified_attention_kernel", "scaled_gemm_kernel", "wo4_gemm_kernel", "gguf_gemm_kernel")
 
 
 def _compile_env() -> dict[str, str]:

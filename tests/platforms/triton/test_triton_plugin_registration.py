@@ -13,7 +13,8 @@ def test_cuda_plugin_contributes():
     kernels = {(k.op, k.name): k for k in cuda.halserve_kernels()}
     assert ("fp8_scaled_gemm", "cuda_scaled_mm") in kernels
     for op in ["fp8_scaled_gemm", "int8_scaled_gemm", "scaled_fp8_quant", "scaled_int8_quant", "awq_gemm",
-               "gptq_gemm", "rms_norm", "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "fused_moe"]:
+               "gptq_gemm", "gguf_gemm", "rms_norm", "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul",
+               "fused_moe"]:
         k = kernels[(op, "triton_cuda")]
         assert k.platforms == ("cuda",) and k.runs_on("cuda") and not k.runs_on("rocm")
     assert kernels[("fp8_scaled_gemm", "triton_cuda")].dtypes == ("float8_e4m3fn", "float8_e5m2")
