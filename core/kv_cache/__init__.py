@@ -35,7 +35,7 @@ __all__ = [
     "group_layers",
     "hash_block_tokens",
     "hash_request_tokens",
+    "known_spec_kinds",
     "register_spec_kind",
     "spec_for_window",
-    "known_spec_kinds",
 ]

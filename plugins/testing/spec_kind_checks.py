@@ -65,6 +65,7 @@ def check_claimed_kinds(report: ConformanceReport, subject: str, cls: type, targ
         elif not target.runnable:
             report.add("attention", subject, case, "declined", target.reason)
         else:
+            assert target.device is not None  # (runnable)
             try:
                 detail = registered.conformance(cls, target.device)
             except Exception as exc:  # noqa: BLE001 - a claimed kind that is wrong or raises fails
