@@ -33,10 +33,11 @@ def select_attention_backend(config: EngineConfig, platform: Platform, info: Mod
         num_kv_heads=info.num_kv_heads,
     )
     # the KV-cache kinds its layers keep (halserve.kv_cache.spec): a backend must serve each
+    from halserve.kv_cache.spec import is_recurrent
     from halserve.models.kv_cache_specs import model_kv_cache_specs
 
     # (a recurrent layer's state, e.g. Mamba2's, is no backend's: its layer reads and writes its pages itself)
-    kinds = sorted({spec.kind for spec in model_kv_cache_specs(info) if not spec.is_recurrent}
+    kinds = sorted({spec.kind for spec in model_kv_cache_specs(info) if not is_recurrent(spec)}
                    - {"full_attention", "sliding_window"})
 
     def refusal(cls: type) -> str | None:

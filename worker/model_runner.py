@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from halserve.kv_cache.spec import MLASpec, group_layers, group_size
+from halserve.kv_cache.spec import MLASpec, group_layers, group_size, is_recurrent
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from halserve.spec_decode.verify import count_accepted, expand_rows
 from halserve.structured_output.logits import apply_step_bitmask
@@ -137,7 +137,7 @@ class ModelRunner:
         if config.kv_transfer_config is not None:
             raise ValueError(f"{what}: KV connectors move one block table per request; drop kv_transfer_config")
         spec = config.speculative_config
-        if spec is not None and any(g.spec.is_recurrent for g in self.kv_cache_groups):
+        if spec is not None and any(is_recurrent(g.spec) for g in self.kv_cache_groups):
             raise ValueError(f"{self.info.architecture} has recurrent (Mamba) layers, whose state cannot take back "
                              "rejected draft tokens; drop speculative_config")
         if spec is not None and spec.method == "draft_model":
@@ -198,7 +198,7 @@ class ModelRunner:
     def _local_kv_heads(self) -> int:
         layers = self.model.attention_layers if self.model is not None else []
         # (a hybrid model's first cached layer may be recurrent: a Mamba2 mixer keeps no heads)
-        return next((layer.num_kv_heads for layer in layers if not layer.kv_cache_spec.is_recurrent),
+        return next((layer.num_kv_heads for layer in layers if not is_recurrent(layer.kv_cache_spec)),
                     self.info.num_kv_heads)
 
     def determine_num_kv_blocks(self) -> int:
@@ -250,10 +250,10 @@ class ModelRunner:
                              f"declares {declared} (models/kv_cache_specs.py); the model and its config disagree")
         kinds = self.attn_backend_cls.kv_cache_spec_kinds()
         for spec in dict.fromkeys(actual):
-            if spec.kind not in kinds and not spec.is_recurrent:  # (a recurrent layer reads its pages itself)
+            if spec.kind not in kinds and not is_recurrent(spec):  # (a recurrent layer reads its pages itself)
                 raise ValueError(f"attention backend {self.attn_backend_cls.name!r} cannot serve {spec.kind} layers "
                                  f"(it serves {', '.join(kinds)}); choose another attention_backend")
-        shapes = {(layer.num_kv_heads, layer.head_size) for layer in layers if not layer.kv_cache_spec.is_recurrent}
+        shapes = {(layer.num_kv_heads, layer.head_size) for layer in layers if not is_recurrent(layer.kv_cache_spec)}
         if len(shapes) > 1:
             raise ValueError(f"{self.info.architecture}: the KV-cache groups share tensors, so every attention layer "
                              f"needs the same (kv heads, head size); its layers have {sorted(shapes)}")
@@ -265,7 +265,7 @@ class ModelRunner:
             for j, index in enumerate(group.layer_indices):
                 layers[index].kv_cache = tensors[j]
                 layers[index].kv_cache_group = g
-                if group.spec.is_recurrent:  # its state goes into the pages of its slot's tensor (layers/mamba2.py)
+                if is_recurrent(group.spec):  # its state goes into the pages of its slot's tensor (layers/mamba2.py)
                     layers[index].page_views = functools.partial(
                         self.attn_backend_cls.kv_cache_block_views, block_size=self.block_size,
                         num_kv_heads=num_kv_heads, head_size=head_size)
@@ -356,7 +356,7 @@ class ModelRunner:
         attn_metadata = self.attn_backend_cls.build_metadata(common)
         if step.group_common is not None:  # a hybrid model: one metadata per KV-cache group
             # (a recurrent group's layers read the host metadata: their state's block ids)
-            attn_metadata = [attn_metadata] + [gc if group.spec.is_recurrent else self.attn_backend_cls.build_metadata(
+            attn_metadata = [attn_metadata] + [gc if is_recurrent(group.spec) else self.attn_backend_cls.build_metadata(
                 dataclasses.replace(common, block_table=gc.block_table.to(dev, non_blocking=True),
                                     slot_mapping=gc.slot_mapping.to(dev, non_blocking=True)))
                 for gc, group in zip(step.group_common, self.kv_cache_groups[1:])]

@@ -43,6 +43,7 @@ from halserve.kv_cache.spec import (
     MambaSpec,
     SlidingWindowSpec,
     group_layers,
+    is_recurrent,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,13 +77,13 @@ class KVCacheManager:
                                            else [KVCacheGroup(FullAttentionSpec(), (0,))])
         self.specs = [group.spec for group in self.groups]
         self.num_groups = len(self.groups)
-        if self.specs[0].is_recurrent:
+        if is_recurrent(self.specs[0]):
             raise ValueError("a model whose every cached layer is recurrent has no attention pages to keep its "
                              "state in; it needs at least one attention layer")
         # recurrent groups: their state's block count (fixed per request); None for the growing groups
         self._num_state_blocks = [spec.num_state_blocks(block_size) if isinstance(spec, MambaSpec) else None
                                   for spec in self.specs]
-        if enable_prefix_caching and any(spec.is_recurrent for spec in self.specs):
+        if enable_prefix_caching and any(is_recurrent(spec) for spec in self.specs):
             logger.info("prefix caching is off: this model's recurrent (Mamba) layers keep one state per request, "
                         "not per block, so a cached prefix could not restore it")
             enable_prefix_caching = False

@@ -169,6 +169,12 @@ SPEC_KINDS = ("full_attention", "sliding_window", "mla", "mamba")
 """The spec kinds halserve's KV-cache manager serves (``AttentionBackend.kv_cache_spec_kinds``)."""
 
 
+def is_recurrent(spec: object) -> bool:
+    """Whether layers of ``spec`` keep a recurrent state per request (``MambaSpec``): no attention backend
+    reads it, no prefix cache can restore it (a plugin's spec class without ``is_recurrent``: no)."""
+    return bool(getattr(spec, "is_recurrent", False))
+
+
 def spec_for_window(sliding_window: int | None) -> KVCacheSpec:
     """The spec of an attention layer with this window (None: full attention)."""
     return FullAttentionSpec() if sliding_window is None else SlidingWindowSpec(sliding_window)
@@ -202,7 +208,7 @@ def group_layers(layer_specs: list[KVCacheSpec]) -> list[KVCacheGroup]:
     if sum(count // size for count in counts) > 8:
         size = min(counts)
     groups = []
-    for spec, layers in sorted(by_spec.items(), key=lambda item: item[0].is_recurrent):
+    for spec, layers in sorted(by_spec.items(), key=lambda item: is_recurrent(item[0])):
         for start in range(0, len(layers), size):
             groups.append(KVCacheGroup(spec, tuple(layers[start:start + size])))
     return groups
