@@ -120,12 +120,15 @@ class AttentionBackend:
             "kv_cache_dtypes": list(cls.kv_cache_dtypes),
             "sliding_window": cls.supports_sliding_window,
             "logits_soft_cap": cls.supports_logits_soft_cap,
+            "kv_cache_spec_kinds": list(cls.kv_cache_spec_kinds()),
             "description": cls.description,
         }
 
     @classmethod
     def kv_cache_spec_kinds(cls) -> tuple[str, ...]:
-        """The KV-cache spec kinds (halserve.kv_cache.spec) whose layers it serves (optional) default:
+        """The KV-cache spec kinds (halserve.kv_cache.known_spec_kinds; a plugin may register its own) whose
+        layers it serves; ``mla`` needs ``forward_mla`` (see TorchAttentionBackend). The conformance kit
+        checks each one claimed. (optional) default:
         full attention, and sliding windows when ``supports_sliding_window`` (they read the same paged
         layout; a released window block reads as whatever the block holds now, always masked out)."""
         return ("full_attention", "sliding_window") if cls.supports_sliding_window else ("full_attention",)

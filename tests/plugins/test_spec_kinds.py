@@ -228,3 +228,8 @@ def test_the_torch_reference_passes_its_mla_kind():
     mla = {case: status for case, (status, _) in rows(report, "torch").items() if case.startswith("mla ")}
     assert mla and set(mla.values()) == {"passed"}, mla
     assert any("kv=fp8" in case for case in mla)
+    # `halserve plugins --json` shows each backend's kinds (describe())
+    from halserve.attention_backends.triton_paged import TritonPagedAttentionBackend
+
+    assert TorchAttentionBackend.describe()["kv_cache_spec_kinds"] == ["full_attention", "sliding_window", "mla"]
+    assert "mla" in TritonPagedAttentionBackend.describe()["kv_cache_spec_kinds"]
