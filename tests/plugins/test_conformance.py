@@ -69,6 +69,8 @@ def test_triton_plugins_pass_in_the_interpreter(plugin):
                and r["case"] != "declaration"]
         assert len({r["subject"] for r in ran}) >= 9, "the Triton kernels and backend should really run"
         assert any(r["subject"].startswith("triton_paged") and r["status"] == "passed" for r in rows)
+        gguf = [r for r in ran if r["subject"] == f"gguf_gemm/triton_{plugin}"]  # the GGUF kernel really ran
+        assert gguf and all(r["status"] == "passed" for r in gguf)
         mla = [r for r in rows if r["subject"].startswith("triton_paged") and r["case"].startswith("mla ")]
         assert {r["case"].split()[1] for r in mla if r["status"] == "passed"} >= {"prefill_only", "decode_only",
                                                                                     "prefix_hit_chunked", "mixed"}
