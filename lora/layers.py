@@ -22,6 +22,10 @@ the all-reduce, which sums the ranks' partial terms into the full one exactly on
 
 The step's token -> adapter mapping is one ``LoRABatch`` shared by every wrapped layer;
 the model runner fills it before each forward (empty: nothing is added).
+
+The Transformers modeling backend's layers see transformers' activations ([1, T, in]: the
+wrappers flatten any leading dims) and may take a whole input of which a row-parallel rank
+multiplies its slice (``split_input``, a ``rowwise_split_input`` plan entry).
 """
 from __future__ import annotations
 
@@ -153,10 +157,12 @@ class ColumnParallelLinearWithLoRA(BaseLinearWithLoRA):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
+        lead, x = _flatten(x)
         y = base.quant_method.apply(base, x, base.bias)  # [T, out_local]
         if self.batch.groups:
             self.add_lora(x, y)
-        return tensor_model_parallel_all_gather(y) if getattr(base, "gather_output", False) else y
+        y = tensor_model_parallel_all_gather(y) if getattr(base, "gather_output", False) else y
+        return y.view(*lead, y.shape[-1])
 
 
 class RowParallelLinearWithLoRA(BaseLinearWithLoRA):
@@ -172,10 +178,19 @@ class RowParallelLinearWithLoRA(BaseLinearWithLoRA):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
+        lead, x = _flatten(x)
+        if getattr(base, "split_input", False):  # (x arrives whole: this rank multiplies its slice)
+            x = x.narrow(-1, base.tp_rank * base.input_size_per_partition, base.input_size_per_partition)
         y = base.quant_method.apply(base, x, base.bias if base.tp_rank == 0 else None)  # partial sum [T, out]
         if self.batch.groups:
             self.add_lora(x, y)
-        return tensor_model_parallel_all_reduce(y) if base.reduce_results else y
+        y = tensor_model_parallel_all_reduce(y) if base.reduce_results else y
+        return y.view(*lead, y.shape[-1])
+
+
+def _flatten(x: torch.Tensor) -> tuple[torch.Size, torch.Tensor]:
+    """(leading dims, x as [T, in]): the Transformers backend's layers see transformers' [1, T, in]."""
+    return x.shape[:-1], x.reshape(-1, x.shape[-1])
 
 
 def wrap_linear(layer: nn.Module, batch: LoRABatch) -> BaseLinearWithLoRA | None:

@@ -21,7 +21,8 @@ the model dtype and filled from the checkpoint by ``load_weights``. What this ba
 is refused at load with the reason (``check_config`` from the config alone, ``_check_attention``
 once the model is built): models with no attention or with non-attention (recurrent) layers,
 non-causal attention, attention sinks, MLA, encoder-decoders, multimodal models, quantized
-checkpoints, LoRA, and pipeline parallelism (not wired yet). Sliding-window layers (``layer_types``)
+checkpoints and pipeline parallelism (not wired yet). LoRA adapters wrap the linear layers below
+(``halserve.lora``; an adapter's module names are the checkpoint's). Sliding-window layers (``layer_types``)
 get halserve's sliding KV-cache groups; the window transformers passes each call is checked against them.
 
 Tensor parallelism follows the config's ``base_model_tp_plan``: each ``nn.Linear`` an entry names becomes
@@ -134,8 +135,6 @@ def check_config(config: Any, hf_config: Any, architecture: str) -> None:
             pattern, style = next(iter(unknown.items()))
             refuse(f"its base_model_tp_plan entry {pattern!r}: {style!r} has no halserve parallel layer (mapped: "
                    f"{', '.join(sorted(TP_STYLES) + sorted(REPLICATED_STYLES))}); use tensor_parallel_size=1")
-    if config.enable_lora:
-        refuse("LoRA adapters are not wired to this backend yet; drop enable_lora")
 
 
 def tp_plan(text_config: Any) -> dict[str, str]:
@@ -474,6 +473,12 @@ class TransformersForCausalLM(nn.Module):
         if not name.startswith("model."):  # (a checkpoint of the bare base model)
             return "model." + name
         return name
+
+    def map_checkpoint_name(self, name: str) -> str:
+        """A checkpoint module name -> ours (``transformer.h.0.attn`` of a base model prefixed ``transformer``
+        -> ``model.h.0.attn``): read by the LoRA manager for an adapter's module names."""
+        prefix = self.base_model_prefix
+        return "model." + name[len(prefix) + 1:] if prefix != "model" and name.startswith(prefix + ".") else name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters(remove_duplicate=False))
