@@ -144,8 +144,21 @@ def test_forward_mla_matches_the_torch_backend(dtype, kv_cache_dtype, block_size
             assert not got[-1].any()  # the padded token
 
 
-def test_cpu_native_declares_the_mla_kind():
+def test_the_conformance_kit_passes_the_mla_kind_cpu_native_claims():
+    """What a vendor's backend goes through (halserve.plugins.testing): forward_mla against the torch
+    reference's over prefill, decode, prefix-hit and mixed steps; fp8 pages declined (not declared)."""
+    from halserve.plugins.testing.results import ConformanceReport
+    from halserve.plugins.testing.spec_kind_checks import check_claimed_kinds
+    from halserve.plugins.testing.target import Target
+
     assert "mla" in CpuNativeAttentionBackend.kv_cache_spec_kinds()
+    report = ConformanceReport("cpu", "cpu", False)
+    check_claimed_kinds(report, "cpu_native", CpuNativeAttentionBackend, Target("cpu", "cpu", False, "cpu"), quick=True)
+    rows = {r.case: (r.status, r.detail) for r in report.results}
+    passed = {case.split()[1] for case, (status, _) in rows.items() if status == "passed"}
+    assert passed >= {"prefill_only", "decode_only", "prefix_hit_chunked", "mixed"}, rows
+    assert all(status == "passed" or (status == "declined" and "kv=fp8" in case)
+               for case, (status, _) in rows.items()), rows
 
 
 def _has_avx2() -> bool:
