@@ -94,13 +94,13 @@ class Sampler:
             kept = has_token(masked)
             logits = torch.where(kept.unsqueeze(1), masked, logits)
 
-        if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)
+        # A row with a token left draws one with a finite logit (the filters keep each row's
+        # best token); a row with none draws an arbitrary -inf one.
+        if meta.all_greedy:  # one op: max returns argmax's index (the first maximum) with its logit
+            chosen, sampled = logits.max(dim=-1)  # [R], [R]
         else:
             sampled = self._sample_random(logits, meta)
-        # A row with a token left draws one with a finite logit (the filters keep each row's
-        # best token); a row with none draws an arbitrary -inf one. O(R), no [R, V] scan.
-        chosen = logits.gather(1, sampled.unsqueeze(1)).squeeze(1)  # [R]
+            chosen = logits.gather(1, sampled.unsqueeze(1)).squeeze(1)  # [R], O(R): no [R, V] scan
         sampled_ok = chosen > float("-inf")
         waived = None if kept is None else sampled_ok & ~kept
 

@@ -18,9 +18,13 @@ def prepare_inputs(out: SchedulerOutput, requests: dict[str, CachedRequestState]
     model, whose groups 1.. get their own block table and slot mapping (``StepInputs.group_common``)."""
     req_ids = [r.req_id for r in out.scheduled_new_reqs] + [r.req_id for r in out.scheduled_cached_reqs]
     states = [requests[i] for i in req_ids]
+    spec = out.scheduled_spec_decode_tokens
+    if not spec and num_kv_groups == 1:
+        decode = _prepare_decode(out, req_ids, states, block_size)
+        if decode is not None:
+            return decode
     num_reqs = len(states)
     bs = block_size
-    spec = out.scheduled_spec_decode_tokens
 
     num_sched = np.fromiter((out.num_scheduled_tokens[i] for i in req_ids), dtype=np.int64, count=num_reqs)
     computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
@@ -118,4 +122,60 @@ def prepare_inputs(out: SchedulerOutput, requests: dict[str, CachedRequestState]
         prompt_indices=prompt_indices,
         prompt_targets=prompt_targets,
         prompt_spans=prompt_spans,
+    )
+
+
+def _prepare_decode(out: SchedulerOutput, req_ids: list[str], states: list[CachedRequestState],
+                    block_size: int) -> StepInputs | None:
+    """``prepare_inputs`` for a decode-only step (each request one token, its last known one, which it
+    samples after; no drafts, prompt logprobs or pooling), or None for any other step. The same inputs
+    as the general path with a fraction of its array ops: one token per request makes
+    ``query_start_loc`` and ``logits_indices`` aranges and ``positions`` the computed counts (most
+    single-stream decode steps)."""
+    num_scheduled = out.num_scheduled_tokens
+    token_ids: list[int] = []
+    computed: list[int] = []
+    for req_id, state in zip(req_ids, states):
+        c = state.num_computed_tokens
+        if (num_scheduled[req_id] != 1 or c + 1 != state.num_tokens or state.prompt_logprobs is not None
+                or state.sampling_params.pooling is not None):
+            return None
+        # token c is the last known one: the last output, or the prompt's last before any output
+        token_ids.append(state.output_token_ids[-1] if state.output_token_ids else state.prompt_token_ids[-1])
+        computed.append(c)
+    num_reqs = len(states)
+    positions = np.array(computed, dtype=np.int64)  # [R]: one token per request, at its computed count
+    seq_lens = positions + 1
+    max_seq_len = int(seq_lens.max())
+    max_blocks = -(-max_seq_len // block_size)
+    block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)  # 0 = null block
+    for r, state in enumerate(states):
+        ids = state.block_ids[:max_blocks]
+        block_table[r, : len(ids)] = ids
+    rows = np.arange(num_reqs)
+    slot_mapping = block_table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    qsl_cpu = torch.arange(num_reqs + 1, dtype=torch.int32)  # [R + 1]: 0 1 .. R
+    seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+    common = AttentionMetadata(
+        num_actual_tokens=num_reqs,
+        num_reqs=num_reqs,
+        max_query_len=1,
+        max_seq_len=max_seq_len,
+        query_start_loc=qsl_cpu,
+        seq_lens=seq_lens_cpu,
+        block_table=torch.from_numpy(block_table),
+        slot_mapping=torch.from_numpy(slot_mapping),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens_cpu=seq_lens_cpu,
+    )
+    return StepInputs(
+        req_ids=req_ids,
+        states=states,
+        input_ids=torch.tensor(token_ids, dtype=torch.long),
+        positions=torch.from_numpy(positions),
+        common=common,
+        seq_lens=seq_lens,
+        sample_rows=list(range(num_reqs)),
+        logits_indices=torch.from_numpy(rows.astype(np.int64)),  # every token samples
+        pool_indices=torch.empty(0, dtype=torch.int64),
     )
