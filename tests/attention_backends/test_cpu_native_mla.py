@@ -144,6 +144,31 @@ def test_forward_mla_matches_the_torch_backend(dtype, kv_cache_dtype, block_size
             assert not got[-1].any()  # the padded token
 
 
+def test_forward_mla_matches_the_torch_backend_for_every_head_count():
+    """Heads 1..16 (float32), each over another block size and ragged contexts: a prefill step writes the
+    history through each backend, then a decode step of every request reads it back."""
+    gen = torch.Generator().manual_seed(7)
+    rank, rope, nope, v_dim = 32, 8, 16, 16
+    for heads in range(1, 17):
+        block_size = [1, 3, 4, 16][heads % 4]
+        history = [1 + (5 * heads + 7 * i) % 29 for i in range(3)]
+        lens = [h + 1 for h in history]
+        table, num_blocks = _paged(lens, block_size, gen)
+        w_uk = torch.randn(heads, nope, rank, generator=gen) / math.sqrt(rank)
+        w_uv = torch.randn(heads, v_dim, rank, generator=gen) / math.sqrt(rank)
+        backends = [cls(heads, nope + rope, (nope + rope) ** -0.5, 1)
+                    for cls in (TorchAttentionBackend, CpuNativeAttentionBackend)]
+        caches = [torch.zeros(num_blocks, block_size, rank + rope) for _ in backends]
+        for query_lens, seq_lens in ((history, history), ([1, 1, 1], lens)):
+            t = sum(query_lens)
+            inputs = [torch.randn(t, heads, nope, generator=gen), torch.randn(t, heads, rope, generator=gen),
+                      torch.randn(t, rank, generator=gen), torch.randn(t, rope, generator=gen)]
+            want, got = (b.forward_mla(*inputs, cache, _metadata(query_lens, seq_lens, table, block_size), w_uk, w_uv)
+                         for b, cache in zip(backends, caches))
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"heads {heads}, block {block_size}, lens {seq_lens}: {m}")
+
+
 def test_the_conformance_kit_passes_the_mla_kind_cpu_native_claims():
     """What a vendor's backend goes through (halserve.plugins.testing): forward_mla against the torch
     reference's over prefill, decode, prefix-hit and mixed steps; fp8 pages declined (not declared)."""
