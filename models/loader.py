@@ -188,7 +188,7 @@ def get_model_info(config: EngineConfig, platform: Platform) -> ModelInfo:
     head_size = head_size_of(text_config)
     _check_tensor_parallel(config.tensor_parallel_size, num_heads, num_kv_heads, text_config)
     if config.pipeline_parallel_size > 1:
-        _check_pipeline_parallel(config.pipeline_parallel_size, arch, text_config)
+        _check_pipeline_parallel(config.pipeline_parallel_size, arch, text_config, model_impl)
     windows = [w for w in layer_sliding_windows(text_config) if w is not None]
     gen = _read_json(os.path.join(path, "generation_config.json"))
     eos = (_as_list(gen.get("eos_token_id")) or _as_list(getattr(hf_config, "eos_token_id", None))
@@ -319,11 +319,11 @@ def _check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int, hf_config
                          f"sizes that fit: {', '.join(map(str, sizes))}")
 
 
-def _check_pipeline_parallel(pp: int, arch: str, hf_config: Any) -> None:
+def _check_pipeline_parallel(pp: int, arch: str, hf_config: Any, model_impl: str = "halserve") -> None:
     """Before any rank starts: the architecture splits into stages, and into ``pp`` of them."""
     from halserve.models.pipeline import layer_partition
 
-    model_cls = model_class(arch)
+    model_cls = _transformers_class(arch) if model_impl == "transformers" else model_class(arch)
     if not supports_pipeline_parallel(model_cls):
         raise ValueError(f"{arch} does not support pipeline parallelism; use pipeline_parallel_size=1 "
                          "(tensor_parallel_size shards it instead)")

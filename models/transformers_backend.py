@@ -18,12 +18,11 @@ transformers builds no attention mask for an implementation it does not know, so
 The token embedding is replaced by halserve's ``VocabParallelEmbedding`` (the LM head can be tied
 to it); parameters are created on the meta device, then materialized on the platform's device in
 the model dtype and filled from the checkpoint by ``load_weights``. What this backend cannot run
-is refused at load with the reason (``check_config`` from the config alone, ``_check_attention``
+is refused at load with the reason (``check_config`` from the config alone, ``_attach_attention``
 once the model is built): models with no attention or with non-attention (recurrent) layers,
-non-causal attention, attention sinks, MLA, encoder-decoders, multimodal models, quantized
-checkpoints and pipeline parallelism (not wired yet). LoRA adapters wrap the linear layers below
-(``halserve.lora``; an adapter's module names are the checkpoint's). Sliding-window layers (``layer_types``)
-get halserve's sliding KV-cache groups; the window transformers passes each call is checked against them.
+non-causal attention, attention sinks, MLA, encoder-decoders and multimodal models. Sliding-window
+layers (``layer_types``) get halserve's sliding KV-cache groups; the window transformers passes each
+call is checked against them.
 
 Tensor parallelism follows the config's ``base_model_tp_plan``: each ``nn.Linear`` an entry names becomes
 halserve's ``ColumnParallelLinear`` (``colwise``; ``colwise_gather_output`` all-gathers) or
@@ -31,6 +30,17 @@ halserve's ``ColumnParallelLinear`` (``colwise``; ``colwise_gather_output`` all-
 names; an attention module whose q/k/v stay sharded gets an ``Attention`` over its rank's heads. A plan
 entry with no such layer is refused by name. On one rank every ``nn.Linear`` becomes halserve's linear layer
 all the same, so the GEMMs run on the platform's kernel (CPU: oneDNN's prepacked weights; BENCHMARKS.md).
+Because those layers are halserve's, built under the checkpoint's names, the checkpoint's quant method
+(GPTQ, AWQ, fp8, compressed-tensors: ``quant_methods/``) creates and loads their weights, and LoRA
+adapters wrap them (``halserve.lora``; an adapter's module names are the checkpoint's).
+
+Pipeline parallelism cuts transformers' layer loop (configs with a ``base_model_pp_plan``;
+``split_pipeline_stage``): another stage's layers hand the hidden states through, the one just before
+this stage's first returns what the previous stage sent, and the embedding / final norm / LM head exist
+only on the stages that use them::
+
+    stage 0: embed -> layers[0:k] -> (pass-through ...) -> hidden [T, H] sent on
+    stage 1: zeros -> (pass-through ...) -> stand-in of layers[k-1]: the received hidden -> layers[k:n] -> norm -> head
 
 ``*ForSequenceClassification`` checkpoints build ``TransformersForSequenceClassification`` (the base model
 and a ``score`` head, served by the pooling runner: ``/classify``); every decoder's final hidden states
@@ -47,9 +57,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from halserve.distributed import get_pp_state
 from halserve.layers import Attention, ModelContext, ParallelLMHead, VocabParallelEmbedding
 from halserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from halserve.models.interfaces import CLASSIFIER_SUFFIX
+from halserve.models.pipeline import IntermediateTensors, PPMissingLayer, is_other_stage_weight, stage_layer_range
 from halserve.models.sequence_classification import ClassifierHead
 
 logger = logging.getLogger(__name__)
@@ -118,12 +130,10 @@ def check_config(config: Any, hf_config: Any, architecture: str) -> None:
     if getattr(text_config, "kv_lora_rank", None) is not None:
         refuse("it uses multi-head latent attention (kv_lora_rank), which the attention interface passes "
                "as full heads the KV cache is not sized for")
-    if getattr(hf_config, "quantization_config", None) is not None:
-        refuse("quantized checkpoints are not supported by this backend yet; use --model-impl halserve for a "
-               "natively supported architecture")
-    if config.pipeline_parallel_size > 1:
-        refuse("pipeline parallelism is not wired to this backend yet; use pipeline_parallel_size=1 "
-               "(tensor_parallel_size shards it instead)")
+    if config.pipeline_parallel_size > 1 and not getattr(text_config, "base_model_pp_plan", None):
+        refuse(f"its config has no base_model_pp_plan (the embedding / layers / norm split transformers declares), "
+               f"so there is no pipeline layout for pipeline_parallel_size={config.pipeline_parallel_size}; use "
+               "pipeline_parallel_size=1 (tensor_parallel_size shards it instead)")
     if config.tensor_parallel_size > 1:
         plan = tp_plan(text_config)
         if not plan:
@@ -269,6 +279,60 @@ class _HFRowParallelLinear(RowParallelLinear):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+class _PPPassThrough(PPMissingLayer):
+    """Another pipeline stage's decoder layer, inside transformers' layer loop: hands the hidden states on."""
+
+    def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return input  # (transformers' loop passes the hidden states first, then its keyword arguments)
+
+
+class _PPStageInput(PPMissingLayer):
+    """The other stage's layer just before this stage's first: returns what the previous stage sent
+    (``hidden`` [1, T, H], set by ``forward`` each step) in place of what the loop computed so far."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        assert self.hidden is not None, "a pipeline stage after the first runs on its received hidden states"
+        return self.hidden
+
+
+class _PPZeroEmbedding(PPMissingLayer):
+    """The token embedding on a stage after the first: zeros [1, T, H] in the model dtype, so whatever the
+    model does to its embeddings before the layers (Granite's multiplier, the rotary table's dtype) runs on
+    something of the right shape; ``_PPStageInput`` replaces it before this stage's first layer."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.hidden_size, self.dtype = hidden_size, dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*input_ids.shape, self.hidden_size, dtype=self.dtype, device=input_ids.device)
+
+
+def split_pipeline_stage(model: nn.Module, num_layers: int) -> tuple[int, int, _PPStageInput | None]:
+    """This pipeline stage's layers ``[start, end)`` of ``model.layers`` (the transformers base model's);
+    the others become ``_PPPassThrough`` (the one before ``start``: ``_PPStageInput``, returned), the final
+    norm ``PPMissingLayer`` before the last stage. ``start_layer`` / ``end_layer`` are set on ``model`` for
+    ``is_other_stage_weight``. The embedding is the caller's (it may be tied to the LM head)."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) != num_layers or not hasattr(model, "norm"):
+        raise TransformersBackendError(
+            f"{type(model).__name__} has no layers list of its {num_layers} decoder layers and a final norm "
+            "(model.layers / model.norm), so it cannot be cut into pipeline stages; use pipeline_parallel_size=1")
+    start, end = stage_layer_range(num_layers)
+    stage_input = _PPStageInput() if start > 0 else None
+    for i in range(num_layers):
+        if not start <= i < end:
+            layers[i] = stage_input if stage_input is not None and i == start - 1 else _PPPassThrough()
+    if not get_pp_state().is_last:
+        model.norm = PPMissingLayer()
+    model.__dict__.update(start_layer=start, end_layer=end)  # (plain attributes on the transformers module)
+    return start, end, stage_input
+
+
 def apply_tp_plan(model: nn.Module, plan: dict[str, str], ctx: ModelContext, prefix: str = "model") -> set[str]:
     """Replace each ``nn.Linear`` of ``model`` a ``base_model_tp_plan`` entry names with halserve's parallel
     layer (same parameter names, so the checkpoint loads unchanged); returns the names of the modules whose
@@ -313,7 +377,7 @@ class TransformersForCausalLM(nn.Module):
     """Any ``*ForCausalLM`` transformers implements, as a halserve ``TextGenerationModel``
     (``halserve.models.interfaces``): built as ``cls(hf_config, ctx)`` by the loader."""
 
-    supports_pipeline_parallel = False
+    supports_pipeline_parallel = True  # (where the base model has a layers list: split_pipeline_stage)
 
     def __init__(self, hf_config: Any, ctx: ModelContext) -> None:
         super().__init__()
@@ -331,6 +395,13 @@ class TransformersForCausalLM(nn.Module):
         self.model = model
         from halserve.distributed import get_tp_size
 
+        pp = get_pp_state()
+        self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
+        # (one stage: every layer; start/end also tell _attach_attention which layers this stage holds)
+        num_layers = hf_config.num_hidden_layers
+        stage: tuple[int, int, _PPStageInput | None] = (split_pipeline_stage(model, num_layers) if pp.size > 1
+                                                        else (0, num_layers, None))
+        self.start_layer, self.end_layer, self.stage_input = stage
         self.tp_size = get_tp_size()
         # attention modules whose heads the ranks split (their q/k/v stay sharded); none on one rank
         self.split_heads = (apply_tp_plan(model, tp_plan(hf_config), ctx) if self.tp_size > 1
@@ -341,8 +412,12 @@ class TransformersForCausalLM(nn.Module):
         vocab_size, hidden_size = hf_config.vocab_size, hf_config.hidden_size
         old = self.model.get_input_embeddings()
         scale = getattr(old, "embed_scale", None)
-        embed = (_ScaledEmbedding(vocab_size, hidden_size, ctx, float(scale)) if scale is not None
-                 else VocabParallelEmbedding(vocab_size, hidden_size, ctx))
+        embed: nn.Module
+        if self.is_first_stage or (self.tie_word_embeddings and self.is_last_stage):
+            embed = (_ScaledEmbedding(vocab_size, hidden_size, ctx, float(scale)) if scale is not None
+                     else VocabParallelEmbedding(vocab_size, hidden_size, ctx))
+        else:
+            embed = _PPZeroEmbedding(hidden_size, ctx.dtype)
         self.model.set_input_embeddings(embed)
         self._build_head(ctx, embed)
         # what transformers' *ForCausalLM head does to the logits besides the projection
@@ -352,11 +427,14 @@ class TransformersForCausalLM(nn.Module):
         self._materialize(device, ctx.dtype)
         self.layers = nn.ModuleList(self._attach_attention(ctx))
 
-    def _build_head(self, ctx: ModelContext, embed: VocabParallelEmbedding) -> None:
-        """The LM head (tied to ``embed`` when the config says so)."""
+    def _build_head(self, ctx: ModelContext, embed: nn.Module) -> None:
+        """The LM head (tied to ``embed`` when the config says so), on the last pipeline stage."""
         config = self.config
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx,
-                                      tie_to=embed if self.tie_word_embeddings else None)
+        self.lm_head: ParallelLMHead | PPMissingLayer = PPMissingLayer()
+        if self.is_last_stage:
+            tie_to = embed if self.tie_word_embeddings else None
+            assert tie_to is None or isinstance(tie_to, VocabParallelEmbedding)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, tie_to=tie_to)
 
     def _materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Every parameter still on the meta device -> an empty one on ``device`` (floats in ``dtype``)."""
@@ -393,7 +471,8 @@ class TransformersForCausalLM(nn.Module):
                 found[module.layer_idx] = (name, module)
         if recurrent:
             refuse(f"it has non-attention (recurrent) layers: {', '.join(recurrent[:3])}")
-        missing = [i for i in range(num_layers) if i not in found]
+        stage = range(self.start_layer, self.end_layer)  # (this pipeline stage's layers)
+        missing = [i for i in stage if i not in found]
         if missing:
             refuse(f"no attention module found for layers {missing[:8]} of {num_layers} (each decoder layer needs "
                    "one attention module with a layer_idx; recurrent or attention-free layers cannot run here)")
@@ -403,7 +482,7 @@ class TransformersForCausalLM(nn.Module):
         windows = layer_sliding_windows(config)
         soft_cap = attention_logits_soft_cap(config)
         layers = []
-        for i in range(num_layers):
+        for i in stage:
             name, module = found[i]
             local_heads, local_kv_heads = num_heads, num_kv_heads
             if name in self.split_heads:  # (its q/k/v are colwise: each rank holds 1/tp of the heads)
@@ -434,16 +513,26 @@ class TransformersForCausalLM(nn.Module):
         return layers
 
     # -- TextGenerationModel ------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: Any = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [T], positions [T] -> final hidden states [T, H] (a batch of one, T tokens long)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        """input_ids [T], positions [T] -> final hidden states [T, H] (a batch of one, T tokens long).
+        Pipeline stages: after the first, the previous stage's hidden states enter before this stage's first
+        layer (``_PPStageInput``); before the last, this stage's last layer's output is sent on."""
+        if self.stage_input is not None:
+            assert intermediate_tensors is not None, "a stage after the first needs the previous stage's output"
+            self.stage_input.hidden = intermediate_tensors["hidden_states"][None]  # [1, T, H]
         if inputs_embeds is not None:
             out = self.model(inputs_embeds=inputs_embeds[None], position_ids=positions[None], use_cache=False)
         else:
             out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
-        return out[0][0]
+        hidden = out[0][0]  # [T, H]
+        if not self.is_last_stage:  # (transformers' layers add their own residual: the runner's slot is unused)
+            return {"hidden_states": hidden, "residual": torch.zeros_like(hidden)}
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert isinstance(self.lm_head, ParallelLMHead), "only the last pipeline stage computes logits"
         logits = self.lm_head.compute_logits(hidden)  # [N, vocab] float32
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
@@ -487,7 +576,15 @@ class TransformersForCausalLM(nn.Module):
             target = self._target(name)
             if target is None:
                 continue
+            if is_other_stage_weight(target, self):
+                continue
             param = params.get(target)
+            if param is None and getattr(self.config, "quantization_config", None) is not None:
+                raise TransformersBackendError(
+                    f"quantized checkpoint tensor {name!r} has no matching parameter ({target!r}) in "
+                    f"{type(self.model).__name__}: the Transformers backend quantizes only the nn.Linear layers it "
+                    "turns into halserve's (every one on one rank; those base_model_tp_plan names under tensor "
+                    "parallelism), under the checkpoint's names")
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter ({target!r}) in "
                                  f"{type(self.model).__name__}; is this checkpoint for a different architecture?")
@@ -515,7 +612,7 @@ class TransformersForSequenceClassification(ClassifierHead, TransformersForCausa
         logits = pooled @ score.weight.T            [N, num_labels]  float32
     """
 
-    def _build_head(self, ctx: ModelContext, embed: VocabParallelEmbedding) -> None:
+    def _build_head(self, ctx: ModelContext, embed: nn.Module) -> None:
         self.tie_word_embeddings = False  # (a classifier checkpoint has no lm_head to tie)
         self.build_score_head(self.config, ctx)
 
