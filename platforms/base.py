@@ -183,7 +183,8 @@ class Platform:
     # -- worker lifecycle: sleep mode (halserve.worker.sleep_mode) -----------------------
     def release_memory(self) -> None:
         """(optional) default: ``gc.collect()``, then ``empty_cache()`` (on CUDA and ROCm,
-        ``torch.cuda.empty_cache``: the caching allocator's free blocks go back to the driver).
+        ``torch.cuda.empty_cache``: the caching allocator's free blocks go back to the driver), then
+        ``empty_host_cache()`` (pinned host blocks that held weights offloaded at level 1).
 
         Hand the memory the worker just freed back to the OS or the device driver, so that other
         programs can use it while the engine sleeps. Called by the worker after ``sleep`` dropped
@@ -194,30 +195,65 @@ class Platform:
 
         gc.collect()
         self.empty_cache()
+        self.empty_host_cache()
+
+    def empty_host_cache(self) -> None:
+        """(optional) default: ``torch.accelerator.empty_host_cache()`` when torch has it and an
+        accelerator is present, else nothing.
+
+        torch's pinned-memory allocator (CachingHostAllocator) rounds each block up to a power of two
+        and keeps freed blocks for reuse: after ``restore_weights`` dropped the host copies of the
+        weights, their pinned memory is still held by this process until this call. Called by
+        ``restore_weights`` and ``release_memory``."""
+        import torch
+
+        accelerator: Any = getattr(torch, "accelerator", None)
+        if hasattr(accelerator, "empty_host_cache") and accelerator.current_accelerator() is not None:
+            accelerator.empty_host_cache()
 
     def offload_weights(self, model: Any) -> None:
-        """(optional) default: every parameter and buffer of ``model`` moved to pinned host memory.
+        """(optional) default: every tensor holding ``model``'s weights moved to host memory, pinned
+        when it can (the copy back at wake_up is then a DMA): its parameters and buffers, and the
+        tensors its modules keep as plain attributes (a quant method's repacked weights and scales,
+        MLA's absorbed ``w_uk``/``w_uv``, a kernel's prepared weight; halserve.platforms.weight_moves).
+        Each storage moves once, so tensors that shared one (a scale and its view, tied weights)
+        still share one.
 
         Sleep level 1 keeps the weights in host memory and frees their device memory; called by the
         worker before ``release_memory``. ``restore_weights`` undoes it at ``wake_up``. A platform
-        whose weights already live in host memory (the CPU) makes it a no-op."""
+        whose weights already live in host memory (the CPU) makes it a no-op. Host memory held while
+        asleep: the weights' bytes, each storage's block rounded up to a power of two by torch's
+        pinned allocator (at most twice the weights; pageable memory, when pinning fails, is exact)."""
         import torch
 
-        for tensor in _weight_tensors(model):
-            try:  # (pinned: the copy back at wake_up is a fast DMA)
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-            except RuntimeError:  # no pinned memory on this device: pageable then
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-            host.copy_(tensor.data)
-            tensor.data = host
+        from halserve.platforms.weight_moves import move_weights
+
+        pin = True
+
+        def to_host(data: torch.Tensor) -> torch.Tensor:  # data: one storage as uint8 [nbytes]
+            nonlocal pin
+            host = None
+            if pin:
+                try:
+                    host = torch.empty(data.shape, dtype=torch.uint8, device="cpu", pin_memory=True)
+                except RuntimeError:  # no pinned memory on this machine: pageable then
+                    pin = False
+            if host is None:
+                host = torch.empty(data.shape, dtype=torch.uint8, device="cpu")
+            return host.copy_(data)
+
+        move_weights(model, to_host)
 
     def restore_weights(self, model: Any) -> None:
-        """(optional) default: every parameter and buffer moved back to ``self.device()``. Called by
-        the worker at ``wake_up`` after a level-1 sleep (``offload_weights``)."""
+        """(optional) default: every tensor ``offload_weights`` moved goes back to ``self.device()``,
+        the host copies are dropped and ``empty_host_cache()`` hands their pinned memory back. Called
+        by the worker at ``wake_up`` after a level-1 sleep (``offload_weights``)."""
+        from halserve.platforms.weight_moves import move_weights
+
         device = self.device()
-        for tensor in _weight_tensors(model):
-            tensor.data = tensor.data.to(device, non_blocking=True)
-        self.synchronize()
+        move_weights(model, lambda data: data.to(device, non_blocking=True, copy=True))
+        self.synchronize()  # (torch's pinned allocator reuses a freed block only after its copies ran)
+        self.empty_host_cache()
 
     def supports_fp8(self) -> bool:
         return self.fp8_dtype is not None
@@ -260,13 +296,3 @@ class Platform:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-
-def _weight_tensors(model: Any) -> list:
-    """The parameters and buffers of ``model``, each once (tied weights share one)."""
-    seen: set[int] = set()
-    tensors = []
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            tensors.append(tensor)
-    return tensors

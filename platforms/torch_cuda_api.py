@@ -2,6 +2,8 @@
 (NVIDIA through CUDA, AMD through HIP): the same ``torch.cuda`` calls serve both."""
 from __future__ import annotations
 
+from typing import Any
+
 from halserve.platforms.base import Platform
 
 
@@ -35,6 +37,19 @@ class TorchCudaApiPlatform(Platform):
         import torch
 
         torch.cuda.empty_cache()
+
+    def empty_host_cache(self) -> None:
+        """torch's pinned-block cache emptied: ``torch.accelerator.empty_host_cache`` where torch has it
+        (added in 2026; torch 2.13 has it), else ``torch._C._host_emptyCache`` (torch 2.5 on); torch
+        older than 2.5 has neither, and its cached pinned blocks stay with this process until it exits."""
+        import torch
+
+        accelerator: Any = getattr(torch, "accelerator", None)
+        if hasattr(accelerator, "empty_host_cache"):
+            if accelerator.current_accelerator() is not None:
+                accelerator.empty_host_cache()
+        elif hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
 
     def graph_capture(self):
         """torch.cuda graphs (HIP graphs on ROCm); None when the platform was moved off a GPU

@@ -10,10 +10,14 @@ or the device driver between bursts of work, and takes them back.
                                                           reallocated, zeroed
 
 Both end with ``Platform.release_memory`` (CPU: ``gc.collect`` and glibc's ``malloc_trim(0)``, so
-the process's RSS really drops; CUDA/ROCm: ``torch.cuda.empty_cache``). ``update_weights(path)``
-loads a checkpoint of the same architecture into a new model and swaps it in only once it loaded:
-a mismatch is a ValueError and the old weights keep serving. The peak is old + new weights while
-awake; asleep at level 2 it is the new weights alone (they stay resident: ``wake_up`` then only
+the process's RSS really drops; CUDA/ROCm: ``torch.cuda.empty_cache`` and torch's pinned host
+cache). Level 1's offload moves every tensor holding a weight, module attributes included (repacked
+quantized weights, MLA's absorbed matrices: halserve.platforms.weight_moves); ``wake_up`` drops the
+host copies again. ``update_weights(path)`` loads a checkpoint of the same architecture into a new
+model and swaps it in only once it loaded: a mismatch is a ValueError and the old weights keep
+serving. The peak is old + new weights while awake. Asleep, the new weights take the old ones'
+place: at level 1 they go to host memory as soon as they loaded (the device holds them only while
+they load; the old host copies are dropped), at level 2 they stay resident (``wake_up`` then only
 reallocates the KV cache).
 
 The engine core (halserve.engine.core) calls these through the executor's ``collective_rpc`` on
@@ -120,10 +124,14 @@ def update_weights(runner: ModelRunner, state: SleepState, path: str) -> None:
         manager = runner.lora_manager
         state.lora_requests = manager.lora_requests() if manager is not None else []
     had_graphs = runner.step_graphs is not None
+    was_offloaded = state.weights_offloaded
     runner.model = runner.lora_manager = runner.step_graphs = None
     del old
     state.config, state.info = config, info
     _install(runner, state, model)
+    if was_offloaded:  # asleep at level 1: the new weights wait in host memory as the old ones did
+        runner.platform.offload_weights(model)
+        state.weights_offloaded = True
     for layer, (cache, group) in zip(model.attention_layers, bindings):
         layer.kv_cache = cache
         if group is not None:
@@ -132,8 +140,8 @@ def update_weights(runner: ModelRunner, state: SleepState, path: str) -> None:
         runner.kv_caches = [layer.kv_cache for layer in model.attention_layers]
         if had_graphs:
             runner.capture_graphs()
-    runner.platform.release_memory()  # (the old weights)
-    logger.info("weights updated from %s", path)
+    runner.platform.release_memory()  # (the old weights, on the device or in host memory)
+    logger.info("weights updated from %s%s", path, " (kept in host memory until wake_up)" if was_offloaded else "")
 
 
 def _install(runner: ModelRunner, state: SleepState, model: Any) -> None:
