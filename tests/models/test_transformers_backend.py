@@ -190,7 +190,7 @@ def _tp_layout(worker) -> dict:
 TP_GATHERED = ("olmo2", "olmo3")  # -> 4 heads / 2 KV heads per rank; the rest: 2 / 1
 
 
-@pytest.mark.slow  # (two spawned ranks per case: ~11 s each on a busy 2-core machine)
+@pytest.mark.slow  # (two spawned ranks per case: ~5 s each, ~11 s on a busy 2-core machine)
 @pytest.mark.parametrize("name", ["llama", *FALLBACK])
 def test_two_tensor_parallel_ranks_match_transformers(fallback_models, name):
     """TP=2 against transformers' generate() (one rank is checked against it above), with 16-token chunks,
@@ -213,7 +213,7 @@ def test_two_tensor_parallel_ranks_match_transformers(fallback_models, name):
     assert layouts[0]["down_proj"] == ("_HFRowParallelLinear", (64, 64))  # half of [64, 128]
 
 
-@pytest.mark.slow  # (two spawned stages per case: ~10 s each on a busy 2-core machine)
+@pytest.mark.slow  # (two spawned stages per case: ~5 s each, ~10 s on a busy 2-core machine)
 @pytest.mark.parametrize("name", ["olmo2", "granite"])
 def test_two_pipeline_stages_match_transformers(fallback_models, name):
     """PP=2 (one layer per stage) against transformers' generate(), with 16-token chunks, preemption and
