@@ -8,7 +8,8 @@ decode steps replayed from captured graphs (the old ones read the dropped KV cac
   the dropped KV cache alive, and greedy outputs after ``wake_up`` equal those before.
 - On a CUDA GPU (``gpu``): the cuda platform as it is. sleep(level=1) moves the weights to pinned host
   memory, sleep(level=2) drops them; both drop the KV cache, and the device memory goes back to the
-  driver (``torch.cuda.mem_get_info``), not only to torch's caching allocator. ``mem_get_info`` counts
+  driver (``torch.cuda.mem_get_info``), not only to torch's caching allocator; after ``wake_up`` the
+  pinned host copies are gone from torch's host allocator too (``host_memory_stats``). ``mem_get_info`` counts
   every process on the device, so benchmarks/gpu/run_gpu_checks.sh runs this file's ``gpu`` test alone,
   after the parallel GPU tests.
 
@@ -116,6 +117,23 @@ def _device_memory() -> DeviceMemory:
     return DeviceMemory(torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0])
 
 
+def _pinned_bytes() -> int | None:
+    """Pinned host memory torch's host allocator holds, its cached free blocks included (each block
+    rounded up to a power of two); None where this torch's ``host_memory_stats`` does not count it."""
+    stats = torch.cuda.host_memory_stats()
+    return int(stats["allocated_bytes.current"]) if "allocated_bytes.current" in stats else None
+
+
+def _pinned_grew_by(before: int | None, at_least: int) -> bool:
+    now = _pinned_bytes()
+    return before is None or now is not None and now - before >= at_least
+
+
+def _pinned_back_to(before: int | None) -> bool:  # (16 MiB of slack for torch's own pinned buffers)
+    now = _pinned_bytes()
+    return before is None or now is not None and now <= before + (16 << 20)
+
+
 def _weight_bytes(model: torch.nn.Module) -> int:
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # (tied weights once)
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -146,12 +164,13 @@ def test_sleep_hands_device_memory_back_and_wake_up_restores_greedy_outputs(tmp_
         before = _greedy_through_graphs(llm, prompts)
 
         for level in (1, 2):
-            awake = _device_memory()
+            awake, pinned_awake = _device_memory(), _pinned_bytes()
             llm.sleep(level=level)
             asleep = _device_memory()
             assert llm.is_sleeping()
             if level == 1:  # the weights wait in pinned host memory
                 assert all(p.device.type == "cpu" and p.is_pinned() for p in runner.model.parameters())
+                assert _pinned_grew_by(pinned_awake, weights), (_pinned_bytes(), pinned_awake, weights)
             else:
                 assert runner.model is None
             assert runner.step_graphs is None and runner.kv_caches == []
@@ -164,15 +183,19 @@ def test_sleep_hands_device_memory_back_and_wake_up_restores_greedy_outputs(tmp_
             llm.wake_up()
             assert not llm.is_sleeping()
             assert all(p.device.type == "cuda" for p in runner.model.parameters())
+            # the host copies are freed and torch's pinned cache hands their blocks back
+            assert _pinned_back_to(pinned_awake), (level, _pinned_bytes(), pinned_awake)
             assert sum(t.numel() * t.element_size() for t in runner.kv_caches) == kv_cache
             assert _device_memory().allocated - asleep.allocated >= kv_cache + weights
             assert _greedy_through_graphs(llm, prompts) == before, f"greedy outputs changed after a level-{level} sleep"
 
         # level 1, then level 2: the host copy of the weights goes too; wake_up reloads the checkpoint
+        pinned_awake = _pinned_bytes()
         llm.sleep(level=1)
         level1 = _device_memory()
         llm.sleep(level=2)
         assert runner.model is None and _device_memory().allocated <= level1.allocated
+        assert _pinned_back_to(pinned_awake), (_pinned_bytes(), pinned_awake)  # (release_memory emptied it)
         llm.wake_up()
         assert _greedy_through_graphs(llm, prompts) == before
     finally:
