@@ -68,9 +68,9 @@ def test_greedy_matches_transformers_chunked_preempted_n2(bamba):
     assert kv.num_groups == 4 and not kv.enable_prefix_caching
     assert [g.spec for g in kv.groups[1:]] == [STATE] * 3
     # (n > 1 must sample: top_k=1 samples the argmax, greedy's token)
-    params = SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True)
     got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert [[c.token_ids for c in o.outputs] for o in got] == [[w, w] for w in want]
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[w[:12], w[:12]] for w in want]
     stats = llm.llm_engine.get_stats()
     assert stats.num_preemptions > 0, "the tiny pool should have forced preemption"
     assert stats.prefix_cache_hits == 0
@@ -102,3 +102,11 @@ def test_kv_cache_usage_counts_the_states(bamba):
     engine.abort_request("x")
     engine.step()
     assert kv.get_num_free_blocks() == kv.num_usable_blocks
+
+
+def test_speculative_decoding_is_refused(bamba):
+    """A Mamba2 state cannot take back rejected drafts: the engine says so before serving."""
+    path, _ = bamba
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    with pytest.raises(ValueError, match="recurrent .Mamba. layers"):
+        LLM(path, platform="cpu", dtype="float32", block_size=16, max_model_len=128, speculative_config=spec)
