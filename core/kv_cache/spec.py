@@ -134,8 +134,9 @@ class MambaSpec:
 
         num_state_blocks = cdiv(conv + ssm elements, block_size * page_token_elements)
 
-    (Bamba-9B: 8192 * 3 + 128 * 64 * 128 = 1073152 elements over 16-token pages of 2 * 8 * 128: 263
-    blocks; vLLM raises the attention block size instead so one page holds a state.)
+    (Bamba-9B: conv 8448 * 3 + SSM 128 * 64 * 128 = 1073920 elements over 16-token pages of 2 * 8 * 128
+    per layer, 32768: 33 blocks per request and group; vLLM raises the attention block size instead so
+    one page holds a state.)
     """
 
     conv_state_shape: tuple[int, int]
