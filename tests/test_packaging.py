@@ -172,11 +172,15 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one() -> Non
     commands = _readme_commands()
     assert commands == {
         "1": "pip install torch==2.13.0 && pip install -e . && halserve serve",
-        "2": 'pip install torch==2.13.0 && pip install -e ".[dev]" && HALSERVE_SKIP_ISOLATED=1 python -m pytest -q --durations=25',
+        "2": 'pip install torch==2.13.0 && pip install -e ".[dev]" && HALSERVE_SKIP_ISOLATED=1 python -m pytest -q -m "not extended" --durations=25',
     }
     ci = (REPO / ".ci" / "run").read_text()
     assert ci.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in ci
     assert f"({commands['2']})" in ci
+    # the extended suite: the README's separate command, run verbatim as .ci/run's own step
+    extended = "python -m pytest -q -m extended --durations=10"
+    assert f"```bash\n{extended}\n```" in (REPO / "README.md").read_text()
+    assert f"({extended})" in ci
     # the isolated suites: the README's separate command, run verbatim as .ci/run's own step
     isolated = "python scripts/isolated_env.py test"
     assert f"```bash\n{isolated}\n```" in (REPO / "README.md").read_text()

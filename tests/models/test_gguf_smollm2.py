@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("gguf", reason="the GGUF tests need the gguf package (pip install 'halserve[gguf]')")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # a real model from the package index, minutes (CI's extended step)
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "get_smollm2.sh")
 MAX_TOKENS = 32

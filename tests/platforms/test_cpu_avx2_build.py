@@ -37,6 +37,7 @@ def test_march_override_is_validated(monkeypatch):
         compile_flags()
 
 
+@pytest.mark.extended
 @pytest.mark.slow  # builds the core and fp8 libraries for AVX2 once per machine (~1-2 min), then ~15 s
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not _has_avx2(),
                     reason="the AVX2 build needs an x86-64 CPU with AVX2")

@@ -50,6 +50,7 @@ def test_summary_reports_missing_steps(tmp_path):
     assert summary["serve"] is None
 
 
+@pytest.mark.extended
 @pytest.mark.slow  # three engines, a server and two transformers runs of tiny models: a few minutes
 def test_e2e_dry_run(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"

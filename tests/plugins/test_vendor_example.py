@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from plugin_test_utils import clean_env
 
-pytestmark = pytest.mark.slow  # builds and installs the example plugin, ~3 min (inner loop: -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # builds and installs the example plugin, ~3 min (inner loop: -m 'not slow')
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vendor_example_check.sh"
 

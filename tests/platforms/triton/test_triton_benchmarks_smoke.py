@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # runs the kernel benchmarks, ~90 s (inner loop: -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # runs the kernel benchmarks, ~90 s (inner loop: -m 'not slow')
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -20,7 +20,7 @@ import torch
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="a GPU is present: test_triton_engine_gpu.py runs the cuda platform compiled instead"
 )
-pytestmark = [pytestmark, pytest.mark.slow]  # whole engines through the Triton interpreter, minutes (inner loop: -m 'not slow')
+pytestmark = [pytestmark, pytest.mark.slow, pytest.mark.extended]  # whole engines through the Triton interpreter, minutes (inner loop: -m 'not slow')
 
 BLOCK = 16
 BUDGET = 64  # the longest prompt is chunked over several steps

@@ -17,7 +17,7 @@ import pytest
 
 from halserve.platforms.triton_kernels.compile_check import TARGETS
 
-pytestmark = pytest.mark.slow  # real Triton compiler per GPU, minutes (inner loop: -m 'not slow')
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # real Triton compiler per GPU, minutes (inner loop: -m 'not slow')
 
 # A few bytes of spill (one register on one path) is noise; a real spill is hundreds.
 MAX_SPILL_BYTES = 16

@@ -16,7 +16,7 @@ from test_triton_engine_interpreted import _interpret_on_cpu
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="a GPU is present: the compiled kernels are tested there instead"
 )
-pytestmark = [pytestmark, pytest.mark.slow]  # whole engines through the Triton interpreter, minutes (inner loop: -m 'not slow')
+pytestmark = [pytestmark, pytest.mark.slow, pytest.mark.extended]  # whole engines through the Triton interpreter, minutes (inner loop: -m 'not slow')
 
 TORCH_QUANT_OPS = "scaled_fp8_quant=torch,per_token_group_fp8_quant=torch"
 CASES = {

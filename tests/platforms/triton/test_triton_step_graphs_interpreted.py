@@ -14,7 +14,7 @@ import torch
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="a GPU is present: test_triton_engine_gpu.py replays real CUDA graphs instead"
 )
-pytestmark = [pytestmark, pytest.mark.slow]  # an engine through the Triton interpreter (inner loop: -m 'not slow')
+pytestmark = [pytestmark, pytest.mark.slow, pytest.mark.extended]  # an engine through the Triton interpreter (inner loop: -m 'not slow')
 
 
 @pytest.fixture
