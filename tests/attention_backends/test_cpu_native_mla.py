@@ -194,7 +194,8 @@ def _has_avx2() -> bool:
         return False
 
 
-@pytest.mark.slow  # builds the mla (and core) libraries for AVX2 once per machine, then ~10 s
+@pytest.mark.extended  # (an AVX2-only build: CI's extended step, as tests/platforms/test_cpu_avx2_build.py)
+@pytest.mark.slow  # builds the mla (and core) libraries for AVX2 once per machine (~1-2 min), then ~20 s
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not _has_avx2(),
                     reason="the AVX2 build needs an x86-64 CPU with AVX2")
 def test_the_avx2_build_matches_too():
