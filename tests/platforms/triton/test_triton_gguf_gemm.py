@@ -3,7 +3,8 @@ for every GGUF type: interpreted on CPU, compiled on a GPU (this directory's con
 
 The activations stay float, so in float32 the kernel is the reference up to summation order (1e-5 of max |ref|),
 and an identity input returns the dequantized weight exactly: every decoded value is checked, not only sums.
-16-bit models run the dot on 16-bit operands on a GPU (the weight rounded to fp16/bf16): 5e-3 / 2e-2."""
+16-bit models run the dot on 16-bit operands on a GPU (the weight rounded to fp16/bf16): 5e-3 / 2e-2.
+A tiny GGUF model served on the interpreted cuda stack resolves the kernel and gives the CPU's greedy tokens."""
 from __future__ import annotations
 
 import pytest
@@ -90,3 +91,40 @@ def test_the_gguf_method_resolves_to_the_triton_kernel(platform):
 
     kernel = resolve_kernel("gguf_gemm", platform, dtype="bfloat16", n=576, k=1536, qtype="Q4_K")
     assert isinstance(kernel, TritonGgufGemm) and kernel.name == f"triton_{platform}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the compiled kernel is tested there instead")
+def test_a_gguf_model_on_the_interpreted_cuda_stack(tmp_path, monkeypatch):
+    # a tiny Q4_1 GGUF (tests/models/test_gguf_loading.py's writer): the gguf method's layers and LM head resolve
+    # the Triton kernel on cuda, and greedy output is the CPU's with the float reference kernel
+    import importlib.util
+    import os
+
+    from test_triton_engine_interpreted import _interpret_on_cpu
+
+    from halserve.platforms.cuda import CudaPlatform
+
+    gguf = pytest.importorskip("gguf", reason="the GGUF tests need the gguf package (pip install 'halserve[gguf]')")
+    spec = importlib.util.spec_from_file_location(
+        "gguf_loading_helpers", os.path.join(os.path.dirname(__file__), "..", "..", "models", "test_gguf_loading.py"))
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    path = helpers.write_gguf(str(tmp_path / "q41.gguf"), "llama", qtype=gguf.GGMLQuantizationType.Q4_1)
+    batch = helpers.prompts(2)
+    monkeypatch.setenv("HALSERVE_KERNELS", "gguf_gemm=torch")
+    expected = helpers.halserve_greedy(path, batch, max_new_tokens=4, quantization="gguf")
+    monkeypatch.delenv("HALSERVE_KERNELS")
+    _interpret_on_cpu(monkeypatch, CudaPlatform, capability=lambda self, index=0: (9, 0))
+    from halserve import LLM, SamplingParams
+
+    llm = LLM(path, platform="cuda", dtype="float32", max_model_len=128, block_size=16, num_kv_blocks=64,
+              max_num_batched_tokens=32, attention_backend="torch")  # (a small budget: a small profiling run)
+    try:
+        model = llm.llm_engine.core.executor.worker.model_runner.model
+        assert type(model.model.layers[0].mlp.down_proj.gguf_runs[0][0]).name == "triton_cuda"
+        assert type(model.lm_head.gemm).name == "triton_cuda"
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    finally:
+        llm.llm_engine.shutdown()
