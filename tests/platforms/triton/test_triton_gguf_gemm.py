@@ -93,6 +93,8 @@ def test_the_gguf_method_resolves_to_the_triton_kernel(platform):
     assert isinstance(kernel, TritonGgufGemm) and kernel.name == f"triton_{platform}"
 
 
+@pytest.mark.slow
+@pytest.mark.extended  # a whole engine through the Triton interpreter (7 s): CI's extended step, as its siblings
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the compiled kernel is tested there instead")
 def test_a_gguf_model_on_the_interpreted_cuda_stack(tmp_path, monkeypatch):
     # a tiny Q4_1 GGUF (tests/models/test_gguf_loading.py's writer): the gguf method's layers and LM head resolve
