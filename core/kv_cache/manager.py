@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -18,6 +18,7 @@ from halserve.attention_backends.base import AttentionMetadata
 from halserve.attention_backends.cpu_native import CpuNativeAttentionBackend
 from halserve.attention_backends.torch_ref import TorchAttentionBackend
 from halserve.platforms import cpu_kernels
+from halserve.platforms.cpu_kernels.panel import cpu_flags
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.toolchain_missing() is not None, reason=f"no C++ toolchain: {cpu_kernels.toolchain_missing()}"
@@ -187,11 +188,7 @@ def test_the_conformance_kit_passes_the_mla_kind_cpu_native_claims():
 
 
 def _has_avx2() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx2" in f.read()
-    except OSError:
-        return False
+    return "avx2" in cpu_flags()
 
 
 @pytest.mark.extended  # (an AVX2-only build: CI's extended step, as tests/platforms/test_cpu_avx2_build.py)

@@ -15,16 +15,13 @@ import pytest
 
 from halserve.platforms import cpu_kernels
 from halserve.platforms.cpu_kernels.build import MARCH_ENV, compile_flags
+from halserve.platforms.cpu_kernels.panel import cpu_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _has_avx2() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx2" in f.read()
-    except OSError:
-        return False
+    return "avx2" in cpu_flags()
 
 
 def test_march_override_is_validated(monkeypatch):
