@@ -99,7 +99,7 @@ def load_lora_modules(args: argparse.Namespace, engine: AsyncLLM, served: list[s
     from halserve.entrypoints.openai.serving_lora import LoRAModules, register_static_loras, runtime_updating_from_env
 
     modules = LoRAModules(allow_runtime_updates=args.enable_lora and (
-        args.allow_runtime_lora_updating or runtime_updating_from_env()))
+        args.allow_runtime_lora_updating or runtime_updating_from_env()), shared=engine.client)
     try:
         register_static_loras(_CoreCalls(engine.client), modules, list(args.lora_modules or []), served)
     except BaseException:

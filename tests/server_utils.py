@@ -71,3 +71,13 @@ def server_args(checkpoint: str, *extra: str) -> list[str]:
         "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "512", "--block-size", "16",
         "--log-level", "warning", *extra,
     ]
+
+
+def requests_finished_by(api_server) -> float:
+    """halserve:request_success_total as one API server's own multiprocess metrics file holds it
+    (``--api-server-count``; ``api_server`` a psutil.Process)."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    path = os.path.join(api_server.environ()["PROMETHEUS_MULTIPROC_DIR"], f"counter_{api_server.pid}.db")
+    return sum(value for key, value, *_ in MmapedDict.read_all_values_from_file(path)
+               if '"halserve:request_success"' in key)

@@ -54,6 +54,9 @@ class EngineCoreClient(ABC):
 
     model_info: ModelInfo | None = None  # the core's
     stats: EngineStats
+    # whether the core's process keeps the served LoRA adapters' names (``lora_register`` and the others
+    # of engine/lora_names.py, ``on_loras``): with several API servers it must
+    shares_lora_names: bool = False
     loop: asyncio.AbstractEventLoop | None = None  # the event loop ``start`` bound (callbacks run there)
 
     @abstractmethod
@@ -154,6 +157,8 @@ class MPEngineCoreClient(EngineCoreClient):
     engine's ``multiprocessing.Process`` when this client owns it (stops and reaps it), None
     when another process does (``--api-server-count``)."""
 
+    shares_lora_names = True
+
     def __init__(self, socket_path: str, model_info: ModelInfo, process: Any = None) -> None:
         self.socket_path = socket_path
         self.model_info = model_info
@@ -166,6 +171,9 @@ class MPEngineCoreClient(EngineCoreClient):
         self._stopping = False
         self._acks: dict[int, concurrent.futures.Future] = {}
         self._ack_ids = itertools.count()
+        # the adapters the engine-core process serves by name (lora_names.py): the latest list, and who hears it
+        self.loras: list[Any] = []
+        self._on_loras: Callable[[list[Any]], None] | None = None
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -199,6 +207,13 @@ class MPEngineCoreClient(EngineCoreClient):
 
     def call_sync(self, method: str, *args: Any) -> Any:
         return _raise_or_return(self._request("call", method, args).result())
+
+    def on_loras(self, callback: Callable[[list[Any]], None]) -> None:
+        """Have ``callback(list of LoRARequest)`` called with the served adapters, now and whenever they
+        change (then on the reader thread)."""
+        with self._lock:
+            self._on_loras = callback
+            callback(self.loras)
 
     def fail_pending(self, error: BaseException) -> None:
         with self._lock:
@@ -279,6 +294,11 @@ class MPEngineCoreClient(EngineCoreClient):
                     self._call_in_loop(self._on_outputs, outputs)
                 elif kind == "stats":
                     self.stats = decode_stats(message[1])
+                elif kind == "loras":
+                    with self._lock:
+                        self.loras = message[2]
+                        if self._on_loras is not None:
+                            self._on_loras(self.loras)
                 elif kind == "ack":
                     with self._lock:
                         ack = self._acks.pop(message[1], None)

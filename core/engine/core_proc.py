@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from halserve.engine.lora_names import LORA_NAME_METHODS, SharedLoRANames
 from halserve.engine.serial import FrameReader, decode_request, encode_outputs, encode_stats, pack
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -109,6 +110,7 @@ class EngineCoreProc:
         self.owner: dict[str, _Client] = {}  # core request id -> the client that added it
         self.had_client = False
         self.executor = getattr(core, "executor", None)  # (its check_health raises once a worker died)
+        self.lora_names = SharedLoRANames(core)  # the API servers' adapters by name (engine/lora_names.py)
 
     def run(self) -> int:
         core = self.core
@@ -157,9 +159,10 @@ class EngineCoreProc:
                 continue
             if sock is self.listener:
                 conn, _ = self.listener.accept()
-                self.clients[conn] = _Client(conn, FrameReader(conn))
+                client = self.clients[conn] = _Client(conn, FrameReader(conn))
                 self.selector.register(conn, selectors.EVENT_READ)
                 self.had_client = True
+                self._reply(client, ("loras", *self.lora_names.lora_snapshot()))  # (before it can ask anything)
                 continue
             client = self.clients.get(sock) if isinstance(sock, socket.socket) else None
             if client is None:
@@ -181,9 +184,15 @@ class EngineCoreProc:
         elif kind == "call":
             _, ack, method, args = message
             try:
-                if method not in UTILITY_METHODS:
+                if method in LORA_NAME_METHODS:
+                    version = self.lora_names.version
+                    result = getattr(self.lora_names, method)(*args)
+                    if self.lora_names.version != version:  # every API server hears it before the caller's ack
+                        self._broadcast(pack(("loras", *self.lora_names.lora_snapshot())))
+                elif method in UTILITY_METHODS:
+                    result = getattr(self.core, method)(*args)
+                else:
                     raise ValueError(f"unknown engine method {method!r}")
-                result = getattr(self.core, method)(*args)
             except Exception as exc:  # noqa: BLE001 - the caller's to handle
                 result = exc
             self._reply(client, ("ack", ack, result))
@@ -199,6 +208,7 @@ class EngineCoreProc:
             for req in requests:
                 if req.request_id in self.owner:
                     raise ValueError(f"request id {req.request_id!r} is already in flight; use a unique id")
+                self.lora_names.check(req.lora_request)
                 self.core.add_request(req)
                 added.append(req.request_id)
                 self.owner[req.request_id] = client

@@ -19,7 +19,8 @@ several accepted connections.
 Messages, client -> engine: ``("add", ack_id, [request tuple, ...])``, ``("abort", [id, ...])``,
 ``("call", ack_id, method, args)``, ``("shutdown",)``.
 Engine -> client: ``("outputs", batch, stats)``, ``("stats", stats)``, ``("ack", ack_id, result)``
-(a result that is an exception is raised at the caller), ``("dead", message)``.
+(a result that is an exception is raised at the caller), ``("dead", message)``, ``("loras", version,
+[LoRARequest, ...])`` (the adapters served by name: on connecting and after each change; lora_names.py).
 """
 from __future__ import annotations
 

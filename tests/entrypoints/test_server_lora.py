@@ -12,7 +12,7 @@ import sys
 import httpx
 import openai
 import pytest
-from server_utils import MAX_MODEL_LEN, SERVED_NAME, ServerProcess, server_args
+from server_utils import MAX_MODEL_LEN, SERVED_NAME, ServerProcess, requests_finished_by, server_args
 
 pytestmark = pytest.mark.slow  # starts servers (inner loop: -m 'not slow')
 
@@ -203,3 +203,45 @@ def test_beam_search_runs_on_the_named_adapter(lora_client, expected):
         out = lora_client.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, n=1,
                                              extra_body={"use_beam_search": True, "ignore_eos": True})
         assert out.choices[0].text == expected[name][0], name
+
+
+def test_runtime_adapters_are_served_by_every_api_server(checkpoint, adapters, expected, tmp_path):
+    """--api-server-count 2: an adapter loaded at runtime through whichever server answers is served
+    by both (the engine-core process keeps the names), two adapters loaded one after the other get
+    their own ids (each answers with its own weights), and an unload removes it from both."""
+    args = server_args(checkpoint, "--api-server-count", "2", "--enable-lora", "--lora-modules",
+                       f"sql={adapters['sql']}", "--max-loras", "2", "--max-lora-rank", "16",
+                       "--allow-runtime-lora-updating")
+    srv = ServerProcess(args, str(tmp_path / "lora_two_servers.log")).wait_ready()
+
+    def fresh(method: str, path: str, **kwargs) -> httpx.Response:  # (a new connection: either server answers)
+        return httpx.request(method, srv.url + path, headers={"Connection": "close"}, timeout=60, **kwargs)
+
+    def complete(model: str) -> httpx.Response:
+        return fresh("POST", "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                                                     "temperature": 0, "ignore_eos": True})
+
+    try:
+        for name, path in (("dyn-a", adapters["chat-lora"]), ("dyn-b", adapters["sql"])):
+            load = fresh("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+            assert load.status_code == 200, load.text
+        for _ in range(8):  # (the kernel spreads new connections over the two servers)
+            assert [m["id"] for m in fresh("GET", "/v1/models").json()["data"]] == [SERVED_NAME, "sql", "dyn-a",
+                                                                                   "dyn-b"]
+            assert complete("dyn-a").json()["choices"][0]["text"] == expected["chat-lora"][0]
+            assert complete("dyn-b").json()["choices"][0]["text"] == expected["sql"][0]
+            assert complete("sql").json()["choices"][0]["text"] == expected["sql"][0]
+        assert fresh("POST", "/v1/unload_lora_adapter", json={"lora_name": "dyn-a"}).status_code == 200
+        for _ in range(8):
+            response = complete("dyn-a")
+            assert response.status_code == 404 and "does not exist" in response.json()["error"]["message"]
+            assert fresh("POST", "/v1/unload_lora_adapter", json={"lora_name": "dyn-a"}).status_code == 404
+        import psutil
+
+        api_servers = [c for c in psutil.Process(srv.proc.pid).children()
+                       if "spawn_main" in " ".join(c.cmdline()) and not any(
+                           s.laddr.endswith("core.sock") for s in c.net_connections(kind="unix"))]
+        served = [requests_finished_by(p) for p in api_servers]
+        assert len(served) == 2 and all(served), served  # (both servers answered adapter requests)
+    finally:
+        assert srv.stop() == 0

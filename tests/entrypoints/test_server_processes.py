@@ -13,7 +13,7 @@ import time
 import httpx
 import psutil
 import pytest
-from server_utils import SERVED_NAME, ServerProcess, server_args
+from server_utils import SERVED_NAME, ServerProcess, requests_finished_by, server_args
 
 pytestmark = pytest.mark.slow  # starts servers and kills their processes (inner loop: -m 'not slow')
 
@@ -184,15 +184,6 @@ def test_killed_api_server_takes_the_engine_with_it(checkpoint, tmp_path):
     srv.stop()
 
 
-def _requests_finished_by(api_server: psutil.Process) -> float:
-    """halserve:request_success_total as one API server's own multiprocess file holds it."""
-    from prometheus_client.mmap_dict import MmapedDict
-
-    path = os.path.join(api_server.environ()["PROMETHEUS_MULTIPROC_DIR"], f"counter_{api_server.pid}.db")
-    return sum(value for key, value, *_ in MmapedDict.read_all_values_from_file(path)
-               if '"halserve:request_success"' in key)
-
-
 def _metric(text: str, name: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -219,7 +210,7 @@ def test_api_server_count_shares_the_port_and_one_engine(checkpoint, tmp_path):
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(complete, range(num_requests)))
         api_servers = [c for c in children if c not in engines]
-        served = [_requests_finished_by(p) for p in api_servers]
+        served = [requests_finished_by(p) for p in api_servers]
         assert sum(served) == num_requests and all(served), served
         with httpx.Client(timeout=60) as client:
             for _ in range(4):  # whichever server answers, the sums are the same
