@@ -5,6 +5,10 @@ The C++ is split into libraries, each built the first time a kernel that needs i
 layer's op at model load, an attention backend), so that a model builds only what it runs: a float32
 or bfloat16 model builds ``core`` alone; a GPTQ/AWQ model adds ``int4``, an fp8 model ``fp8``, a W8A8
 model ``int8``. Each build is cached per machine (``HALSERVE_KERNEL_CACHE``, see ``build.py``).
+
+A wheel built with ``HALSERVE_PREBUILD_CPU_KERNELS`` (``scripts/build_wheel.sh``) ships every library of
+``prebuilt_libraries()`` precompiled per x86 ISA level; ``prebuilt.py`` picks this CPU's, and nothing is
+compiled (no g++ needed) where it matches this torch and these sources.
 """
 from __future__ import annotations
 
@@ -50,15 +54,31 @@ LIBRARIES: dict[str, KernelLibrary] = {
                          "MLA (DeepSeek) decode attention over the paged latent cache", estimate_s=15.0),
 }
 
+# Built by native_gguf.py (load_gguf_ops, straight through build.build_and_load), not load_library; named
+# here so that a wheel ships it prebuilt with the others.
+GGUF_LIBRARY = KernelLibrary("halserve_cpu_gguf_gemm", ("gguf_gemm.cpp",),
+                             "the GGUF (llama.cpp) quantized GEMM", estimate_s=13.0)
+
+
+def prebuilt_libraries() -> list[KernelLibrary]:
+    """What a wheel built with ``HALSERVE_PREBUILD_CPU_KERNELS`` ships precompiled: every library."""
+    return [*LIBRARIES.values(), GGUF_LIBRARY]
+
+
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}  # library -> the module (pybind) or the .so path (ops only)
 _errors: dict[str, str] = {}  # library -> why it could not be built
 
 
 def toolchain_missing() -> str | None:
-    """Why the native kernels cannot be built here, or None (cheap: no compile)."""
+    """Why the native kernels can be neither built nor loaded prebuilt here, or None (cheap: no compile).
+    A wheel's prebuilt libraries for this CPU, torch and Python (``prebuilt.py``) need no toolchain."""
     for tool in ("g++", "ninja"):
         if shutil.which(tool) is None:
+            from halserve.platforms.cpu_kernels.prebuilt import usable_level
+
+            if usable_level() is not None:
+                return None
             return f"{tool} is not installed (needed to build halserve's native CPU kernels)"
     return None
 

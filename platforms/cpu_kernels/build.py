@@ -14,6 +14,10 @@ library, how many of its sources are compiled (ninja writes one ``.o`` per sourc
 and what is left of the estimate: this machine's last build of that library (``build_times.json`` in
 the cache), else the figure measured on a 2-core machine that the library's entry in ``__init__.py``
 ships. A build already in the cache is loaded, and logged as such, in well under a second.
+
+Before any of that, a wheel built with ``HALSERVE_PREBUILD_CPU_KERNELS`` may hold the library precompiled
+for this CPU's ISA level, this torch and these sources (``prebuilt.py``): it is loaded instead, and the
+log says which (``using prebuilt avx512_bf16 kernels for torch 2.13.0+cpu``) or why none applies.
 """
 from __future__ import annotations
 
@@ -30,11 +34,13 @@ import time
 
 import torch
 
+from halserve.platforms.cpu_kernels import prebuilt
+from halserve.platforms.cpu_kernels.prebuilt import LDFLAGS
+
 logger = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MARCH_ENV = "HALSERVE_CPU_MARCH"  # e.g. x86-64-v3: build for AVX2 only on an AVX-512 machine (to profile that path)
-LDFLAGS = ("-fopenmp",)
 CACHE_ENV = "HALSERVE_KERNEL_CACHE"
 PROGRESS_EVERY_S = 10.0  # seconds between progress lines while a build runs
 
@@ -181,10 +187,32 @@ class _Progress:
         self.thread.join()
 
 
+def _load_prebuilt(name: str, sources: list[str], defines: tuple[str, ...], label: str):
+    """The prebuilt library ``name`` loaded (``prebuilt.py``: a wheel's, for this CPU's ISA level, torch and
+    sources), or None after logging why there is none to load."""
+    found = prebuilt.find(name, sources, defines)
+    if isinstance(found, str):
+        # an editable install has none: saying so at every start would be noise
+        log = logger.debug if found.startswith("there are none") else logger.info
+        log("not using a prebuilt %s: %s", label, found)
+        return None
+    started = time.monotonic()
+    try:
+        result = prebuilt.load(found)
+    except Exception as exc:  # noqa: BLE001 - a broken prebuilt library falls back to a build, loudly
+        logger.warning("could not load the prebuilt %s (%s): %s: %s; building it instead", label, found.path,
+                       type(exc).__name__, exc)
+        return None
+    logger.info("using prebuilt %s kernels for torch %s: %s (%s, loaded in %.1f s)", found.level,
+                found.torch_version, label, found.path, time.monotonic() - started)
+    return result
+
+
 def build_and_load(name: str, sources: list[str], *, is_python_module: bool = True, defines: tuple[str, ...] = (),
                    label: str | None = None, purpose: str = "", estimate_s: float | None = None):
     """``torch.utils.cpp_extension.load`` of ``sources`` as ``name``, in this input's own directory, one
     process at a time; returns what ``load`` does (the module, or its path when not a Python module).
+    A prebuilt library that matches (a wheel's, ``prebuilt.py``) is loaded instead, with no compiler.
 
     ``defines`` are ``-D`` flags (part of the cache key); ``label`` names the build in logs (default
     ``name``), ``purpose`` says what it gives in the first line; ``estimate_s`` is the expected build time
@@ -193,6 +221,9 @@ def build_and_load(name: str, sources: list[str], *, is_python_module: bool = Tr
     from torch.utils.cpp_extension import load as load_ext
 
     label = label or name
+    loaded = _load_prebuilt(name, sources, defines, label)
+    if loaded is not None:
+        return loaded
     directory = build_directory(name, sources, defines)
     os.makedirs(directory, exist_ok=True)
     cflags = [*compile_flags(), *(f"-D{d}" for d in defines)]
