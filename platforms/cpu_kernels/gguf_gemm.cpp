@@ -69,27 +69,49 @@ struct QuantX {
   std::vector<int32_t> isum16;  // [M, 2 KB]  sum(q) per half block of 16 (Q6_K's sub-blocks)
 };
 
-// One block of 32 to int8: d = amax / 127, q = round(x / d) (half to even, as torch.round); returns d.
-inline float quantize_block(const float* xb, int8_t* q, int32_t& isum) {
-  float amax = 0.0f;
-  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-  const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-  int32_t sum = 0;
-  for (int j = 0; j < kBlock; ++j) {
-    float v = std::nearbyint(xb[j] * id);
-    v = std::min(127.0f, std::max(-127.0f, v));
-    q[j] = static_cast<int8_t>(v);
-    sum += static_cast<int32_t>(v);
+HS_AVX2 inline int32_t hsum_epi32_avx2(__m256i a) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// One block of 32 to int8: d = amax / 127, q = round(x * (1 / d)) to nearest even (as torch.round), clamped to
+// +-127 (kernels/gguf_blocks.quantize_activations_q8); also the sum of q and of its first 16.
+HS_AVX2 inline float quantize_block_avx2(const float* xb, int8_t* q, int32_t& isum, int32_t& isum16) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(xb + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
   }
-  isum = sum;
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float d = _mm_cvtss_f32(m) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+  const __m256 idv = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  __m256i qi[4];
+  for (int j = 0; j < 4; ++j) {
+    __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    qi[j] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+  }
+  const __m256i s01 = _mm256_add_epi32(qi[0], qi[1]), s23 = _mm256_add_epi32(qi[2], qi[3]);
+  isum16 = hsum_epi32_avx2(s01);
+  isum = isum16 + hsum_epi32_avx2(s23);
+  // int32 -> int8 in order: packs work per 128-bit lane, so permute back
+  const __m256i p01 = _mm256_packs_epi32(qi[0], qi[1]), p23 = _mm256_packs_epi32(qi[2], qi[3]);
+  __m256i p = _mm256_packs_epi16(p01, p23);
+  p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p);
   return d;
 }
 
 // levels 1: row m of x is quantized row m (llama.cpp's Q8_0/Q8_1: ~0.7% relative error per GEMM on SmolLM2's
 // activations). levels 2: quantized rows 2m and 2m + 1 are x's int8 blocks and the int8 blocks of what they
 // leave, r = x - d q (|r| <= d / 2), so x = d q + d2 q2 to within d2 / 2 = amax / 64516: ~260x less error
-// for twice the integer work, and the two rows' outputs are summed.
-void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out) {
+// for twice the integer work, and the two rows' outputs are summed. AVX2 (every caller has checked the CPU).
+HS_AVX2 void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out) {
   const int64_t KB = K / kBlock, rows = M * levels;
   out.q.resize(rows * K);
   out.d.resize(rows * KB);
@@ -97,29 +119,24 @@ void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out) {
   out.fsum.resize(rows * KB);
   out.isum16.resize(rows * KB * 2);
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    float r[kBlock];
+    alignas(32) float r[kBlock];
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t b = 0; b < KB; ++b) {
         const float* xb = x + m * K + b * kBlock;
         const int64_t i = m * levels * KB + b;  // quantized row m * levels, block b
         int8_t* q = out.q.data() + i * kBlock;
-        const float d = quantize_block(xb, q, out.isum[i]);
+        const float d = quantize_block_avx2(xb, q, out.isum[i], out.isum16[2 * i]);
+        out.isum16[2 * i + 1] = out.isum[i] - out.isum16[2 * i];
         out.d[i] = d;
         out.fsum[i] = d * static_cast<float>(out.isum[i]);
         if (levels == 2) {
           for (int j = 0; j < kBlock; ++j) r[j] = xb[j] - d * static_cast<float>(q[j]);
           const int64_t i2 = i + KB;  // the next quantized row, same block
-          const float d2 = quantize_block(r, out.q.data() + i2 * kBlock, out.isum[i2]);
+          const float d2 = quantize_block_avx2(r, out.q.data() + i2 * kBlock, out.isum[i2], out.isum16[2 * i2]);
+          out.isum16[2 * i2 + 1] = out.isum[i2] - out.isum16[2 * i2];
           out.d[i2] = d2;
           out.fsum[i2] = d2 * static_cast<float>(out.isum[i2]);
         }
-      }
-      for (int64_t i = m * levels * KB; i < (m + 1) * levels * KB; ++i) {  // this row's halves of 16
-        const int8_t* q = out.q.data() + i * kBlock;
-        int32_t a = 0;
-        for (int j = 0; j < 16; ++j) a += q[j];
-        out.isum16[2 * i] = a;
-        out.isum16[2 * i + 1] = out.isum[i] - a;
       }
     }
   });
@@ -521,15 +538,318 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
   return out;
 }
 
+
+// ---- Packed (repacked) weights: a tile of activation rows per pass over each weight block -----------------
+//
+// gguf_repack(w, qtype, K, isa) rewrites the GGUF rows once (at the first batched call; the GGUF bytes stay the
+// source of truth, native_gguf.py keeps the copy beside them) into groups of 16 output rows (N padded to 16 with
+// zero scales). Per group and block c of 32 values, every row's values are stored as unsigned bytes u with a
+// float scale s and offset o per row (per half block of 16 for Q6_K), so that w = s u + o:
+//   Q4_0  u = q       s = d        o = -8 d          Q4_K  u = q (4 bits)   s = d sc_j     o = -dmin m_j
+//   Q4_1  u = q       s = d        o = m             Q5_K  u = q (5 bits)   s = d sc_j     o = -dmin m_j
+//   Q8_0  u = q + 128 s = d        o = -128 d        Q6_K  u = q (6 bits)   s = d sc per 16, o = -32 s
+//         (AVX2: q kept signed, o = 0: its maddubs would overflow int16 on u up to 255; the sign trick instead)
+// Layout of one block of a group: the values as [j = 0..7][row 0..15][4 bytes: values 4j..4j+3] (512 bytes),
+// or for the 4-bit types [t = 0..3][row][4 bytes, low nibbles values 4t.., high nibbles values 16 + 4t..] (256),
+// then s[16] and o[16] as float32 (and s2[16], o2[16] for Q6_K's second half). So one 512-bit register holds
+// four values of 16 rows, and _mm512_dpbusd_epi32 against four activation bytes broadcast gives 16 outputs'
+// partial sums at once (llama.cpp's Q4_0x8 repacking, generalized); AVX2 takes each group as two halves of 8.
+// Memory: 4-bit types 4 + 2 bits per value (1.33x a Q4_0 file's bytes), the byte types 8 + 2 (Q6_K 8 + 4).
+//
+//   gguf_repack(w [N, row bytes] uint8, qtype, K, isa) -> uint8 [ceil(N / 16) * K / 32 * block bytes]
+//   gguf_gemm_packed(x [M, K] f32, packed, qtype, N, K, isa, levels) -> [M, N] f32
+
+constexpr int kGroup = 16;
+
+inline bool packed_nibbles(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || qt == kQ4_K; }
+inline bool packed_halves(int64_t qt) { return qt == kQ6_K; }
+inline int64_t packed_qbytes(int64_t qt) { return packed_nibbles(qt) ? 256 : 512; }
+inline int64_t packed_block_bytes(int64_t qt) { return packed_qbytes(qt) + (packed_halves(qt) ? 256 : 128); }
+
+// One row's block c of 32 values -> u[32], s[2], o[2] (the halves' scale and offset; equal but for Q6_K).
+HS_AVX2 void decode_row_block(int64_t qt, int64_t isa, const uint8_t* row, int64_t c, uint8_t* u, float* s, float* o) {
+  if (is_k_type(qt)) {
+    KChunks kc;
+    decode_k(qt, row + (c / 8) * block_bytes(qt), kc);
+    const int ch = static_cast<int>(c % 8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), kc.u[ch]);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, kc.s[ch]);
+    s[0] = lanes[0];
+    s[1] = lanes[4];
+    o[0] = kc.off_a[ch];
+    o[1] = kc.off_b[ch];
+    return;
+  }
+  const uint8_t* blk = row + c * block_bytes(qt);
+  const float d = half_to_float(blk);
+  s[0] = s[1] = d;
+  if (qt == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int j = 0; j < 32; ++j) u[j] = isa == 2 ? static_cast<uint8_t>(q[j] + 128) : static_cast<uint8_t>(q[j]);
+    o[0] = o[1] = isa == 2 ? -128.0f * d : 0.0f;
+    return;
+  }
+  const uint8_t* q = blk + (qt == kQ4_1 ? 4 : 2);
+  for (int j = 0; j < 16; ++j) {
+    u[j] = q[j] & 0xF;
+    u[j + 16] = q[j] >> 4;
+  }
+  o[0] = o[1] = qt == kQ4_1 ? half_to_float(blk + 2) : -8.0f * d;
+}
+
+at::Tensor gguf_repack(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa) {
+  check(w, qtype, K);
+  TORCH_CHECK(isa_supported(isa), "gguf_repack: this CPU cannot run instruction path ", isa);
+  const int64_t N = w.size(0), KB = K / kBlock, NG = (N + kGroup - 1) / kGroup, row_bytes = w.size(1);
+  const int64_t QB = packed_qbytes(qtype), PB = packed_block_bytes(qtype);
+  at::Tensor out = at::zeros({NG * KB * PB}, at::kByte);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  const bool nib = packed_nibbles(qtype), halves = packed_halves(qtype);
+  at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
+    uint8_t u[32];
+    float s[2], o[2];
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t c = 0; c < KB; ++c) {
+        uint8_t* pb = op + (g * KB + c) * PB;
+        float* sc = reinterpret_cast<float*>(pb + QB);
+        for (int l = 0; l < kGroup; ++l) {
+          const int64_t n = g * kGroup + l;
+          if (n >= N) break;  // padding rows: zero values and scales
+          decode_row_block(qtype, isa, wp + n * row_bytes, c, u, s, o);
+          if (nib) {
+            for (int t = 0; t < 4; ++t)
+              for (int e = 0; e < 4; ++e) pb[t * 64 + l * 4 + e] = u[4 * t + e] | (u[16 + 4 * t + e] << 4);
+          } else {
+            for (int j = 0; j < 8; ++j)
+              for (int e = 0; e < 4; ++e) pb[j * 64 + l * 4 + e] = u[4 * j + e];
+          }
+          sc[l] = s[0];
+          sc[16 + l] = o[0];
+          if (halves) {
+            sc[32 + l] = s[1];
+            sc[48 + l] = o[1];
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Rows m0 .. m0 + R - 1 of the quantized activations (levels of one output row adjacent) against group g.
+template <bool NIB, bool HALVES, int R>
+HS_AVX512 void packed_tile_avx512(const QuantX& xq, int64_t KB, const uint8_t* gp, int64_t m0, int levels,
+                                  float* out, int64_t N, int64_t n0) {
+  constexpr int64_t QB = NIB ? 256 : 512, PB = QB + (HALVES ? 256 : 128);
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* xqp = xq.q.data();
+  for (int64_t c = 0; c < KB; ++c) {
+    const uint8_t* pb = gp + c * PB;
+    __m512i ia[R], ib[R];
+    for (int r = 0; r < R; ++r) ia[r] = ib[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m512i wv;
+      if constexpr (NIB) {
+        const __m512i raw = _mm512_loadu_si512(pb + 64 * (j & 3));
+        wv = j < 4 ? _mm512_and_si512(raw, m4) : _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+      } else {
+        wv = _mm512_loadu_si512(pb + 64 * j);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(load_i32(xqp + ((m0 + r) * KB + c) * kBlock + 4 * j));
+        if (HALVES && j >= 4) ib[r] = _mm512_dpbusd_epi32(ib[r], wv, xv);
+        else ia[r] = _mm512_dpbusd_epi32(ia[r], wv, xv);
+      }
+    }
+    const float* sc = reinterpret_cast<const float*>(pb + QB);
+    const __m512 s = _mm512_loadu_ps(sc), o = _mm512_loadu_ps(sc + 16);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * KB + c;
+      const float dx = xq.d[i];
+      if constexpr (HALVES) {
+        const __m512 s2 = _mm512_loadu_ps(sc + 32), o2 = _mm512_loadu_ps(sc + 48);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), _mm512_mul_ps(s, _mm512_set1_ps(dx)), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib[r]), _mm512_mul_ps(s2, _mm512_set1_ps(dx)), acc[r]);
+        acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(dx * static_cast<float>(xq.isum16[2 * i])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(o2, _mm512_set1_ps(dx * static_cast<float>(xq.isum16[2 * i + 1])), acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), _mm512_mul_ps(s, _mm512_set1_ps(dx)), acc[r]);
+        acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(xq.fsum[i]), acc[r]);
+      }
+    }
+  }
+  const int64_t cols = std::min<int64_t>(kGroup, N - n0);
+  const __mmask16 mask = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+  for (int r = 0; r < R; r += levels) {
+    __m512 v = acc[r];
+    if (levels == 2) v = _mm512_add_ps(v, acc[r + 1]);
+    _mm512_mask_storeu_ps(out + ((m0 + r) / levels) * N + n0, mask, v);
+  }
+}
+
+// AVX2: half h of group g (8 output rows), maddubs; SIGNED (Q8_0): |w| times x with w's sign.
+template <bool NIB, bool HALVES, bool SIGNED, int R>
+HS_AVX2 void packed_tile_avx2(const QuantX& xq, int64_t KB, const uint8_t* gp, int h, int64_t m0, int levels,
+                              float* out, int64_t N, int64_t n0) {
+  constexpr int64_t QB = NIB ? 256 : 512, PB = QB + (HALVES ? 256 : 128);
+  const __m256i m4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int8_t* xqp = xq.q.data();
+  for (int64_t c = 0; c < KB; ++c) {
+    const uint8_t* pb = gp + c * PB + 32 * h;
+    __m256i ia[R], ib[R];
+    for (int r = 0; r < R; ++r) ia[r] = ib[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m256i wv;
+      if constexpr (NIB) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 64 * (j & 3)));
+        wv = j < 4 ? _mm256_and_si256(raw, m4) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      } else {
+        wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 64 * j));
+      }
+      const __m256i aw = SIGNED ? _mm256_sign_epi8(wv, wv) : wv;
+      for (int r = 0; r < R; ++r) {
+        __m256i xv = _mm256_set1_epi32(load_i32(xqp + ((m0 + r) * KB + c) * kBlock + 4 * j));
+        if constexpr (SIGNED) xv = _mm256_sign_epi8(xv, wv);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
+        if (HALVES && j >= 4) ib[r] = _mm256_add_epi32(ib[r], p);
+        else ia[r] = _mm256_add_epi32(ia[r], p);
+      }
+    }
+    const float* sc = reinterpret_cast<const float*>(pb + QB - 32 * h) + 8 * h;
+    const __m256 s = _mm256_loadu_ps(sc), o = _mm256_loadu_ps(sc + 16);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * KB + c;
+      const float dx = xq.d[i];
+      if constexpr (HALVES) {
+        const __m256 s2 = _mm256_loadu_ps(sc + 32), o2 = _mm256_loadu_ps(sc + 48);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), _mm256_mul_ps(s, _mm256_set1_ps(dx)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib[r]), _mm256_mul_ps(s2, _mm256_set1_ps(dx)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(dx * static_cast<float>(xq.isum16[2 * i])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(o2, _mm256_set1_ps(dx * static_cast<float>(xq.isum16[2 * i + 1])), acc[r]);
+      } else {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), _mm256_mul_ps(s, _mm256_set1_ps(dx)), acc[r]);
+        if constexpr (!SIGNED) acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(xq.fsum[i]), acc[r]);
+      }
+    }
+  }
+  const int64_t cols = std::min<int64_t>(8, N - n0);
+  for (int r = 0; r < R; r += levels) {
+    __m256 v = acc[r];
+    if (levels == 2) v = _mm256_add_ps(v, acc[r + 1]);
+    float* o = out + ((m0 + r) / levels) * N + n0;
+    if (cols == 8) {
+      _mm256_storeu_ps(o, v);
+    } else {
+      float tmp[8];
+      _mm256_storeu_ps(tmp, v);
+      for (int64_t l = 0; l < cols; ++l) o[l] = tmp[l];
+    }
+  }
+}
+
+constexpr int kTile512 = 8, kTile2 = 4;  // quantized activation rows per tile (even: a row's two levels together)
+
+using Tile512Fn = void (*)(const QuantX&, int64_t, const uint8_t*, int64_t, int, float*, int64_t, int64_t);
+using Tile2Fn = void (*)(const QuantX&, int64_t, const uint8_t*, int, int64_t, int, float*, int64_t, int64_t);
+
+template <bool NIB, bool HALVES>
+Tile512Fn pick512(int rows) {
+  switch (rows) {
+    case 1: return packed_tile_avx512<NIB, HALVES, 1>;
+    case 2: return packed_tile_avx512<NIB, HALVES, 2>;
+    case 3: return packed_tile_avx512<NIB, HALVES, 3>;
+    case 4: return packed_tile_avx512<NIB, HALVES, 4>;
+    case 5: return packed_tile_avx512<NIB, HALVES, 5>;
+    case 6: return packed_tile_avx512<NIB, HALVES, 6>;
+    case 7: return packed_tile_avx512<NIB, HALVES, 7>;
+    default: return packed_tile_avx512<NIB, HALVES, 8>;
+  }
+}
+
+template <bool NIB, bool HALVES, bool SIGNED>
+Tile2Fn pick2(int rows) {
+  switch (rows) {
+    case 1: return packed_tile_avx2<NIB, HALVES, SIGNED, 1>;
+    case 2: return packed_tile_avx2<NIB, HALVES, SIGNED, 2>;
+    case 3: return packed_tile_avx2<NIB, HALVES, SIGNED, 3>;
+    default: return packed_tile_avx2<NIB, HALVES, SIGNED, 4>;
+  }
+}
+
+at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t N, int64_t K,
+                            int64_t isa, int64_t levels) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "gguf_gemm_packed: x must be [M, K = ", K, "]");
+  TORCH_CHECK(levels == 1 || levels == 2, "gguf_gemm_packed: levels must be 1 or 2 int8 levels, got ", levels);
+  TORCH_CHECK(qtype >= 0 && qtype <= 5, "gguf_gemm_packed: qtype must be 0..5, got ", qtype);
+  TORCH_CHECK(K % block_values(qtype) == 0, "gguf_gemm_packed: K = ", K, " is not a multiple of ", block_values(qtype));
+  TORCH_CHECK(isa_supported(isa), "gguf_gemm_packed: this CPU cannot run instruction path ", isa);
+  const int64_t KB = K / kBlock, NG = (N + kGroup - 1) / kGroup, PB = packed_block_bytes(qtype);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == NG * KB * PB,
+              "gguf_gemm_packed: packed must be gguf_repack's uint8 [", NG * KB * PB, "] for N = ", N, ", K = ", K);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), MQ = M * levels;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  QuantX xq;
+  quantize_x(x.data_ptr<float>(), M, K, static_cast<int>(levels), xq);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const bool nib = packed_nibbles(qtype), halves = packed_halves(qtype);
+  const int lv = static_cast<int>(levels);
+  if (isa == 2) {
+    const int64_t tiles = (MQ + kTile512 - 1) / kTile512;
+    at::parallel_for(0, NG * tiles, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {  // group-major: a group's weights stay in cache over its row tiles
+        const int64_t g = t / tiles, m0 = (t % tiles) * kTile512;
+        const int rows = static_cast<int>(std::min<int64_t>(kTile512, MQ - m0));
+        Tile512Fn fn = nib ? pick512<true, false>(rows) : halves ? pick512<false, true>(rows) : pick512<false, false>(rows);
+        fn(xq, KB, pp + g * KB * PB, m0, lv, op, N, g * kGroup);
+      }
+    });
+  } else {
+    const int64_t halves_n = (N + 7) / 8, tiles = (MQ + kTile2 - 1) / kTile2;
+    const bool sgn = qtype == kQ8_0;
+    at::parallel_for(0, halves_n * tiles, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t hg = t / tiles, m0 = (t % tiles) * kTile2;
+        const int rows = static_cast<int>(std::min<int64_t>(kTile2, MQ - m0));
+        Tile2Fn fn = nib ? pick2<true, false, false>(rows)
+                         : halves ? pick2<false, true, false>(rows)
+                                  : sgn ? pick2<false, false, true>(rows) : pick2<false, false, false>(rows);
+        fn(xq, KB, pp + (hg / 2) * KB * PB, static_cast<int>(hg % 2), m0, lv, op, N, hg * 8);
+      }
+    });
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(halserve_cpu_gguf, m) {
   m.def("gguf_gemv(Tensor x, Tensor w, int qtype, int isa, int levels=1) -> Tensor");
   m.def("gguf_dequantize(Tensor w, int qtype, int k) -> Tensor");
   m.def("gguf_isa_supported(int isa) -> bool", &isa_supported);
+  m.def("gguf_repack(Tensor w, int qtype, int k, int isa) -> Tensor");
+  m.def("gguf_gemm_packed(Tensor x, Tensor packed, int qtype, int n, int k, int isa, int levels=1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(halserve_cpu_gguf, CPU, m) {
   m.impl("gguf_gemv", gguf_gemv);
   m.impl("gguf_dequantize", gguf_dequantize);
+  m.impl("gguf_repack", gguf_repack);
+  m.impl("gguf_gemm_packed", gguf_gemm_packed);
 }

@@ -1,13 +1,24 @@
 """The cpu platform's ``gguf_gemm`` for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks, in C++ (``gguf_gemm.cpp``), as llama.cpp
 computes them on CPUs: the activations quantized to int8 per block of 32, integer dot products against the
-blocks as the file stores them (no repacking), the scales applied once per block.
+weight's blocks, the scales applied once per block.
 
-    M < TWO_LEVEL_MIN_ROWS (decode)        gguf_gemv, one int8 level: AVX-512 VNNI (_mm512_dpbusd_epi32) or
-                                           AVX2 (_mm256_maddubs_epi16), threads over output rows
-    TWO_LEVEL_MIN_ROWS <= M < PANEL_MIN_ROWS  gguf_gemv, two int8 levels: x ~ d q + d2 q2 (q2 the int8 blocks
-                                           of x's rounding error), twice the integer work, ~260x less error
-    M >= PANEL_MIN_ROWS (prefill)          the blocks dequantized to a float32 panel of PANEL_BYTES at a time,
-                                           then the float GEMM (torch's, oneDNN/MKL)
+The integer path runs on a repacked copy of the weight (``gguf_repack``, made at the first call and kept on
+the GGUF tensor, which stays the source of truth: a new tensor or one written in place is repacked again):
+groups of 16 output rows whose values sit four bytes per row side by side, so one register of weights meets
+four activation bytes broadcast and gives 16 outputs' partial sums (llama.cpp's Q4_0x8 repacking, for every
+type), and a tile of up to 8 (AVX-512) or 4 (AVX2) activation rows shares each weight register. Its memory:
+4 + 2 bits per value for Q4_0/Q4_1/Q4_K (1.33x a Q4_0 file's bytes, 1.2x Q4_1's), 8 + 2 for Q8_0 and Q5_K,
+8 + 4 for Q6_K, held beside the GGUF bytes (SmolLM2-135M Q4_0: about 80 MB of layers and 35 MB for its Q8_0
+head, against 117 MB of float32 panel the head alone cached before).
+
+    M < TWO_LEVEL_MIN_ROWS (decode)        gguf_gemm_packed, one int8 level: AVX-512 VNNI (_mm512_dpbusd_epi32)
+                                           or AVX2 (_mm256_maddubs_epi16)
+    TWO_LEVEL_MIN_ROWS <= M < panel rows   gguf_gemm_packed, two int8 levels: x ~ d q + d2 q2 (q2 the int8
+                                           blocks of x's rounding error), twice the integer work, ~260x less error
+    M >= PANEL_MIN_ROWS[isa] (prefill)     the blocks dequantized to a float32 panel of PANEL_BYTES at a time,
+                                           then the float GEMM (torch's, oneDNN/MKL): AVX2 only from 128 rows,
+                                           where its two-level maddubs path falls behind the float GEMM; the
+                                           AVX-512 VNNI path stays integer (1.7x the panel at 512 rows)
 
 Accuracy: the float path is the reference's (dequantize, matmul in float32). One int8 level is llama.cpp's
 scheme (its Q8_0/Q8_1 activation blocks) and as accurate: on SmolLM2-135M's real prefill activations both give
@@ -16,15 +27,15 @@ Q4_1 min term through the block's sum of q, as Q8_1's s), two levels 2.8e-5. Tha
 to flip: SmolLM2's first answer token to "What is the capital of France?" is one (exact log-probs -1.883 "The"
 vs -1.965 "L"), and prefilling its 37-token prompt with one int8 level, ours or a faithful model of
 llama.cpp's, answers "L'Étoile, ..." where the float and two-level paths answer Paris. So prompts of 16
-tokens or more never take one level. The row bounds are measured on SmolLM2's seven GEMMs of a layer (2-core
-AMD EPYC, AVX-512 VNNI; ms): two levels beat the panel 1.6x at 16 rows, 1.2x at 24, break even at 32. The
-integer path is checked against a reference that rounds the activations the same way
-(``gguf_blocks.quantize_activations_q8``, float summation order apart) and loosely against the float
-reference (tests/platforms/test_cpu_native_gguf.py).
+tokens or more never take one level. The integer path is checked against a reference that rounds the
+activations the same way (``gguf_blocks.quantize_activations_q8``, float summation order apart) and loosely
+against the float reference (tests/platforms/test_cpu_native_gguf.py).
 
-``HALSERVE_GGUF_ISA=avx2`` (or ``avx512_vnni``) forces an instruction path; by default the best this CPU
-runs. ``load_gguf_ops()`` builds ``gguf_gemm.cpp`` as its own small extension (``torch.ops.halserve_cpu_gguf``)
-the first time a GGUF model needs it, apart from the platform's main one.
+``gguf_gemv`` (the same integer arithmetic on the GGUF rows as stored, up to 4 activation rows per pass) is
+kept as an op: the packed path's cross-check in the tests. ``HALSERVE_GGUF_ISA=avx2`` (or ``avx512_vnni``)
+forces an instruction path; by default the best this CPU runs. ``load_gguf_ops()`` builds ``gguf_gemm.cpp``
+as its own small extension (``torch.ops.halserve_cpu_gguf``) the first time a GGUF model needs it, apart from
+the platform's main one.
 """
 from __future__ import annotations
 
@@ -46,7 +57,10 @@ QTYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256; their panel dequantizes in torch (gguf_blocks)
 ISA_CODES = {"avx2": 1, "avx512_vnni": 2}  # its isa argument
 TWO_LEVEL_MIN_ROWS = 16  # from this many activation rows on, two int8 levels (prompts keep their answers)
-PANEL_MIN_ROWS = 32  # from this many on, dequantize to a float panel and use the float GEMM
+# from this many on, dequantize to a float panel and use the float GEMM, per instruction path (measured on
+# SmolLM2's GEMMs, benchmarks/kernels/cpu_gguf_gemm.py: the VNNI integer path beats the panel at 512 rows)
+PANEL_MIN_ROWS = {"avx2": 128, "avx512_vnni": 1 << 30}
+_PACKED_ATTR = "_halserve_gguf_packed"  # the repacked copy's attribute on the GGUF weight tensor
 PANEL_BYTES = 8 << 20  # float32 panel size (output rows x K) per GEMM call
 
 _lock = threading.Lock()
@@ -99,7 +113,8 @@ class NativeGgufGemm(Kernel):
     platforms = ("cpu",)
     priority = 30
     description = ("C++ Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K: int8 activations per block of 32 and integer dot products "
-                   "(AVX-512 VNNI or AVX2) for few rows (two int8 levels from 16 rows); a dequantized float32 panel for many")
+                   "(AVX-512 VNNI or AVX2) on weights repacked 16 rows at a time (two int8 levels from 16 rows); "
+                   "a dequantized float32 panel for many rows on AVX2")
 
     @classmethod
     def capabilities(cls) -> dict:
@@ -151,6 +166,18 @@ class NativeGgufGemm(Kernel):
             return dequantize(qweight, qtype, k)
         return self.ops.gguf_dequantize(qweight, QTYPE_CODES[qtype], k)
 
+    def packed(self, qweight: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+        """The repacked copy of ``qweight`` for this instruction path, made once and kept on the tensor (it goes
+        with it); made again when the blocks change (written in place) or another path asks."""
+        key = (self.isa_code, qtype, k, qweight.data_ptr(), tuple(qweight.shape), qweight._version)
+        cached = getattr(qweight, _PACKED_ATTR, None)
+        if cached is None or cached[0] != key:
+            if cached is not None:
+                setattr(qweight, _PACKED_ATTR, None)  # the old copy goes before the new one is made (peak memory)
+            cached = (key, self.ops.gguf_repack(qweight, QTYPE_CODES[qtype], k, self.isa_code))
+            setattr(qweight, _PACKED_ATTR, cached)
+        return cached[1]
+
     def _cached_panel(self, qweight: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
         key = (qweight.data_ptr(), tuple(qweight.shape), qweight._version, qtype, k)
         cached: tuple[tuple, torch.Tensor] | None = getattr(self, "_panel", None)
@@ -164,9 +191,10 @@ class NativeGgufGemm(Kernel):
     def __call__(self, x: torch.Tensor, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None = None):
         m, k = x.shape
         code = QTYPE_CODES[qtype]
-        if m < PANEL_MIN_ROWS:
+        if m < PANEL_MIN_ROWS[self.isa]:
             levels = max(self.min_activation_levels, 1 if m < TWO_LEVEL_MIN_ROWS else 2)
-            out = self.ops.gguf_gemv(x, qweight, code, self.isa_code, levels)  # [M, N] float32
+            out = self.ops.gguf_gemm_packed(x, self.packed(qweight, qtype, k), code, qweight.shape[0], k,
+                                            self.isa_code, levels)  # [M, N] float32
         elif self.cache_panel:
             out = F.linear(x.float(), self._cached_panel(qweight, qtype, k))
         else:

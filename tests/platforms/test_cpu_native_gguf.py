@@ -8,7 +8,9 @@ reference: within the bound the 8-bit rounding gives, sum_k d_k / 2 |w[n, k]|. F
 activations and their rounding error are each int8 (x ~ d q + d2 q2): checked against the same two-level
 rounding in torch to 1e-4 of max |ref| (a fused multiply-add may round the residual differently at a tie), and
 against the float reference within sum_k d2_k / 2 |w[n, k]|, at least 50x closer than one level. Many rows (the dequantized float
-panel) match the float reference to 1e-5."""
+panel, AVX2 from PANEL_MIN_ROWS["avx2"] rows) match the float reference to 1e-5. The integer path runs on the
+repacked weight (gguf_repack, gguf_gemm_packed): checked against the GGUF rows' own integer op (gguf_gemv, the
+same rounding) to 1e-5 of max |out| for every type, both paths, odd M and N, one and two levels."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +20,6 @@ from halserve.kernels.gguf_blocks import dequantize, quantize_activations_q8, ra
 from halserve.platforms.cpu_kernels.native_gguf import (
     ISA_CODES,
     K_TYPES,
-    PANEL_MIN_ROWS,
     QTYPE_CODES,
     TWO_LEVEL_MIN_ROWS,
     NativeGgufGemm,
@@ -87,8 +88,11 @@ def test_two_int8_levels_match_their_reference_and_are_near_exact(qtype, isa):
         for m in (1, 5, TWO_LEVEL_MIN_ROWS):
             x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 4  # uneven block scales
             got = kernel.ops.gguf_gemv(x, w, QTYPE_CODES[qtype], ISA_CODES[isa], 2)
-            if m == TWO_LEVEL_MIN_ROWS:  # the kernel's own choice at this many rows
-                assert torch.equal(kernel(x, w, qtype), got)
+            if m == TWO_LEVEL_MIN_ROWS:  # the kernel's own choice at this many rows: two levels, packed
+                packed = kernel.ops.gguf_gemm_packed(x, kernel.packed(w, qtype, k), QTYPE_CODES[qtype], n, k,
+                                                     ISA_CODES[isa], 2)
+                assert torch.equal(kernel(x, w, qtype), packed)
+                assert (packed - got).abs().max().item() <= 1e-5 * got.abs().max().item()
             x1, _ = _dequantize_q8(x)
             x2, d2 = _dequantize_q8(x - x1)
             want = (x1 + x2) @ dense.t()
@@ -119,11 +123,14 @@ def test_both_paths_agree(qtype):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_many_rows_take_the_float_panel_and_match_the_float_reference(qtype):
+def test_many_rows_take_the_float_panel_and_match_the_float_reference(qtype, monkeypatch):
+    import halserve.platforms.cpu_kernels.native_gguf as native
+
+    monkeypatch.setitem(native.PANEL_MIN_ROWS, "avx2", 32)  # as many rows as the AVX2 default, at less cost
     g = torch.Generator().manual_seed(11)
-    kernel = NativeGgufGemm()
+    kernel = NativeGgufGemm("avx2")
     shapes = _shapes(qtype)
-    for m, (n, k) in ((PANEL_MIN_ROWS, shapes[2]), (64, shapes[3]), (64, shapes[0])):
+    for m, (n, k) in ((32, shapes[2]), (64, shapes[3]), (64, shapes[0])):
         w = random_blocks(qtype, n, k, g)
         x = torch.randn(m, k, generator=g)
         bias = torch.randn(n, generator=g)
@@ -138,23 +145,27 @@ def test_panel_chunks_over_output_rows(monkeypatch):
     import halserve.platforms.cpu_kernels.native_gguf as native
 
     monkeypatch.setattr(native, "PANEL_BYTES", 4 * 96 * 5)  # 5 output rows per panel
+    monkeypatch.setitem(native.PANEL_MIN_ROWS, "avx2", 32)
     g = torch.Generator().manual_seed(3)
     w = random_blocks("Q4_1", 23, 96, g)
     x = torch.randn(40, 96, generator=g)
     want = x @ dequantize(w, "Q4_1", 96).t()
-    assert torch.allclose(NativeGgufGemm()(x, w, "Q4_1"), want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(NativeGgufGemm("avx2")(x, w, "Q4_1"), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])
-def test_cached_panel_matches_the_float_reference_and_follows_the_weight(qtype):
+def test_cached_panel_matches_the_float_reference_and_follows_the_weight(qtype, monkeypatch):
     # cache_panel (the LM head's): M >= PANEL_MIN_ROWS keeps the whole dequantized weight between calls; few
     # rows still take the integer path; new blocks (another tensor, or the same one written in place) refresh it
+    import halserve.platforms.cpu_kernels.native_gguf as native
+
+    monkeypatch.setitem(native.PANEL_MIN_ROWS, "avx2", 32)
     g = torch.Generator().manual_seed(13)
     n, k = _shapes(qtype)[3]
-    kernel = NativeGgufGemm()
+    kernel = NativeGgufGemm("avx2")
     kernel.cache_panel = True
     w = random_blocks(qtype, n, k, g)
-    x = torch.randn(PANEL_MIN_ROWS + 5, k, generator=g)
+    x = torch.randn(32 + 5, k, generator=g)
 
     def check(weight: torch.Tensor) -> None:
         want = x @ dequantize(weight, qtype, k).t()
@@ -166,7 +177,7 @@ def test_cached_panel_matches_the_float_reference_and_follows_the_weight(qtype):
     check(w)
     assert kernel._panel[1] is panel  # reused, not dequantized again
     few = kernel(x[:3], w, qtype)  # few rows: the integer path, as without the cache
-    assert torch.equal(few, NativeGgufGemm()(x[:3], w, qtype))
+    assert torch.equal(few, NativeGgufGemm("avx2")(x[:3], w, qtype))
     w2 = random_blocks(qtype, n, k, g)
     check(w2)
     assert kernel._panel[1] is not panel
@@ -205,3 +216,69 @@ def test_bad_weight_is_a_clear_error():
     kernel = NativeGgufGemm()
     with pytest.raises(RuntimeError, match="weight rows have 18 bytes, a row of 32 values of this type has 20"):
         kernel(torch.randn(1, 32), torch.zeros(3, 18, dtype=torch.uint8), "Q4_1")
+
+
+@pytest.mark.parametrize("isa", list(ISA_CODES))
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_packed_weights_match_the_gguf_rows_integer_op(qtype, isa):
+    # the repacked path (groups of 16 output rows, tiles of 8 or 4 activation rows) against gguf_gemv on the
+    # file's rows, the same int8 rounding: odd N (padding of the last group), M across tile edges, both levels
+    _isa_or_skip(isa)
+    kernel = NativeGgufGemm(isa)
+    code, isa_code = QTYPE_CODES[qtype], ISA_CODES[isa]
+    g = torch.Generator().manual_seed(40 + code)
+    for n, k in _shapes(qtype):
+        w = random_blocks(qtype, n, k, g)
+        packed = kernel.packed(w, qtype, k)
+        group_bytes = (256 if qtype in ("Q4_0", "Q4_1", "Q4_K") else 512) + (256 if qtype == "Q6_K" else 128)
+        assert packed.numel() == -(-n // 16) * (k // 32) * group_bytes
+        for m in (1, 3, 4, 7, 8, 9, 17, 33):
+            x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 4
+            for levels in (1, 2):
+                want = kernel.ops.gguf_gemv(x, w, code, isa_code, levels)
+                got = kernel.ops.gguf_gemm_packed(x, packed, code, n, k, isa_code, levels)
+                assert got.shape == (m, n)
+                assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), (qtype, isa, n, k, m, levels)
+
+
+@pytest.mark.parametrize("isa", list(ISA_CODES))
+def test_prefill_rows_stay_integer_on_vnni_and_match_two_levels(isa):
+    # 200 rows: AVX-512 VNNI's default keeps the packed two-level path (no panel), AVX2's too below 128 rows
+    # only; either way the result is within the two-level bound of the exact float product
+    _isa_or_skip(isa)
+    g = torch.Generator().manual_seed(17)
+    w = random_blocks("Q4_0", 70, 576, g)
+    x = torch.randn(200, 576, generator=g)
+    dense = dequantize(w, "Q4_0", 576)
+    got = NativeGgufGemm(isa)(x, w, "Q4_0")
+    exact = x @ dense.t()
+    x1, _ = _dequantize_q8(x)
+    _, d2 = _dequantize_q8(x - x1)
+    scale = exact.abs().max().item()
+    assert ((got - exact).abs() <= (d2 / 2) @ dense.abs().t() + 1e-4 * scale).all()
+    if isa == "avx512_vnni":
+        kernel = NativeGgufGemm(isa)
+        packed = kernel.ops.gguf_gemm_packed(x, kernel.packed(w, "Q4_0", 576), 0, 70, 576, ISA_CODES[isa], 2)
+        assert torch.equal(got, packed)
+
+
+def test_packed_copy_is_kept_on_the_weight_and_follows_it():
+    kernel = NativeGgufGemm()
+    g = torch.Generator().manual_seed(19)
+    w = random_blocks("Q4_1", 33, 576, g)
+    first = kernel.packed(w, "Q4_1", 576)
+    assert kernel.packed(w, "Q4_1", 576) is first  # made once
+    assert NativeGgufGemm()(torch.randn(2, 576, generator=g), w, "Q4_1").shape == (2, 33)
+    assert kernel.packed(w, "Q4_1", 576) is first  # the call reused it
+    w.copy_(random_blocks("Q4_1", 33, 576, g))  # written in place: repacked
+    x = torch.randn(5, 576, generator=g)
+    again = kernel.packed(w, "Q4_1", 576)
+    assert again is not first
+    assert torch.allclose(NativeGgufGemm()(x, w, "Q4_1"), _q8_reference(x, w, "Q4_1"), rtol=1e-5, atol=1e-4)
+
+
+def test_bad_packed_weight_is_a_clear_error():
+    kernel = NativeGgufGemm()
+    with pytest.raises(RuntimeError, match="packed must be gguf_repack's uint8"):
+        kernel.ops.gguf_gemm_packed(torch.randn(1, 32), torch.zeros(10, dtype=torch.uint8), 0, 3, 32,
+                                    kernel.isa_code, 1)
