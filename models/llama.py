@@ -19,6 +19,7 @@ layer through ``make_mlp``.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from itertools import islice
 from typing import Any
@@ -41,6 +42,8 @@ from halserve.layers import (
 )
 from halserve.layers.rotary import RotaryEmbedding
 from halserve.models.pipeline import IntermediateTensors, PPMissingLayer, is_other_stage_weight, make_layers
+
+logger = logging.getLogger(__name__)
 
 # decoders that are another one's under a different model_type
 MODEL_TYPE_ALIASES = {
@@ -235,6 +238,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, ctx: ModelContext, make_mlp: MlpFactory | None = None) -> None:
         super().__init__()
         self.config = hf_config
+        self._platform_name = ctx.platform_name
+        # the flat forward (models/llama_flat.py), built at the first step with attention metadata; a str: why
+        # this model keeps the module path (None: not built yet)
+        self._flat: Any = None
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = LlamaModel(hf_config, ctx, make_mlp=make_mlp, keep_embedding=self.tie_word_embeddings)
         self.lm_head = (ctx.layer(ParallelLMHead)(hf_config.vocab_size, hf_config.hidden_size, ctx,
@@ -244,9 +251,31 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        if inputs_embeds is None and intermediate_tensors is None:
+            hidden = self._flat_forward(input_ids, positions)
+            if hidden is not None:
+                return hidden
         if inputs_embeds is None:  # (decoders that share this method, e.g. Gemma's, take no inputs_embeds)
             return self.model(input_ids, positions, intermediate_tensors)
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+
+    def _flat_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The step through ``LlamaFlatForward`` (the same kernels without the module tree, bit-identical), or
+        None: the module path runs it (that class's docstring says where; ``HALSERVE_FLAT_FORWARD=0``: always)."""
+        flat = self.__dict__.get("_flat")
+        if flat is None:
+            from halserve.forward_context import get_forward_context
+
+            if get_forward_context().attn_metadata is None:
+                return None  # a dummy run: build at the first real step (the runner has bound the caches)
+            from halserve.models.llama_flat import LlamaFlatForward
+
+            why = LlamaFlatForward.why_not(self, getattr(self, "_platform_name", ""))
+            self._flat = flat = why if why is not None else LlamaFlatForward(self)
+            logger.debug("%s: %s", type(self).__name__, f"the module path ({why})" if why else "the flat forward")
+        if isinstance(flat, str):
+            return None
+        return flat(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

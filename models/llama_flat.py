@@ -1,0 +1,309 @@
+"""The Llama family's forward on the CPU without the module tree: the same kernels, called directly.
+
+A decode step of a small model is mostly Python around its kernels: SmolLM2-135M's ~9-10 ms step
+(2 cores) was ~3.5 ms of GGUF GEMVs and ~5 ms of the modules' own Python (``nn.Module.__call__`` x 364,
+``Module.__getattr__`` x 548, each GEMM through ``LinearBase.forward -> QuantMethod.apply -> kernel``;
+BENCHMARKS.md, "Per-step overhead of single-stream decode"). ``LlamaFlatForward`` is built once per
+model (at its first real step) and runs ``LlamaModel.forward`` as one loop over per-layer records of
+bound kernels, parameters and sizes::
+
+    hidden = embed(input_ids)                                   # [T, H]
+    per layer:  x, residual = rms_norm(hidden, w_in, eps, residual)   (first layer: residual = hidden)
+                qkv = apply(qkv_proj, x) -> q | k | v           # [T, (Hq + 2 Hk) D]
+                (Qwen3: q_norm, k_norm per head)
+                q, k = rope(positions, q, k, cos_sin, D, neox)
+                o = attention(q, k, v)                          # cpu_native decode step: write_kv + paged_decode
+                x, residual = rms_norm(apply(o_proj, o), w_post, eps, residual)
+                hidden = apply(down, silu_and_mul(apply(gate_up, x)))
+    hidden, _ = rms_norm(hidden, w_final, eps, residual)
+
+Every call is the one the module path makes (the same kernel objects, arguments and order: each linear
+goes through its quant method's ``apply``, as ``LinearBase.forward`` does at one tensor-parallel rank), so
+the output is bit-identical to the module path's (tests/models/test_llama_flat.py compares greedy tokens
+and hidden states). Attention calls the layer's backend as ``Attention.forward`` does; on a decode-only
+step with the ``cpu_native`` backend (every request one token, in order) it calls that backend's two
+kernels directly, which is what its ``forward`` does for such a step.
+
+Where it does not apply, ``why_not`` says why (logged once at debug level) and the model keeps the
+module path: a platform other than ``cpu``; tensor or pipeline parallelism; a model whose classes are not
+exactly Llama's (MoE MLPs, Gemma, DeepSeek, Bamba, plugins' layer overrides: every module's type is checked);
+M-RoPE; LoRA (its wrappers replace the linear modules: a type check fails at build, and each step checks
+the linear modules are still the ones bound); forward hooks on any module. Per step it also falls back for a
+dummy run (no attention metadata), a KV connector, a hybrid model's per-group metadata, ``inputs_embeds``
+and intermediate tensors.
+
+``HALSERVE_FLAT_FORWARD=0`` turns it off (the module path for every step: to compare the two, or to rule
+it out); read when the model first runs.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from halserve.forward_context import get_forward_context
+
+if TYPE_CHECKING:  # pragma: no cover
+    from halserve.models.llama import LlamaForCausalLM
+
+FLAT_FORWARD_ENV = "HALSERVE_FLAT_FORWARD"
+
+
+def flat_forward_enabled() -> bool:
+    """False when ``HALSERVE_FLAT_FORWARD`` is 0 / false / off / no."""
+    return os.environ.get(FLAT_FORWARD_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None))
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as torch_module
+
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+                or torch_module._global_backward_hooks or getattr(torch_module, "_global_backward_pre_hooks", None))
+
+
+def _linear_call(layer: nn.Module, checks: list[tuple[dict, str, Any]]):
+    """``x -> layer(x)`` at one tensor-parallel rank, without the module call: the quant method's ``apply``
+    with the layer's bias (``ColumnParallelLinear.forward`` / ``RowParallelLinear.forward`` at tp 1).
+
+    A GGUF layer of one block type calls its ``gguf_gemm`` kernel directly (what ``GgufLinearMethod.apply``
+    does for one run); ``checks`` gets the layer's ``gguf_runs`` list, so a reload that rebinds them is seen.
+    (The kernel's own wrapper stays in the path: its few-rows dispatch is the kernel's business.)"""
+    method = layer.quant_method
+    bias = layer.bias
+    from halserve.quant_methods.gguf import GgufLinearMethod
+
+    runs = getattr(layer, "gguf_runs", None)
+    if type(method) is GgufLinearMethod and runs is not None and len(runs) == 1:
+        checks.append((layer.__dict__, "gguf_runs", runs))
+        kernel, qweight, qtype = runs[0]
+
+        def gguf_call(x: torch.Tensor) -> torch.Tensor:
+            return kernel(x, qweight, qtype, bias)
+
+        return gguf_call
+    apply = method.apply
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return apply(layer, x, bias)
+
+    return call
+
+
+class _Layer:
+    """One decoder layer's bound pieces (``__slots__``: plain attribute reads in the step loop)."""
+
+    __slots__ = ("norm_in", "w_in", "eps_in", "norm_post", "w_post", "eps_post", "qkv", "o", "gate_up", "down",
+                 "act", "q_size", "kv_size", "head_size", "num_heads", "num_kv_heads", "qk_norm", "attn",
+                 "backend", "native_decode")
+
+
+class LlamaFlatForward:
+    """``LlamaModel.forward`` for one model as a flat loop (module docstring). ``why_not`` checks the model
+    first; calling it runs one step, or returns None for a step it leaves to the module path."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        from halserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+        inner = model.model
+        self.model = model
+        self.embed = inner.embed_tokens
+        self.rotary = inner.layers[inner.start_layer].self_attn.rotary_emb
+        final = inner.norm
+        self.norm_final, self.w_final, self.eps_final = final.kernel, final.weight, final.eps
+        self.layers: list[_Layer] = []
+        # A float32 model on the cpu platform's fused kernels (platforms/cpu_kernels/fused.py) calls their C++ ops
+        # directly where those kernels' __call__ would (float32 2-D rows: add_rms_norm with a residual, rotary):
+        # the same op on the same tensors, without the wrapper's checks (~3 us each, 91 calls per SmolLM2 step).
+        from halserve.platforms.cpu_kernels.fused import CpuFusedRmsNorm, CpuFusedRotaryEmbedding
+
+        is_float32 = self.embed.dtype == torch.float32
+        norm_kernels = [final.kernel] + [k for d in list(inner.layers)[inner.start_layer:inner.end_layer]
+                                         for k in (d.input_layernorm.kernel, d.post_attention_layernorm.kernel)]
+        self.add_rms_norm = None  # native add_rms_norm(x, residual, w, eps) -> [out, x + residual], or None
+        if is_float32 and all(type(k) is CpuFusedRmsNorm for k in norm_kernels):
+            self.add_rms_norm = norm_kernels[0].native.add_rms_norm
+        self.native_rotary = None  # native rotary(positions, q, k, cos_sin, head_size, is_neox) -> [q, k], or None
+        if is_float32 and type(self.rotary.kernel) is CpuFusedRotaryEmbedding:
+            self.native_rotary = self.rotary.kernel.native.rotary
+        # (a dict, key, what was bound from it): the linear modules a step runs (and a GGUF layer's runs),
+        # checked each step
+        checks: list[tuple[dict, str, Any]] = []
+        for decoder in list(inner.layers)[inner.start_layer:inner.end_layer]:
+            attn, mlp = decoder.self_attn, decoder.mlp
+            rec = _Layer()
+            rec.norm_in, rec.w_in, rec.eps_in = (decoder.input_layernorm.kernel, decoder.input_layernorm.weight,
+                                                 decoder.input_layernorm.eps)
+            post = decoder.post_attention_layernorm
+            rec.norm_post, rec.w_post, rec.eps_post = post.kernel, post.weight, post.eps
+            rec.qkv, rec.o = _linear_call(attn.qkv_proj, checks), _linear_call(attn.o_proj, checks)
+            rec.gate_up, rec.down = _linear_call(mlp.gate_up_proj, checks), _linear_call(mlp.down_proj, checks)
+            rec.act = mlp.act_fn.kernel
+            rec.q_size, rec.kv_size, rec.head_size = attn.q_size, attn.kv_size, attn.head_size
+            rec.num_heads, rec.num_kv_heads = attn.num_heads, attn.num_kv_heads
+            rec.qk_norm = ((attn.q_norm.kernel, attn.q_norm.weight, attn.q_norm.eps,
+                            attn.k_norm.kernel, attn.k_norm.weight, attn.k_norm.eps) if attn.has_qk_norm else None)
+            rec.attn = attn.attn
+            rec.backend = attn.attn.backend
+            rec.native_decode = None
+            from halserve.attention_backends.cpu_native import CpuNativeAttentionBackend
+
+            if type(rec.backend) is CpuNativeAttentionBackend:
+                backend = rec.backend
+                # (the backend's decode-step arguments after block_size: scale, window, soft cap)
+                rec.native_decode = (backend._kernel, backend.scale, backend.sliding_window or 0,
+                                     backend.logits_soft_cap or 0.0)
+            for parent, names in ((attn, ("qkv_proj", "o_proj")), (mlp, ("gate_up_proj", "down_proj"))):
+                for name in names:
+                    checks.append((parent._modules, name, parent._modules[name]))
+            assert type(attn.qkv_proj) is QKVParallelLinear and type(attn.o_proj) is RowParallelLinear
+            assert type(mlp.gate_up_proj) is MergedColumnParallelLinear and type(mlp.down_proj) is RowParallelLinear
+            self.layers.append(rec)
+        self._checks = checks
+
+    # -- applicability --------------------------------------------------------------------
+    @classmethod
+    def why_not(cls, model: nn.Module, platform_name: str) -> str | None:
+        """Why ``model`` keeps the module path (None: the flat forward serves it)."""
+        from halserve.distributed import get_pp_state, get_tp_size
+        from halserve.layers import (
+            Attention,
+            MergedColumnParallelLinear,
+            QKVParallelLinear,
+            RMSNorm,
+            RowParallelLinear,
+            SiluAndMul,
+            VocabParallelEmbedding,
+        )
+        from halserve.layers.rotary import RotaryEmbedding
+        from halserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+
+        if not flat_forward_enabled():
+            return f"{FLAT_FORWARD_ENV}=0"
+        if platform_name != "cpu":
+            return f"platform {platform_name!r} (the flat forward is the cpu platform's)"
+        if get_tp_size() != 1:
+            return "tensor parallelism (each linear's collectives)"
+        pp = get_pp_state()
+        if not (pp.is_first and pp.is_last):
+            return "pipeline parallelism"
+        kind = type(model)
+        if kind.forward is not LlamaForCausalLM.forward:
+            return f"{kind.__name__} has its own forward"
+        inner = model.model
+        if type(inner) is not LlamaModel:
+            return f"its decoder is a {type(inner).__name__}, not a LlamaModel"
+        expected: list[tuple[Any, type]] = [(inner.embed_tokens, VocabParallelEmbedding), (inner.norm, RMSNorm)]
+        rotary = None
+        for decoder in list(inner.layers)[inner.start_layer:inner.end_layer]:
+            if type(decoder) is not LlamaDecoderLayer:
+                return f"a decoder layer is a {type(decoder).__name__}"
+            attn, mlp = decoder.self_attn, decoder.mlp
+            expected += [(decoder.input_layernorm, RMSNorm), (decoder.post_attention_layernorm, RMSNorm),
+                         (attn, LlamaAttention), (mlp, LlamaMLP), (attn.qkv_proj, QKVParallelLinear),
+                         (attn.o_proj, RowParallelLinear), (attn.attn, Attention), (attn.rotary_emb, RotaryEmbedding),
+                         (mlp.gate_up_proj, MergedColumnParallelLinear), (mlp.down_proj, RowParallelLinear),
+                         (mlp.act_fn, SiluAndMul)]
+            if type(attn) is LlamaAttention and attn.has_qk_norm:
+                expected += [(attn.q_norm, RMSNorm), (attn.k_norm, RMSNorm)]
+            if rotary is None:
+                rotary = attn.rotary_emb
+            elif attn.rotary_emb is not rotary:
+                return "the layers do not share one rotary table"
+            if getattr(attn.attn, "kv_cache_group", None) is not None:
+                return "a hybrid model's KV-cache groups"
+        for module, cls in expected:
+            if type(module) is not cls:  # a LoRA wrapper, a plugin's layer override, M-RoPE, another MLP
+                return f"a {type(module).__name__} where {cls.__name__} is expected"
+        for module in model.modules():
+            if _has_hooks(module):
+                return f"a forward hook on {type(module).__name__}"
+        return None
+
+    def is_current(self) -> bool:
+        """The linear modules are still the ones bound (LoRA, say, would have replaced them) and no global
+        module hook was registered since."""
+        for modules, name, module in self._checks:
+            if modules[name] is not module:
+                return False
+        return not _global_hooks()
+
+    # -- a step ---------------------------------------------------------------------------
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """``input_ids``/``positions`` [T] -> hidden [T, H], or None: this step takes the module path."""
+        context = get_forward_context()
+        metadata = context.attn_metadata
+        if metadata is None or context.kv_connector is not None or isinstance(metadata, list):
+            return None
+        if not self.is_current():
+            return None
+        num_tokens = input_ids.shape[0]
+        rotary = self.rotary
+        rope, cos_sin, rope_head, is_neox = rotary.kernel, rotary.cos_sin_cache, rotary.head_size, rotary.is_neox
+        native_rotary, add_rms_norm = self.native_rotary, self.add_rms_norm
+        if native_rotary is not None:
+            cos_sin = cos_sin.float()  # (a no-op: the table is float32; what the kernel passes)
+        decode_args = None  # the cpu_native backend's decode step (its forward's first branch), or None
+        first = self.layers[0] if self.layers else None
+        if first is not None and first.native_decode is not None and not metadata.prefills \
+                and num_tokens == metadata.num_actual_tokens \
+                and first.backend._all_decodes_in_order(metadata):
+            decode_args = (metadata.slot_mapping, metadata.block_table, metadata.seq_lens)
+
+        hidden = self.embed.forward(input_ids)  # [T, H]
+        residual = None
+        for rec in self.layers:
+            if residual is None:
+                residual = hidden
+                x = rec.norm_in(hidden, rec.w_in, rec.eps_in, None)
+            elif add_rms_norm is not None:
+                x, residual = add_rms_norm(hidden, residual, rec.w_in, rec.eps_in)
+            else:
+                x, residual = rec.norm_in(hidden, rec.w_in, rec.eps_in, residual)
+            qkv = rec.qkv(x)  # [T, (Hq + 2 Hk) D]
+            q_size, kv_size = rec.q_size, rec.kv_size  # q | k | v: views of qkv's columns (its split)
+            q, k, v = qkv.narrow(1, 0, q_size), qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size)
+            if rec.qk_norm is not None:  # per head: [T * H, D]
+                qn, qw, qe, kn, kw, ke = rec.qk_norm
+                q = qn(q.reshape(-1, rec.head_size), qw, qe, None).view(-1, rec.q_size)
+                k = kn(k.reshape(-1, rec.head_size), kw, ke, None).view(-1, rec.kv_size)
+            if native_rotary is not None:
+                q, k = native_rotary(positions, q, k, cos_sin, rope_head, is_neox)
+            else:
+                q, k = rope(positions, q, k, cos_sin, rope_head, is_neox)
+            v = v.contiguous()
+            attn = rec.attn
+            head = rec.head_size
+            q3 = q.view(num_tokens, rec.num_heads, head)
+            k3 = k.view(num_tokens, rec.num_kv_heads, head)
+            v3 = v.view(num_tokens, rec.num_kv_heads, head)
+            kv_cache = attn.kv_cache
+            if kv_cache.numel() == 0:
+                raise RuntimeError(f"attention layer {attn.prefix!r} has no kv_cache; the model runner must set it")
+            if decode_args is not None and q3.is_contiguous() and kv_cache.dtype == q3.dtype:
+                kernel, scale, window, cap = rec.native_decode
+                block_size = kv_cache.shape[3] // head
+                kernel.write_kv(kv_cache, k3, v3, decode_args[0], block_size)
+                out = kernel.paged_decode(q3, kv_cache, decode_args[1], decode_args[2], block_size, scale, window, cap)
+            else:
+                out = rec.backend.forward(q3, k3, v3, kv_cache, metadata, attn.k_scale, attn.v_scale)
+            out = out.reshape(num_tokens, rec.num_heads * head)
+            if add_rms_norm is not None:
+                x, residual = add_rms_norm(rec.o(out), residual, rec.w_post, rec.eps_post)
+            else:
+                x, residual = rec.norm_post(rec.o(out), rec.w_post, rec.eps_post, residual)
+            hidden = rec.down(rec.act(rec.gate_up(x)))
+        if add_rms_norm is not None:
+            hidden, _ = add_rms_norm(hidden, residual, self.w_final, self.eps_final)
+        else:
+            hidden, _ = self.norm_final(hidden, self.w_final, self.eps_final, residual)
+        return hidden
+
+
+__all__ = ["FLAT_FORWARD_ENV", "LlamaFlatForward", "flat_forward_enabled"]

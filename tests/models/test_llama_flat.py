@@ -1,0 +1,144 @@
+"""The Llama family's flat forward (models/llama_flat.py) against the module path: the same greedy tokens and
+bit-identical log-probs, for float32 checkpoints and GGUF blocks, one stream and several (mixed prefill and
+decode steps, chunked prefill), and the module path wherever the flat forward says it does not apply."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from halserve.models.llama_flat import FLAT_FORWARD_ENV, LlamaFlatForward
+
+
+def _greedy(path: str, prompts: list[list[int]], flat: bool, max_tokens: int = 12, **kwargs):
+    """(token ids per prompt, logprob of each chosen token per prompt, what the model ran: the flat forward or
+    the module path's reason)."""
+    from halserve import LLM, SamplingParams
+
+    os.environ[FLAT_FORWARD_ENV] = "1" if flat else "0"  # (read at the model's first step)
+    llm = LLM(path, platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=32, max_model_len=256,
+              **kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        model = llm.llm_engine.core.executor.worker.model_runner.model
+        ran = model._flat
+    finally:
+        os.environ.pop(FLAT_FORWARD_ENV, None)
+        llm.llm_engine.shutdown()
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[step[tok].logprob for step, tok in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                for o in outs]
+    return tokens, logprobs, ran
+
+
+# (ids < 300: the tiny GGUF's vocabulary is 308) one stream; several: a 1-token prompt, one over the 32-token step budget (chunked), others between
+PROMPTS = {"1 stream": [[5, 17, 99, 3]],
+           "4 streams": [[7], [i * 37 % 290 + 3 for i in range(45)], [11, 12, 13, 14, 15, 16, 17], [42] * 20]}
+
+
+def _assert_same(path: str, prompts: list[list[int]], **kwargs) -> None:
+    flat_tokens, flat_logprobs, ran = _greedy(path, prompts, True, **kwargs)
+    assert isinstance(ran, LlamaFlatForward), ran
+    module_tokens, module_logprobs, ran_off = _greedy(path, prompts, False, **kwargs)
+    assert ran_off == f"{FLAT_FORWARD_ENV}=0"
+    assert flat_tokens == module_tokens
+    assert flat_logprobs == module_logprobs  # bit-identical floats: the same kernels in the same order
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory):
+    from model_factory import make_checkpoint
+
+    return make_checkpoint(str(tmp_path_factory.mktemp("flat")), "llama", vocab_size=512, num_layers=2)
+
+
+@pytest.mark.parametrize("streams", list(PROMPTS))
+def test_float32_checkpoint_flat_equals_module_path(llama_checkpoint, streams):
+    _assert_same(llama_checkpoint, PROMPTS[streams])
+
+
+def test_torch_attention_backend_goes_through_backend_forward(llama_checkpoint):
+    _assert_same(llama_checkpoint, PROMPTS["4 streams"], attention_backend="torch")
+
+
+def test_qwen3_qk_norm(tmp_path):
+    from model_factory import make_checkpoint
+
+    path = make_checkpoint(str(tmp_path), "qwen3", vocab_size=512, num_layers=2, head_dim=32)
+    _assert_same(path, PROMPTS["4 streams"], max_tokens=8)
+
+
+def _gguf_helpers():
+    pytest.importorskip("gguf", reason="the GGUF tests need the gguf package")
+    spec = importlib.util.spec_from_file_location("gguf_loading_helpers",
+                                                  os.path.join(os.path.dirname(__file__), "test_gguf_loading.py"))
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    return helpers
+
+
+@pytest.mark.parametrize("streams", list(PROMPTS))
+def test_gguf_blocks_flat_equals_module_path(tmp_path, streams):
+    helpers = _gguf_helpers()
+    path = helpers.write_gguf(str(tmp_path / "q41.gguf"), "llama", qtype=helpers.T.Q4_1)
+    _assert_same(path, PROMPTS[streams])
+
+
+# -- where it does not apply ------------------------------------------------------------------------
+def _model(path: str, **kwargs):
+    from halserve.attention_backends.cpu_native import CpuNativeAttentionBackend
+    from halserve.config import EngineConfig
+    from halserve.models.loader import get_model_info, load_model
+    from halserve.platforms.cpu import CpuPlatform
+
+    config = EngineConfig(model=path, dtype="float32", **kwargs)
+    platform = CpuPlatform()
+    return load_model(config, get_model_info(config, platform), platform, CpuNativeAttentionBackend, progress=False)
+
+
+def test_why_not_names_each_fallback(llama_checkpoint, monkeypatch):
+    model = _model(llama_checkpoint)
+    assert LlamaFlatForward.why_not(model, "cpu") is None
+    assert "platform 'cuda'" in LlamaFlatForward.why_not(model, "cuda")
+    monkeypatch.setenv(FLAT_FORWARD_ENV, "0")
+    assert LlamaFlatForward.why_not(model, "cpu") == f"{FLAT_FORWARD_ENV}=0"
+    monkeypatch.delenv(FLAT_FORWARD_ENV)
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *args: None)
+    assert "forward hook on LlamaMLP" in LlamaFlatForward.why_not(model, "cpu")
+    handle.remove()
+    model.model.layers[0].self_attn.attn.kv_cache_group = 1
+    assert "KV-cache groups" in LlamaFlatForward.why_not(model, "cpu")
+    model.model.layers[0].self_attn.attn.kv_cache_group = None
+    model.model.layers[0].mlp.down_proj = torch.nn.Identity()  # (what a LoRA wrapper does: another class)
+    assert "Identity where RowParallelLinear is expected" in LlamaFlatForward.why_not(model, "cpu")
+
+
+def test_step_falls_back_when_a_linear_is_replaced_after_build(llama_checkpoint):
+    """A bound linear module replaced after the build (LoRA's wrapping, say): the step returns None and the
+    model's forward runs the module path, which uses the new module."""
+    from halserve.attention_backends.torch_ref import TorchAttentionBackend  # noqa: F401 (backend registry)
+    from halserve.forward_context import set_forward_context
+
+    model = _model(llama_checkpoint)
+    flat = LlamaFlatForward(model)
+    assert flat.is_current()
+    mlp = model.model.layers[0].mlp
+    original = mlp.down_proj
+    calls = []
+
+    class Wrapped(torch.nn.Module):
+        def forward(self, x):
+            calls.append(x.shape)
+            return original(x)
+
+    mlp.down_proj = Wrapped()
+    assert not flat.is_current()
+    with set_forward_context(object()):  # any metadata: the check comes first
+        assert flat(torch.tensor([1, 2]), torch.tensor([0, 1])) is None
+    model._flat = flat
+    with set_forward_context(None):  # a dummy run: the module path (attention returns zeros), through Wrapped
+        hidden = model(torch.tensor([1, 2]), torch.tensor([0, 1]))
+    assert hidden.shape == (2, 64) and calls == [(2, 128)]
