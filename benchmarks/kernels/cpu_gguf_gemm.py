@@ -3,6 +3,13 @@ GEMM the dequantized model runs, on SmolLM2-135M's linear shapes; and single-str
 
     python benchmarks/kernels/cpu_gguf_gemm.py kernels [--rows 1]
     python benchmarks/kernels/cpu_gguf_gemm.py decode --model ~/.cache/halserve/models/SmolLM2-135M-Instruct.Q4_1.gguf
+    python benchmarks/kernels/cpu_gguf_gemm.py paths --rows 1,4,16,32,64,512 --qtype Q4_0 [--isa avx2]
+
+``paths``: one layer's four GEMMs (microseconds, summed) at each row count M, the previous paths (``gguf_gemv``
+on the GGUF rows below 32 rows, one int8 level below 16 and two from 16; the float32 panel dequantized per call
+from 32) against today's kernel call (the repacked integer path, same levels; AVX2's panel from 128 rows),
+timed alternately shape by shape. The previous paths run with today's AVX2 activation quantizer (it was
+scalar), so they read a little faster than they were.
 
 ``kernels``: microseconds per call (median of rounds), each shape's weight streamed as in a decode step
 (all four shapes' weights cycled so the caches do not hold them). ``decode``: 128 prompt tokens, 128
@@ -70,6 +77,52 @@ def bench_kernels(rows: int, qtype: str, copies: int) -> None:
               + f" {cols[-2]:13.1f} {cols[-1]:10.1f}")
 
 
+def bench_paths(rows: list[int], qtype: str, isa: str | None, copies: int) -> None:
+    import torch.nn.functional as F
+
+    from halserve.kernels.gguf_blocks import random_blocks
+    from halserve.platforms.cpu_kernels.native_gguf import PANEL_BYTES, QTYPE_CODES, NativeGgufGemm
+
+    kernel = NativeGgufGemm(isa)
+    code, isa_code = QTYPE_CODES[qtype], kernel.isa_code
+    g = torch.Generator().manual_seed(0)
+    shapes = [(name, n, k) for name, n, k in SHAPES if qtype not in ("Q4_K", "Q5_K", "Q6_K") or k % 256 == 0]
+    weights = {name: [random_blocks(qtype, n, k, g) for _ in range(copies)] for name, n, k in shapes}
+
+    def previous(x, w, k):  # native_gguf.py's __call__ before the repacked path
+        m = x.shape[0]
+        if m < 32:
+            return kernel.ops.gguf_gemv(x, w, code, isa_code, 1 if m < 16 else 2)
+        n, rows = w.shape[0], max(1, PANEL_BYTES // (4 * k))
+        out = torch.empty(m, n)
+        for n0 in range(0, n, rows):
+            out[:, n0:n0 + rows] = F.linear(x, kernel.dequantize(w[n0:n0 + rows], qtype, k))
+        return out
+
+    print(f"{qtype}, {kernel.isa}, {torch.get_num_threads()} threads; one layer's GEMMs "
+          f"({', '.join(name for name, _, _ in shapes)}), microseconds per call, summed")
+    print(f"{'M':>5} {'previous':>10} {'now':>10} {'speedup':>8} {'now us/row':>11}")
+    for m in rows:
+        iters = max(3, 1500 // m)
+        old = new = 0.0
+        for name, _n, k in shapes:
+            ws, x, i = weights[name], torch.randn(m, k, generator=g), [0]
+            for w in ws:
+                kernel(x, w, qtype)  # the repacked copies made before timing
+
+            def run_old(ws=ws, x=x, k=k, i=i):
+                i[0] = (i[0] + 1) % copies
+                previous(x, ws[i[0]], k)
+
+            def run_new(ws=ws, x=x, i=i):
+                i[0] = (i[0] + 1) % copies
+                kernel(x, ws[i[0]], qtype)
+
+            old += _time_us(run_old, iters, 5)
+            new += _time_us(run_new, iters, 5)
+        print(f"{m:5d} {old:10.0f} {new:10.0f} {old / new:7.2f}x {new / m:11.1f}", flush=True)
+
+
 def bench_decode(model: str, modes: list[str]) -> None:
     from halserve import LLM, SamplingParams
 
@@ -97,15 +150,18 @@ def bench_decode(model: str, modes: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["kernels", "decode"])
-    parser.add_argument("--rows", type=int, default=1, help="activation rows M (kernels)")
+    parser.add_argument("what", choices=["kernels", "decode", "paths"])
+    parser.add_argument("--rows", default="1", help="activation rows M (kernels; paths: comma-separated)")
+    parser.add_argument("--isa", default=None, help="avx2 or avx512_vnni (paths; default: the best here)")
     parser.add_argument("--qtype", default="Q4_1", help="GGUF type (kernels)")
     parser.add_argument("--copies", type=int, default=8, help="weights cycled per shape (kernels)")
     parser.add_argument("--model", help="the .gguf (decode)")
     parser.add_argument("--modes", default="gguf/float32,unquantized/float32,unquantized/bfloat16")
     args = parser.parse_args()
     if args.what == "kernels":
-        bench_kernels(args.rows, args.qtype, args.copies)
+        bench_kernels(int(args.rows), args.qtype, args.copies)
+    elif args.what == "paths":
+        bench_paths([int(r) for r in args.rows.split(",")], args.qtype, args.isa, args.copies)
     else:
         bench_decode(args.model, args.modes.split(","))
 

@@ -698,19 +698,23 @@ HS_AVX512 void packed_tile_avx512(const QuantX& xq, int64_t KB, const uint8_t* g
   }
 }
 
-// AVX2: half h of group g (8 output rows), maddubs; SIGNED (Q8_0): |w| times x with w's sign.
+// AVX2: half h of group g (8 output rows), maddubs, its int16 pair sums added in int16 while they fit (J16);
+// SIGNED (Q8_0): |w| times x with w's sign.
 template <bool NIB, bool HALVES, bool SIGNED, int R>
 HS_AVX2 void packed_tile_avx2(const QuantX& xq, int64_t KB, const uint8_t* gp, int h, int64_t m0, int levels,
                               float* out, int64_t N, int64_t n0) {
   constexpr int64_t QB = NIB ? 256 : 512, PB = QB + (HALVES ? 256 : 128);
+  // j steps summed in int16 before widening: a maddubs pair sum is at most 2 * 127 * max u, so 8 of them fit
+  // for 4-bit values (30480), 4 for Q5_K's 5 bits (31496), 2 for Q6_K's 6 (32004, within a half), 1 for Q8_0
+  constexpr int J16 = SIGNED ? 1 : NIB ? 8 : HALVES ? 2 : 4;
   const __m256i m4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const int8_t* xqp = xq.q.data();
   for (int64_t c = 0; c < KB; ++c) {
     const uint8_t* pb = gp + c * PB + 32 * h;
-    __m256i ia[R], ib[R];
-    for (int r = 0; r < R; ++r) ia[r] = ib[r] = _mm256_setzero_si256();
+    __m256i ia[R], ib[R], s16[R];
+    for (int r = 0; r < R; ++r) ia[r] = ib[r] = s16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       __m256i wv;
@@ -724,9 +728,13 @@ HS_AVX2 void packed_tile_avx2(const QuantX& xq, int64_t KB, const uint8_t* gp, i
       for (int r = 0; r < R; ++r) {
         __m256i xv = _mm256_set1_epi32(load_i32(xqp + ((m0 + r) * KB + c) * kBlock + 4 * j));
         if constexpr (SIGNED) xv = _mm256_sign_epi8(xv, wv);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
-        if (HALVES && j >= 4) ib[r] = _mm256_add_epi32(ib[r], p);
-        else ia[r] = _mm256_add_epi32(ia[r], p);
+        const __m256i p = _mm256_maddubs_epi16(aw, xv);  // 16 int16 pair sums
+        s16[r] = j % J16 == 0 ? p : _mm256_add_epi16(s16[r], p);
+        if (j % J16 == J16 - 1) {  // the run ends: widen to int32 once
+          const __m256i p32 = _mm256_madd_epi16(s16[r], ones);
+          if (HALVES && j >= 4) ib[r] = _mm256_add_epi32(ib[r], p32);
+          else ia[r] = _mm256_add_epi32(ia[r], p32);
+        }
       }
     }
     const float* sc = reinterpret_cast<const float*>(pb + QB - 32 * h) + 8 * h;

@@ -15,10 +15,11 @@ head, against 117 MB of float32 panel the head alone cached before).
                                            or AVX2 (_mm256_maddubs_epi16)
     TWO_LEVEL_MIN_ROWS <= M < panel rows   gguf_gemm_packed, two int8 levels: x ~ d q + d2 q2 (q2 the int8
                                            blocks of x's rounding error), twice the integer work, ~260x less error
-    M >= PANEL_MIN_ROWS[isa] (prefill)     the blocks dequantized to a float32 panel of PANEL_BYTES at a time,
-                                           then the float GEMM (torch's, oneDNN/MKL): AVX2 only from 128 rows,
-                                           where its two-level maddubs path falls behind the float GEMM; the
-                                           AVX-512 VNNI path stays integer (1.7x the panel at 512 rows)
+    M >= PANEL_MIN_ROWS[isa]               the blocks dequantized to a float32 panel of PANEL_BYTES at a time,
+                                           then the float GEMM (torch's, oneDNN/MKL); off by default: on this
+                                           2-core Zen 4 the packed two-level path beat the panel at every M up
+                                           to 512 (VNNI 1.7x at 512 rows, AVX2 forced 1.1x), so prefill stays
+                                           integer too. Set it per path where a float GEMM is stronger.
 
 Accuracy: the float path is the reference's (dequantize, matmul in float32). One int8 level is llama.cpp's
 scheme (its Q8_0/Q8_1 activation blocks) and as accurate: on SmolLM2-135M's real prefill activations both give
@@ -59,7 +60,7 @@ ISA_CODES = {"avx2": 1, "avx512_vnni": 2}  # its isa argument
 TWO_LEVEL_MIN_ROWS = 16  # from this many activation rows on, two int8 levels (prompts keep their answers)
 # from this many on, dequantize to a float panel and use the float GEMM, per instruction path (measured on
 # SmolLM2's GEMMs, benchmarks/kernels/cpu_gguf_gemm.py: the VNNI integer path beats the panel at 512 rows)
-PANEL_MIN_ROWS = {"avx2": 128, "avx512_vnni": 1 << 30}
+PANEL_MIN_ROWS = {"avx2": 1 << 30, "avx512_vnni": 1 << 30}  # never by default: the packed path won at every M
 _PACKED_ATTR = "_halserve_gguf_packed"  # the repacked copy's attribute on the GGUF weight tensor
 PANEL_BYTES = 8 << 20  # float32 panel size (output rows x K) per GEMM call
 
@@ -113,8 +114,7 @@ class NativeGgufGemm(Kernel):
     platforms = ("cpu",)
     priority = 30
     description = ("C++ Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K: int8 activations per block of 32 and integer dot products "
-                   "(AVX-512 VNNI or AVX2) on weights repacked 16 rows at a time (two int8 levels from 16 rows); "
-                   "a dequantized float32 panel for many rows on AVX2")
+                   "(AVX-512 VNNI or AVX2) on weights repacked 16 rows at a time (two int8 levels from 16 rows)")
 
     @classmethod
     def capabilities(cls) -> dict:
@@ -143,7 +143,8 @@ class NativeGgufGemm(Kernel):
     # its logits pick the token, and SmolLM2's first answer token to its Paris prompt is a near tie that one
     # level flips. At one decode row two levels are one pass over the weight too (0.83 -> 1.16 ms, 49152 x 576 Q8_0)
     min_activation_levels = 1
-    # (optional) keep the float32 panel of the whole weight between calls for M >= PANEL_MIN_ROWS; the LM head
+    # (optional) keep the float32 panel of the whole weight between calls for M >= PANEL_MIN_ROWS (the panel path,
+    # off by default since the repacked integer path: this matters only where PANEL_MIN_ROWS is set); the LM head
     # sets it (halserve.layers.vocab). Its panel is N x K floats dequantized per call, each decode step at 32+
     # streams (SmolLM2's 49152 x 576 head: 113 MB written and read per step, which put 64-stream decode below
     # the float32 head's). Costs N x K x 4 bytes of memory from the first such call (113 MB for SmolLM2), none

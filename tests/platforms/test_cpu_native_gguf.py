@@ -8,7 +8,7 @@ reference: within the bound the 8-bit rounding gives, sum_k d_k / 2 |w[n, k]|. F
 activations and their rounding error are each int8 (x ~ d q + d2 q2): checked against the same two-level
 rounding in torch to 1e-4 of max |ref| (a fused multiply-add may round the residual differently at a tie), and
 against the float reference within sum_k d2_k / 2 |w[n, k]|, at least 50x closer than one level. Many rows (the dequantized float
-panel, AVX2 from PANEL_MIN_ROWS["avx2"] rows) match the float reference to 1e-5. The integer path runs on the
+panel, where PANEL_MIN_ROWS sends them; off by default) match the float reference to 1e-5. The integer path runs on the
 repacked weight (gguf_repack, gguf_gemm_packed): checked against the GGUF rows' own integer op (gguf_gemv, the
 same rounding) to 1e-5 of max |out| for every type, both paths, odd M and N, one and two levels."""
 from __future__ import annotations
@@ -243,8 +243,8 @@ def test_packed_weights_match_the_gguf_rows_integer_op(qtype, isa):
 
 @pytest.mark.parametrize("isa", list(ISA_CODES))
 def test_prefill_rows_stay_integer_on_vnni_and_match_two_levels(isa):
-    # 200 rows: AVX-512 VNNI's default keeps the packed two-level path (no panel), AVX2's too below 128 rows
-    # only; either way the result is within the two-level bound of the exact float product
+    # 200 rows (prefill): both paths keep the packed two-level integer path by default (no float panel), within
+    # the two-level bound of the exact float product
     _isa_or_skip(isa)
     g = torch.Generator().manual_seed(17)
     w = random_blocks("Q4_0", 70, 576, g)
@@ -256,10 +256,9 @@ def test_prefill_rows_stay_integer_on_vnni_and_match_two_levels(isa):
     _, d2 = _dequantize_q8(x - x1)
     scale = exact.abs().max().item()
     assert ((got - exact).abs() <= (d2 / 2) @ dense.abs().t() + 1e-4 * scale).all()
-    if isa == "avx512_vnni":
-        kernel = NativeGgufGemm(isa)
-        packed = kernel.ops.gguf_gemm_packed(x, kernel.packed(w, "Q4_0", 576), 0, 70, 576, ISA_CODES[isa], 2)
-        assert torch.equal(got, packed)
+    kernel = NativeGgufGemm(isa)
+    packed = kernel.ops.gguf_gemm_packed(x, kernel.packed(w, "Q4_0", 576), 0, 70, 576, ISA_CODES[isa], 2)
+    assert torch.equal(got, packed)
 
 
 def test_packed_copy_is_kept_on_the_weight_and_follows_it():
