@@ -45,6 +45,11 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN = "__shutdown__"
+# Async scheduling: a step is sent as ``_DEFERRED_STEP``; each rank launches it and replies with the
+# step before's output (none after the first), so step N's reply travels while step N + 1 runs.
+# The last step's reply is held until the next step or ``_TAKE_DEFERRED`` (worker/async_output.py).
+_DEFERRED_STEP = "execute_model_deferred"
+_TAKE_DEFERRED = "take_deferred_output"
 # Once one rank failed a call, how long the others get to answer (they may be stuck in a
 # collective waiting for the failed one) before the executor gives up on them.
 _ERROR_GRACE_S = 5.0
@@ -103,6 +108,10 @@ def _worker_main(conn: Any, config: EngineConfig, platform_name: str, model_info
                     result = method(worker, *args, **kwargs)
                 else:
                     result = getattr(worker, method)(*args, **kwargs)
+                if method == _DEFERRED_STEP:  # the reply is the step before's output, if one was pending
+                    had_previous, result = result
+                    if not had_previous:
+                        continue
                 if tokens_only:
                     result = None if result is None else result.sampled_token_ids
                 reply = ("ok", result)
@@ -131,7 +140,9 @@ def _worker_main(conn: Any, config: EngineConfig, platform_name: str, model_info
 class MultiprocExecutor(Executor):
     name = "mp"
     supports_multiple_ranks = True
-    supports_async_scheduling = True  # (submit_model returns at once; each rank keeps its sampled tokens)
+    # (submit_model returns at once; each rank keeps the step's sampled ids on its device and answers the
+    # step before: _DEFERRED_STEP)
+    supports_async_scheduling = True
     description = "one worker process per rank on this machine, torch.distributed with the platform's backend"
 
     def __init__(self, config: EngineConfig, platform_name: str, model_info: ModelInfo) -> None:
@@ -146,6 +157,9 @@ class MultiprocExecutor(Executor):
         self._tickets = itertools.count()
         self._pending_steps: deque[int] = deque()  # submitted steps whose replies are not read yet
         self._finished_steps: dict[int, Any] = {}  # ticket -> ModelRunnerOutput, read but not collected
+        # async scheduling: steps go as _DEFERRED_STEP, and the ranks hold the last one's reply (its ticket)
+        self._defers_steps = config.async_scheduling and self.max_concurrent_batches == 1
+        self._held_step: int | None = None
         rpc_timeout = os.environ.get("HALSERVE_MP_RPC_TIMEOUT_S")
         self.rpc_timeout_s = float(rpc_timeout) if rpc_timeout else None  # None: wait while ranks live
         ctx = multiprocessing.get_context("spawn")
@@ -199,10 +213,14 @@ class MultiprocExecutor(Executor):
         return self.config.pipeline_parallel_size
 
     def submit_model(self, scheduler_output: SchedulerOutput) -> int:
-        """Send the step to every rank (each runs its calls in order); a ticket for ``collect_model``."""
-        self._send_all("execute_model", (scheduler_output,), {}, full_reply_rank=self.output_rank)
+        """Send the step to every rank (each runs its calls in order); a ticket for ``collect_model``. With
+        async scheduling the ranks answer the step before now and this one later (``_DEFERRED_STEP``)."""
+        method = _DEFERRED_STEP if self._defers_steps else "execute_model"
+        self._send_all(method, (scheduler_output,), {}, full_reply_rank=self.output_rank)
         ticket = next(self._tickets)
         self._pending_steps.append(ticket)
+        if self._defers_steps:
+            self._held_step = ticket  # (and the one held before is answered by this call)
         return ticket
 
     def collect_model(self, ticket: int) -> ModelRunnerOutput:
@@ -211,6 +229,9 @@ class MultiprocExecutor(Executor):
         return self._finished_steps.pop(ticket)
 
     def _read_oldest_step(self) -> None:
+        if self._pending_steps[0] == self._held_step:  # no step came after it: ask for its reply
+            self._send_all(_TAKE_DEFERRED, (), {}, full_reply_rank=self.output_rank)
+            self._held_step = None
         results = self._gather("execute_model")
         ticket = self._pending_steps.popleft()
         try:

@@ -1,13 +1,15 @@
 """The ``uni`` executor: one worker, in the engine's own process.
 
-With async scheduling (``EngineConfig.async_scheduling``) the worker lives on one thread of its
-own, which runs every call in the order made: ``submit_model`` returns at once, so the engine
-schedules the next step while this one runs (the kernels release the GIL).
+With async scheduling (``EngineConfig.async_scheduling``) everything still runs on the engine's
+thread, as in vLLM's single-process design: ``submit_model`` launches the step and returns the
+step before's output (its sampled ids read back while this step runs on the device;
+worker/async_output.py), so the engine processes step N's output and schedules step N + 2 while
+the device runs step N + 1. No second thread contends for the Python lock.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from halserve.executors.base import Executor
@@ -30,43 +32,52 @@ class UniExecutor(Executor):
         from halserve.worker.worker import Worker
 
         self.worker: Worker | None = Worker(config, platform_name, model_info, rank=0, world_size=1)
-        # async scheduling: the worker's own thread (device selection is per thread: every call runs there)
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="halserve-worker") if config.async_scheduling else None
-
-    def _call(self, fn, *args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs) if self._thread is None else self._thread.submit(fn, *args, **kwargs).result()
+        self._defers_steps = config.async_scheduling  # steps go through execute_model_deferred
+        self._tickets = itertools.count()
+        self._held_step: int | None = None  # the deferred step whose output the worker still holds
+        self._finished_steps: dict[int, ModelRunnerOutput] = {}  # ticket -> output, answered but not collected
 
     def collective_rpc(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``Worker.<method>(*args, **kwargs)``; a function ``method`` is called as ``method(worker, ...)``."""
         assert self.worker is not None, "the executor is shut down"
+        self._take_held()  # (a call between steps sees every step's tokens on the host)
         if callable(method):
-            return [self._call(method, self.worker, *args, **kwargs)]
-        return [self._call(getattr(self.worker, method), *args, **kwargs)]
+            return [method(self.worker, *args, **kwargs)]
+        return [getattr(self.worker, method)(*args, **kwargs)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect_model(self.submit_model(scheduler_output))
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> int | ModelRunnerOutput:
+        """Async scheduling: launch the step (a ticket for ``collect_model``), collecting the step before's output."""
         assert self.worker is not None, "the executor is shut down"
-        return self._call(self._execute, scheduler_output)
+        if not self._defers_steps:
+            output = self.worker.execute_model(scheduler_output)
+            assert output is not None, "the only rank is the last pipeline stage: it samples"
+            return output
+        had_previous, previous = self.worker.execute_model_deferred(scheduler_output)
+        if had_previous:
+            assert self._held_step is not None and previous is not None
+            self._finished_steps[self._held_step] = previous
+        self._held_step = ticket = next(self._tickets)
+        return ticket
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        assert self.worker is not None, "execute_model before initialize"
-        output = self.worker.execute_model(scheduler_output)
-        assert output is not None, "the only rank is the last pipeline stage: it samples"
-        return output
+    def collect_model(self, handle: int | ModelRunnerOutput) -> ModelRunnerOutput:
+        if not isinstance(handle, int):
+            return handle
+        if handle == self._held_step:  # no step came after it: read its ids now
+            self._take_held()
+        return self._finished_steps.pop(handle)
 
-    def submit_model(self, scheduler_output: SchedulerOutput) -> Future | ModelRunnerOutput:
-        """Async scheduling: start the step on the worker's thread, after the calls before it."""
-        assert self.worker is not None, "the executor is shut down"
-        if self._thread is None:
-            return self._execute(scheduler_output)
-        return self._thread.submit(self._execute, scheduler_output)
-
-    def collect_model(self, handle: Future | ModelRunnerOutput) -> ModelRunnerOutput:
-        return handle.result() if isinstance(handle, Future) else handle
+    def _take_held(self) -> None:
+        if self._held_step is not None:
+            assert self.worker is not None
+            output = self.worker.take_deferred_output()
+            assert output is not None, "the worker holds no deferred step"
+            self._finished_steps[self._held_step] = output
+            self._held_step = None
 
     def shutdown(self) -> None:
         if self.worker is not None:
-            self._call(self.worker.shutdown)
+            self.worker.shutdown()
         self.worker = None
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None

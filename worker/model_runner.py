@@ -32,9 +32,10 @@ import torch
 
 from halserve.kv_cache.spec import MLASpec, group_layers, group_size, is_recurrent
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from halserve.spec_decode.verify import count_accepted, expand_rows
+from halserve.spec_decode.verify import expand_rows
 from halserve.structured_output.logits import apply_step_bitmask
 from halserve.worker import mm_embeddings
+from halserve.worker.async_output import PendingOutput, StepTokens
 from halserve.worker.backend_selection import select_attention_backend
 from halserve.worker.pooler import collect_pooled, pool_step
 from halserve.worker.runner_state import CachedRequestState, StepInputs, update_states
@@ -111,6 +112,11 @@ class ModelRunner:
         self._step_connector = None  # it, while a step with loads or saves runs
         self.drafter = None  # a DraftModelProposer when speculative_config's method is "draft_model"
         self.step_graphs = None  # decode steps replayed from captured graphs (worker/step_graphs.py)
+        # async scheduling (execute_model_deferred; worker/async_output.py): the last step's output, not yet
+        # sent, and its sampled ids on the device by request (the next step's placeholder inputs)
+        self._deferred: PendingOutput | ModelRunnerOutput | None = None
+        self._prev_tokens: StepTokens | None = None
+        self.num_placeholder_inputs = 0  # cumulative: input tokens gathered on the device from the step before
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model" and self.pp.is_last:  # (it needs the sampled tokens)
             from halserve.spec_decode.draft_model import DraftModelProposer
@@ -308,31 +314,75 @@ class ModelRunner:
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's output; None on a pipeline stage before the last (it sends its hidden states on)."""
+        if self._deferred is not None:
+            raise AssertionError("execute_model with a deferred step's output not taken (take_deferred_output)")
+        self._prev_tokens = None  # (a synchronous step's tokens are on the host at once)
         with self.grad_mode():
-            update_states(self.requests, out, receives_tokens=not self.pp.is_last)
-            if out.is_empty:
-                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[]) if self.pp.is_last else None
-            step = self._prepare_inputs(out)
-            if self.lora_manager is not None:
-                self.lora_manager.set_batch([s.lora_request for s in step.states], step.common.query_start_loc_cpu)
-            from halserve.worker import kv_transfer
+            result = self._run_step(out)
+            return result.resolve() if isinstance(result, PendingOutput) else result
 
-            # The forward runs even when nothing samples (a prefill chunk): it writes the KV cache.
-            self._step_connector = kv_transfer.start_step(self.kv_connector, out.kv_connector_metadata)
-            try:
-                logits = self._forward(step)
-            finally:
-                invalid_block_ids = kv_transfer.finish_step(self._step_connector)
-                self._step_connector = None
-            if not self.pp.is_last:
-                for r, state in enumerate(step.states):
-                    state.num_computed_tokens = int(step.seq_lens[r])
-                return None
-            output = self._sample(step, logits if step.sample_rows else None, out)
-            output.invalid_block_ids = invalid_block_ids
-            if self.drafter is not None:  # the draft model proposes the next step's drafts
-                self.drafter.propose_after_step(step, output, len(self.requests), self.info.max_model_len)
-            return output
+    def execute_model_deferred(self, out: SchedulerOutput) -> tuple[bool, ModelRunnerOutput | None]:
+        """Async scheduling (the ``mp`` worker's loop): launch this step and answer the step before.
+
+        This step's inputs that are the step before's sampled tokens (placeholders) are gathered on
+        the device from that step's ids; once this step's forward is launched, the step before's ids
+        are read back (their non-blocking copy), appended to the host state, and its output is
+        returned, while this step runs. Returns (whether a step was pending, its output); this
+        step's output comes from the next call or ``take_deferred_output``."""
+        assert self.pp.is_last and self.drafter is None, "async scheduling is refused with pipeline stages or drafts"
+        with self.grad_mode():
+            previous, self._deferred = self._deferred, None
+            answer: list[ModelRunnerOutput] = []
+
+            def resolve_previous() -> None:  # (before this step samples: penalties and seeds read the ids)
+                if previous is not None and not answer:
+                    answer.append(previous.resolve() if isinstance(previous, PendingOutput) else previous)
+
+            result = self._run_step(out, before_sample=resolve_previous)
+            resolve_previous()
+            if isinstance(result, PendingOutput):
+                result.start_copy()
+                self._prev_tokens = result.step_tokens()
+            self._deferred = result
+            return previous is not None, answer[0] if answer else None
+
+    def take_deferred_output(self) -> ModelRunnerOutput | None:
+        """The deferred step's output (waiting for its ids), its tokens on the host; None when none is pending."""
+        deferred, self._deferred = self._deferred, None
+        return deferred.resolve() if isinstance(deferred, PendingOutput) else deferred
+
+    def _run_step(self, out: SchedulerOutput, before_sample=None) -> PendingOutput | ModelRunnerOutput | None:
+        """Update the request states, run the forward and launch the sampler: a ``PendingOutput`` whose
+        ids may still be on the device; a ready output for an empty step (or a step that samples
+        nothing); None before the last pipeline stage. ``before_sample`` runs once the forward is
+        launched, before the sampler reads the host state."""
+        update_states(self.requests, out, receives_tokens=not self.pp.is_last)
+        if out.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[]) if self.pp.is_last else None
+        step = self._prepare_inputs(out)
+        if self.lora_manager is not None:
+            self.lora_manager.set_batch([s.lora_request for s in step.states], step.common.query_start_loc_cpu)
+        from halserve.worker import kv_transfer
+
+        # The forward runs even when nothing samples (a prefill chunk): it writes the KV cache.
+        self._step_connector = kv_transfer.start_step(self.kv_connector, out.kv_connector_metadata)
+        try:
+            logits = self._forward(step)
+        finally:
+            invalid_block_ids = kv_transfer.finish_step(self._step_connector)
+            self._step_connector = None
+        if not self.pp.is_last:
+            for r, state in enumerate(step.states):
+                state.num_computed_tokens = int(step.seq_lens[r])
+            return None
+        if before_sample is not None:
+            before_sample()
+        pending = self._sample(step, logits if step.sample_rows else None, out)
+        pending.invalid_block_ids = invalid_block_ids
+        if self.drafter is not None:  # the draft model proposes the next step's drafts (from the host ids)
+            output = pending.resolve()
+            self.drafter.propose_after_step(step, output, len(self.requests), self.info.max_model_len)
+        return pending
 
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """Host-side (numpy/CPU tensors) flattened inputs of one step."""
@@ -363,6 +413,8 @@ class ModelRunner:
         from halserve.forward_context import set_forward_context
 
         input_ids = step.input_ids.to(dev, non_blocking=True)
+        if step.placeholder_indices:  # async scheduling: the step before's sampled ids, gathered on the device
+            input_ids = self._fill_placeholders(step, input_ids)
         positions = self._step_positions(step).to(dev, non_blocking=True)
         intermediate = self._intermediate_tensors(len(input_ids), receive=True)
         kwargs = self._model_kwargs(self.model, step, input_ids)
@@ -412,15 +464,26 @@ class ModelRunner:
             step.states[r].prompt_logprobs.extend(entries[start : start + count])
             start += count
 
+    def _fill_placeholders(self, step: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` [T] (on the device) with each placeholder set to the id its request sampled in
+        the step before, gathered there by request id: no device -> host sync."""
+        if self._prev_tokens is None:
+            raise AssertionError(f"requests {step.placeholder_req_ids} have placeholder inputs but the step before's "
+                                 "ids are not on the device (only execute_model_deferred keeps them)")
+        dst = torch.tensor(step.placeholder_indices, dtype=torch.long).to(input_ids.device, non_blocking=True)
+        self.num_placeholder_inputs += len(dst)
+        return input_ids.index_copy_(0, dst, self._prev_tokens.gather(step.placeholder_req_ids))
+
     def _sample(self, step: StepInputs, logits: torch.Tensor | None,
-                scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+                       scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Sample the step on the device; its ids stay there (``PendingOutput.resolve`` reads them). What
+        does not need them is done here: prompt logprobs handed over, pooled results, computed counts."""
         num_reqs = len(step.states)
-        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
-        logprobs: list = [None] * num_reqs
         prompt_logprobs: list = [None] * num_reqs
         pooled: list = [None] * num_reqs
-        no_token_req_ids: set[str] = set()
-        min_tokens_waived: set[str] = set()
+        rows: list[CachedRequestState] = []
+        drafts: list[list[int]] = []
+        out = None
         if logits is not None:
             rows = [step.states[r] for r in step.sample_rows]
             drafts = step.sample_drafts or [[]] * len(rows)
@@ -428,38 +491,15 @@ class ModelRunner:
             row_states, row_outputs = expand_rows(rows, drafts)
             logits = apply_step_bitmask(logits, row_states, scheduler_output)  # structured outputs' masks
             out = self.sampler.sample(logits, self._sampling_metadata(row_states, row_outputs, logits.device))
-            tokens = out.sampled_token_ids.tolist()
-            has_token = out.has_token.tolist()
-            waived = out.min_tokens_waived.tolist() if out.min_tokens_waived is not None else [False] * len(tokens)
-            row = 0
-            for r, state, draft in zip(step.sample_rows, rows, drafts):
+            for r, state in zip(step.sample_rows, rows):
                 if state.prompt_logprobs is not None:  # the prompt is all scored: send it with the first token
                     prompt_logprobs[r], state.prompt_logprobs = state.prompt_logprobs, None
-                # accept drafts while the sampled token equals them (spec_decode/verify.py), then one more
-                new_tokens, new_logprobs = [], []
-                for j in range(len(draft) + 1):
-                    if not has_token[row + j]:
-                        no_token_req_ids.add(state.req_id)
-                        break
-                    new_tokens.append(tokens[row + j])
-                    new_logprobs.append(out.logprobs[row + j])
-                    if waived[row + j]:
-                        min_tokens_waived.add(state.req_id)
-                    if j == len(draft) or tokens[row + j] != draft[j]:
-                        break
-                row += len(draft) + 1
-                state.output_token_ids.extend(new_tokens)
-                sampled_token_ids[r] = new_tokens
-                if new_logprobs and new_logprobs[0] is not None:
-                    logprobs[r] = new_logprobs
-                if draft:  # K/V of the rejected drafts is stale: not computed
-                    step.seq_lens[r] -= len(draft) - count_accepted(draft, new_tokens)
         collect_pooled(step, pooled, prompt_logprobs)
-        for r, state in enumerate(step.states):
-            state.num_computed_tokens = int(step.seq_lens[r])
-        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs, pooled=pooled, no_token_req_ids=no_token_req_ids,
-                                 min_tokens_waived=min_tokens_waived)
+        if not any(drafts):  # (with drafts, the rejected ones are not computed: known once the ids are read)
+            for r, state in enumerate(step.states):
+                state.num_computed_tokens = int(step.seq_lens[r])
+        return PendingOutput(step=step, rows=rows, drafts=drafts, out=out, prompt_logprobs=prompt_logprobs,
+                             pooled=pooled)
 
     def _sampling_metadata(self, rows: list[CachedRequestState], outputs: list[list[int]], device: torch.device):
         from halserve.sampling import SamplingMetadata

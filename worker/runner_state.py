@@ -48,6 +48,10 @@ class StepInputs:
     # a hybrid model: KV-cache groups 1..'s metadata (``common`` is group 0's): their own block_table
     # and slot_mapping, the rest shared; None: one group
     group_common: list[AttentionMetadata] | None = None
+    # async scheduling: tokens whose id the step before is still sampling (the runner's host state does
+    # not have it yet); the runner fills them on the device from that step's sampled ids, by request id
+    placeholder_indices: list[int] = dataclasses.field(default_factory=list)  # [P] token index in the batch
+    placeholder_req_ids: list[str] = dataclasses.field(default_factory=list)  # [P] whose token it is
 
 
 @dataclass(slots=True)

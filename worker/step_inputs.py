@@ -38,6 +38,8 @@ def prepare_inputs(out: SchedulerOutput, requests: dict[str, CachedRequestState]
     positions = np.arange(total, dtype=np.int64) + np.repeat(computed - query_start_loc[:-1], num_sched)
 
     token_ids: list[int] = []
+    placeholder_indices: list[int] = []
+    placeholder_req_ids: list[str] = []
     prompt_indices: list[int] = []
     prompt_targets: list[int] = []
     prompt_spans: list[tuple[int, int]] = []
@@ -49,6 +51,12 @@ def prepare_inputs(out: SchedulerOutput, requests: dict[str, CachedRequestState]
         if drafts:  # its last token, then the drafts to check
             token_ids.extend(state.token_slice(c, c + n - len(drafts)))
             token_ids.extend(drafts)
+        elif c + n > state.num_tokens:  # async scheduling: its last token is the step before's (placeholder)
+            _check_placeholder(state, c, n)
+            token_ids.extend(state.token_slice(c, c + n - 1))
+            placeholder_indices.append(len(token_ids))
+            placeholder_req_ids.append(state.req_id)
+            token_ids.append(0)  # (filled on the device)
         else:
             token_ids.extend(state.token_slice(c, c + n))
         if state.prompt_logprobs is not None:
@@ -66,6 +74,7 @@ def prepare_inputs(out: SchedulerOutput, requests: dict[str, CachedRequestState]
 
     # Requests that reach the end of their known tokens produce a new token, or, pooling
     # requests, their pooled result.
+    # (a placeholder is the last token: its request reaches the end of its known tokens and samples)
     num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
     done_mask = seq_lens >= num_tokens
     is_pooling = np.fromiter((supports_pooling and s.sampling_params.pooling is not None for s in states),
@@ -122,7 +131,18 @@ def prepare_inputs(out: SchedulerOutput, requests: dict[str, CachedRequestState]
         prompt_indices=prompt_indices,
         prompt_targets=prompt_targets,
         prompt_spans=prompt_spans,
+        placeholder_indices=placeholder_indices,
+        placeholder_req_ids=placeholder_req_ids,
     )
+
+
+def _check_placeholder(state: CachedRequestState, computed: int, num_scheduled: int) -> None:
+    """A request's tokens past its known ones: only its next one, the step before's sampled token
+    (async scheduling gives a request at most one token in flight)."""
+    if computed + num_scheduled != state.num_tokens + 1 or state.prompt_logprobs is not None:
+        raise AssertionError(
+            f"request {state.req_id!r} is scheduled up to token {computed + num_scheduled} but the worker knows "
+            f"{state.num_tokens}: only the one token the step before samples may be unknown (a placeholder)")
 
 
 def _prepare_decode(out: SchedulerOutput, req_ids: list[str], states: list[CachedRequestState],
@@ -135,13 +155,20 @@ def _prepare_decode(out: SchedulerOutput, req_ids: list[str], states: list[Cache
     num_scheduled = out.num_scheduled_tokens
     token_ids: list[int] = []
     computed: list[int] = []
-    for req_id, state in zip(req_ids, states):
+    placeholder_indices: list[int] = []
+    placeholder_req_ids: list[str] = []
+    for r, (req_id, state) in enumerate(zip(req_ids, states)):
         c = state.num_computed_tokens
-        if (num_scheduled[req_id] != 1 or c + 1 != state.num_tokens or state.prompt_logprobs is not None
+        known = state.num_tokens
+        if (num_scheduled[req_id] != 1 or c + 1 < known or c > known or state.prompt_logprobs is not None
                 or state.sampling_params.pooling is not None):
             return None
-        # token c is the last known one: the last output, or the prompt's last before any output
-        token_ids.append(state.output_token_ids[-1] if state.output_token_ids else state.prompt_token_ids[-1])
+        if c == known:  # async scheduling: the token the step before samples (a placeholder, filled on the device)
+            placeholder_indices.append(r)
+            placeholder_req_ids.append(req_id)
+            token_ids.append(0)
+        else:  # token c is the last known one: the last output, or the prompt's last before any output
+            token_ids.append(state.output_token_ids[-1] if state.output_token_ids else state.prompt_token_ids[-1])
         computed.append(c)
     num_reqs = len(states)
     positions = np.array(computed, dtype=np.int64)  # [R]: one token per request, at its computed count
@@ -178,4 +205,6 @@ def _prepare_decode(out: SchedulerOutput, req_ids: list[str], states: list[Cache
         sample_rows=list(range(num_reqs)),
         logits_indices=torch.from_numpy(rows.astype(np.int64)),  # every token samples
         pool_indices=torch.empty(0, dtype=torch.int64),
+        placeholder_indices=placeholder_indices,
+        placeholder_req_ids=placeholder_req_ids,
     )

@@ -99,6 +99,19 @@ class Worker:
         """The step's output; None on ranks before the last pipeline stage (they do not sample)."""
         return self.model_runner.execute_model(scheduler_output)
 
+    def execute_model_deferred(self, scheduler_output: SchedulerOutput) -> tuple[bool, ModelRunnerOutput | None]:
+        """Async scheduling: launch the step, answer the one before (``ModelRunner.execute_model_deferred``):
+        (whether one was pending, its output)."""
+        return self.model_runner.execute_model_deferred(scheduler_output)
+
+    def num_placeholder_inputs(self) -> int:
+        """How many input tokens were the step before's sampled ids, gathered on the device (async scheduling)."""
+        return self.model_runner.num_placeholder_inputs
+
+    def take_deferred_output(self) -> ModelRunnerOutput | None:
+        """The last deferred step's output, once its sampled ids are on the host; None when none is pending."""
+        return self.model_runner.take_deferred_output()
+
     # -- lifecycle hooks: sleep mode and weight updates (worker/sleep_mode.py) ------------
     # Called by the engine core through ``collective_rpc`` on every rank, only while no request is
     # unfinished. They free and take back memory through the platform's hooks

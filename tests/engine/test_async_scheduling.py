@@ -1,7 +1,10 @@
 """Async scheduling (``async_scheduling=True``) gives the same tokens as synchronous scheduling:
 chunked prefill, preemption (requests preempted while their step is in flight), prefix-cache
-hits, n > 1, seeded sampling, max_tokens, stop token ids, stop strings and structured outputs;
-features it cannot run yet warn at start-up and run synchronously."""
+hits, n > 1, seeded sampling, penalties, min_tokens, max_tokens, stop token ids, stop strings and
+structured outputs, on the ``mp`` executor (the worker's process) and ``uni`` (the engine's thread);
+a decode step's input is the step before's sampled id, gathered on the device (the same code runs
+on the CPU, whose "device" tensors are host tensors); features it cannot run yet warn at start-up
+and run synchronously."""
 from __future__ import annotations
 
 import logging
@@ -23,8 +26,9 @@ VARIANTS = {
     # 11 usable blocks (176 tokens) for 8 requests of up to ~125 tokens: forces preemption
     "preempt": dict(num_kv_blocks=12),
     "no_prefix_cache_two_seqs": dict(enable_prefix_caching=False, max_num_seqs=2),
-    # the in-process worker on a thread of its own (async scheduling's default is the mp executor)
+    # the in-process worker, on the engine's thread (async scheduling's default is the mp executor)
     "uni_executor_preempt": dict(distributed_executor_backend="uni", num_kv_blocks=12),
+    "uni_executor_tiny_chunks": dict(distributed_executor_backend="uni", max_num_batched_tokens=16),
 }
 
 
@@ -51,6 +55,9 @@ def _run(path, prompts, params, **kwargs):
         async_on = llm.llm_engine.core.scheduler.async_steps is not None
         if async_on and "distributed_executor_backend" not in kwargs:
             assert llm.llm_engine.config.executor_name == "mp", "async scheduling puts the worker in its own process"
+        # async: the decode steps' inputs were the step before's ids, gathered on the device (no host sync)
+        num_on_device, = llm.llm_engine.core.collective_rpc("num_placeholder_inputs")
+        assert (num_on_device > 0) == async_on, num_on_device
     finally:
         llm.llm_engine.shutdown()
     tokens = [[c.token_ids for c in o.outputs] for o in outputs]
@@ -103,8 +110,15 @@ def test_mixed_max_tokens_stop_ids_and_seeded_n(llama_path, prompts):
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id]),
         SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=17, ignore_eos=True),
         SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=9, ignore_eos=True),
-    ] * 2
-    for kwargs in (dict(), dict(num_kv_blocks=12)):
+        # penalties and min_tokens read the tokens so far: the step before's are on the host by sampling time
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.5,
+                       frequency_penalty=0.7, presence_penalty=0.4),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, min_tokens=6, stop_token_ids=[stop_id]),
+    ] + [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=17, ignore_eos=True),
+    ]
+    for kwargs in (dict(), dict(num_kv_blocks=12), dict(distributed_executor_backend="uni", num_kv_blocks=12)):
         sync, _ = _assert_same(llama_path, prompts, params, **kwargs)
         assert sync[1][0] == [("length", None)]
         assert sync[1][1] == [("stop", stop_id)]

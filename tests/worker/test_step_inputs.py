@@ -89,3 +89,33 @@ def test_decode_fast_path_declines_other_steps(case):
     states = [decoding, other]
     out = _step(states, [1, num_scheduled])
     assert step_inputs._prepare_decode(out, ["a", "b"], states, BLOCK_SIZE) is None
+
+
+def test_placeholder_tokens_on_both_paths(monkeypatch):
+    """Async scheduling: a request scheduled one token past what the worker knows (the step before's
+    token, still on the device) gets a placeholder input (0, filled on the device) at its index, samples,
+    and the rest of the step is what the general path builds; the decode fast path takes it too."""
+    behind = _state("behind", 5, 2, 7)  # computed == known: its next input is the placeholder
+    level = _state("level", 9, 0, 8)  # its prompt's last token (known)
+    behind2 = _state("behind2", 3, 0, 3)  # its first token is in flight
+    states = [behind, level, behind2]
+    requests = {s.req_id: s for s in states}
+    out = _step(states, [1, 1, 1])
+    fast = step_inputs.prepare_inputs(out, requests, BLOCK_SIZE, supports_pooling=True)
+    assert step_inputs._prepare_decode(out, fast.req_ids, fast.states, BLOCK_SIZE) is not None
+    general = _general(monkeypatch, out, requests)
+    _assert_same(fast, general)
+    for inputs in (fast, general):
+        assert inputs.placeholder_indices == [0, 2] and inputs.placeholder_req_ids == ["behind", "behind2"]
+        assert inputs.input_ids.tolist() == [0, level.prompt_token_ids[-1], 0]
+        assert inputs.positions.tolist() == [7, 8, 3] and inputs.sample_rows == [0, 1, 2]
+
+    # a chunk ahead of it in the batch moves its index; a token two past the known ones is a bug
+    chunk = _state("chunk", 12, 0, 4)
+    requests["chunk"] = chunk
+    out = _step([chunk, behind], [5, 1])
+    mixed = step_inputs.prepare_inputs(out, requests, BLOCK_SIZE, supports_pooling=True)
+    assert mixed.placeholder_indices == [5] and mixed.placeholder_req_ids == ["behind"]
+    assert mixed.input_ids.tolist() == chunk.prompt_token_ids[4:9] + [0] and mixed.sample_rows == [1]
+    with pytest.raises(AssertionError, match="'behind' is scheduled up to token 9 but the worker knows 7"):
+        step_inputs.prepare_inputs(_step([behind], [2]), requests, BLOCK_SIZE, supports_pooling=True)
