@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run ON THE GPU MACHINE, in the repository root, in one call (device tool: carry [".whl"]):
 #
-#     bash benchmarks/gpu/run_gpu_checks.sh [all|tests|bench|moe|e2e]
+#     bash benchmarks/gpu/run_gpu_checks.sh [all|tests|bench|moe|e2e|async]
 #
 # ("e2e", about 6-7 minutes on one H100 or H200, is benchmarks/gpu/e2e.sh: the graph-vs-eager
 # GPU tests, decode/offline/serving figures of Llama-3.1-8B and Qwen2.5-0.5B configs with dummy
@@ -10,7 +10,8 @@
 # (a device command may run 10 minutes: "all" budgets about 3 for the attention benchmark and its
 # sweep, 4.5 for the tests (2.5 with 8 pytest-xdist workers where the image has xdist, then 2
 # for the sleep-mode test alone) and 1 for the GEMMs, under 9.5 in all; "tests" and "bench" give
-# either more room; "moe" runs the fused-MoE benchmark alone at Mixtral-8x7B and Qwen1.5-MoE shapes)
+# either more room; "moe" runs the fused-MoE benchmark alone at Mixtral-8x7B and Qwen1.5-MoE shapes;
+# "async", about 5 minutes, runs step 5 alone)
 #
 # 1. installs the carried wheels (benchmarks/gpu/fetch_wheels.sh) and halserve from this tree
 # 2. the decode benchmark at batch 64 x context 4096 x head 128 bf16 (acceptance: >= 70% of
@@ -19,6 +20,8 @@
 #    tests as the interpreter suite plus the `gpu` ones (bf16, fp8 casts, torch._scaled_mm,
 #    engine greedy vs transformers); then, alone on the device, sleep mode's device memory
 # 4. the GEMMs (and, in "bench" mode, fused MoE at Mixtral-8x7B shapes)
+# 5. ("async" mode) async scheduling on cuda: its equivalence tests (sync vs async tokens, the
+#    sampled ids kept on the device), then W2 offline throughput sync / async uni / async mp, twice
 # Logs go to $OUT (or ./gpu_out) so they come back. Exits non-zero if the tests failed.
 set -uo pipefail
 what="${1:-all}"
@@ -91,5 +94,26 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
     timeout "$([ "$what" = bench ] && echo 200 || echo 60)" python3 $kernels/bench_gemm.py 2>&1 | tee "$OUT/bench_gemm.log"
 fi
 [ "$what" = bench ] && timeout 60 python3 $kernels/bench_fused_moe.py 2>&1 | tee "$OUT/bench_fused_moe.log"
+# 5. async scheduling on the device (issue 25 item 3): step N+1's placeholder inputs gathered from
+#    step N's sampled ids on the GPU, step N's output read back while N+1 runs
+if [ "$what" = async ]; then
+    HALSERVE_ASYNC_TEST_PLATFORM=cuda timeout 200 \
+        python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider --timeout 180 \
+            --junitxml="$OUT/pytest_async.xml" tests/engine/test_async_scheduling.py tests/worker/test_async_output.py \
+            2>&1 | tee "$OUT/pytest_async.log"
+    tests_rc=${PIPESTATUS[0]}
+    w2=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from workloads import ensure_checkpoint; \
+print(ensure_checkpoint('W2', '/tmp/halserve_models'))" 2>>"$OUT/async_w2.log")
+    for run in 1 2; do
+        for mode in sync "async uni" "async mp"; do
+            flags=()
+            case "$mode" in "async uni") flags=(--async-scheduling --distributed-executor-backend uni) ;;
+                            "async mp") flags=(--async-scheduling --distributed-executor-backend mp) ;; esac
+            echo "== W2 $mode (run $run)"
+            timeout 60 halserve bench throughput --model "$w2" --platform cuda --dtype bfloat16 --num-prompts 256 \
+                --input-len 32 --output-len 64 "${flags[@]}" 2>&1 | grep -E "^Throughput|Error|error"
+        done
+    done 2>&1 | tee -a "$OUT/async_w2.log"
+fi
 echo "tests exit code: $tests_rc"
 exit "$tests_rc"

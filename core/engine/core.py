@@ -58,9 +58,10 @@ class EngineCore:
         if config.async_scheduling:
             from halserve.sched.async_steps import async_refusal
 
-            # With no executor named, the worker gets a process of its own (``mp``): in this one
-            # (``uni``, a thread) it contends with the scheduler for the GIL (measured on an H200,
-            # W2: uni 340-420 req/s with async scheduling vs 600-1000 without; mp 755-780 vs 480-560).
+            # With no executor named, the worker gets a process of its own (``mp``): measured on an H200
+            # (W2) when ``uni`` ran the worker on a second thread, contending for the GIL: uni 340-420
+            # req/s async vs 600-1000 sync; mp 755-780 vs 480-560. ``uni`` now runs deferred steps on
+            # this thread (worker/async_output.py); not yet measured on a GPU (run_gpu_checks.sh async).
             named = config.distributed_executor_backend is not None
             async_reg = reg if named else manager.executors.get("mp") or reg
             if (refused := async_refusal(config, self.model_info, async_reg.obj)) is not None:
