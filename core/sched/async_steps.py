@@ -8,7 +8,8 @@ tokens step N samples. Each such token is a *placeholder* (``Request.num_output_
                         a request reaching the end of its known tokens + placeholders samples
                         in step N: placeholders += 1
     schedule(N+1):      a sampling request gets 1 more token, whose input is step N's placeholder;
-                        the worker (one thread, steps in order) has appended its real id by then
+                        the worker (steps in order) gathers its real id on the device from step
+                        N's sampled ids, by request id (worker/async_output.py)
     update(N):          placeholders -= 1, the sampled token is appended and stops are checked
 
 A request that finishes in step N (stop token, max_tokens, a stop string, an abort) is found one
