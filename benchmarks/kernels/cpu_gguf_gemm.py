@@ -8,7 +8,8 @@ GEMM the dequantized model runs, on SmolLM2-135M's linear shapes; and single-str
 ``paths``: one layer's four GEMMs (microseconds, summed) at each row count M, the previous paths (``gguf_gemv``
 on the GGUF rows below 32 rows, one int8 level below 16 and two from 16; the float32 panel dequantized per call
 from 32) against today's kernel call (the repacked integer path, same levels; AVX2's panel from 128 rows),
-timed alternately shape by shape. The previous paths run with today's AVX2 activation quantizer (it was
+timed alternately shape by shape (``--head``: SmolLM2's LM head, two levels at every M as halserve.layers.vocab
+asks, and before from 32 rows its cached float32 panel, 113 MB). The previous paths run with today's AVX2 activation quantizer (it was
 scalar), so they read a little faster than they were.
 
 ``kernels``: microseconds per call (median of rounds), each shape's weight streamed as in a decode step
@@ -77,7 +78,7 @@ def bench_kernels(rows: int, qtype: str, copies: int) -> None:
               + f" {cols[-2]:13.1f} {cols[-1]:10.1f}")
 
 
-def bench_paths(rows: list[int], qtype: str, isa: str | None, copies: int) -> None:
+def bench_paths(rows: list[int], qtype: str, isa: str | None, copies: int, head: bool = False) -> None:
     import torch.nn.functional as F
 
     from halserve.kernels.gguf_blocks import random_blocks
@@ -87,19 +88,27 @@ def bench_paths(rows: list[int], qtype: str, isa: str | None, copies: int) -> No
     code, isa_code = QTYPE_CODES[qtype], kernel.isa_code
     g = torch.Generator().manual_seed(0)
     shapes = [(name, n, k) for name, n, k in SHAPES if qtype not in ("Q4_K", "Q5_K", "Q6_K") or k % 256 == 0]
+    panels = {}
+    if head:  # the LM head as halserve.layers.vocab sets it: two levels always; before, a cached float panel
+        shapes, copies = [("lm_head", 49152, 576)], 1
+        kernel.min_activation_levels = 2
     weights = {name: [random_blocks(qtype, n, k, g) for _ in range(copies)] for name, n, k in shapes}
 
     def previous(x, w, k):  # native_gguf.py's __call__ before the repacked path
         m = x.shape[0]
         if m < 32:
-            return kernel.ops.gguf_gemv(x, w, code, isa_code, 1 if m < 16 else 2)
+            return kernel.ops.gguf_gemv(x, w, code, isa_code, 2 if head or m >= 16 else 1)
+        if head:
+            if id(w) not in panels:
+                panels[id(w)] = kernel.dequantize(w, qtype, k)
+            return F.linear(x, panels[id(w)])
         n, rows = w.shape[0], max(1, PANEL_BYTES // (4 * k))
         out = torch.empty(m, n)
         for n0 in range(0, n, rows):
             out[:, n0:n0 + rows] = F.linear(x, kernel.dequantize(w[n0:n0 + rows], qtype, k))
         return out
 
-    print(f"{qtype}, {kernel.isa}, {torch.get_num_threads()} threads; one layer's GEMMs "
+    print(f"{qtype}, {kernel.isa}, {torch.get_num_threads()} threads; {'the LM head' if head else 'one layer'}'s GEMMs "
           f"({', '.join(name for name, _, _ in shapes)}), microseconds per call, summed")
     print(f"{'M':>5} {'previous':>10} {'now':>10} {'speedup':>8} {'now us/row':>11}")
     for m in rows:
@@ -153,6 +162,7 @@ def main() -> None:
     parser.add_argument("what", choices=["kernels", "decode", "paths"])
     parser.add_argument("--rows", default="1", help="activation rows M (kernels; paths: comma-separated)")
     parser.add_argument("--isa", default=None, help="avx2 or avx512_vnni (paths; default: the best here)")
+    parser.add_argument("--head", action="store_true", help="paths: SmolLM2's 49152 x 576 LM head instead")
     parser.add_argument("--qtype", default="Q4_1", help="GGUF type (kernels)")
     parser.add_argument("--copies", type=int, default=8, help="weights cycled per shape (kernels)")
     parser.add_argument("--model", help="the .gguf (decode)")
@@ -161,7 +171,7 @@ def main() -> None:
     if args.what == "kernels":
         bench_kernels(int(args.rows), args.qtype, args.copies)
     elif args.what == "paths":
-        bench_paths([int(r) for r in args.rows.split(",")], args.qtype, args.isa, args.copies)
+        bench_paths([int(r) for r in args.rows.split(",")], args.qtype, args.isa, args.copies, args.head)
     else:
         bench_decode(args.model, args.modes.split(","))
 
