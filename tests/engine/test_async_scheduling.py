@@ -8,6 +8,7 @@ and run synchronously."""
 from __future__ import annotations
 
 import logging
+import os
 import random
 
 import pytest
@@ -17,7 +18,8 @@ from halserve import LLM, SamplingParams
 pytestmark = pytest.mark.slow  # starts engines (inner loop: -m 'not slow')
 
 BLOCK = 16
-BASE = dict(platform="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=64, max_model_len=256)
+# (benchmarks/gpu/run_gpu_checks.sh async runs these on cuda)
+BASE = dict(platform=os.environ.get("HALSERVE_ASYNC_TEST_PLATFORM", "cpu"), dtype="float32", block_size=BLOCK, max_num_batched_tokens=64, max_model_len=256)
 
 VARIANTS = {
     "default": dict(),

@@ -3,6 +3,7 @@ step's sampled ids stay in their (device) tensor, the next step's placeholder in
 from it by request id, and the step's output is read back after the next step is launched."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 from halserve import LLM, SamplingParams
 from halserve.worker.async_output import StepTokens
 
-BASE = dict(platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=64, max_model_len=256)
+# (benchmarks/gpu/run_gpu_checks.sh async runs these on cuda)
+BASE = dict(platform=os.environ.get("HALSERVE_ASYNC_TEST_PLATFORM", "cpu"), dtype="float32", block_size=16, max_num_batched_tokens=64, max_model_len=256)
 
 
 def test_step_tokens_gather_by_request_id():
