@@ -213,6 +213,27 @@ class LlamaModel(nn.Module):
         return hidden
 
 
+def flat_forward_step(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    """``model``'s step through its ``LlamaFlatForward`` (the same kernels without the module tree, bit-identical),
+    or None: the module path runs it (that class's docstring says where; ``HALSERVE_FLAT_FORWARD=0``: always).
+    A function, not a method: decoders that borrow ``LlamaForCausalLM.forward`` (Gemma's) call it too, and
+    are refused by ``why_not``."""
+    flat = model.__dict__.get("_flat")
+    if flat is None:
+        from halserve.forward_context import get_forward_context
+
+        if get_forward_context().attn_metadata is None:
+            return None  # a dummy run: build at the first real step (the runner has bound the caches)
+        from halserve.models.llama_flat import LlamaFlatForward
+
+        why = LlamaFlatForward.why_not(model, model.__dict__.get("_platform_name", ""))
+        model._flat = flat = why if why is not None else LlamaFlatForward(model)
+        logger.debug("%s: %s", type(model).__name__, f"the module path ({why})" if why else "the flat forward")
+    if isinstance(flat, str):
+        return None
+    return flat(input_ids, positions)
+
+
 class LlamaForCausalLM(nn.Module):
     """The model-module protocol the model runner relies on:
 
@@ -252,30 +273,12 @@ class LlamaForCausalLM(nn.Module):
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         if inputs_embeds is None and intermediate_tensors is None:
-            hidden = self._flat_forward(input_ids, positions)
+            hidden = flat_forward_step(self, input_ids, positions)
             if hidden is not None:
                 return hidden
         if inputs_embeds is None:  # (decoders that share this method, e.g. Gemma's, take no inputs_embeds)
             return self.model(input_ids, positions, intermediate_tensors)
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
-
-    def _flat_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The step through ``LlamaFlatForward`` (the same kernels without the module tree, bit-identical), or
-        None: the module path runs it (that class's docstring says where; ``HALSERVE_FLAT_FORWARD=0``: always)."""
-        flat = self.__dict__.get("_flat")
-        if flat is None:
-            from halserve.forward_context import get_forward_context
-
-            if get_forward_context().attn_metadata is None:
-                return None  # a dummy run: build at the first real step (the runner has bound the caches)
-            from halserve.models.llama_flat import LlamaFlatForward
-
-            why = LlamaFlatForward.why_not(self, getattr(self, "_platform_name", ""))
-            self._flat = flat = why if why is not None else LlamaFlatForward(self)
-            logger.debug("%s: %s", type(self).__name__, f"the module path ({why})" if why else "the flat forward")
-        if isinstance(flat, str):
-            return None
-        return flat(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

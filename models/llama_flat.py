@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from halserve.forward_context import get_forward_context
 
@@ -62,8 +63,6 @@ def _has_hooks(module: nn.Module) -> bool:
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as torch_module
-
     return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
                 or torch_module._global_backward_hooks or getattr(torch_module, "_global_backward_pre_hooks", None))
 
@@ -165,7 +164,7 @@ class LlamaFlatForward:
             assert type(attn.qkv_proj) is QKVParallelLinear and type(attn.o_proj) is RowParallelLinear
             assert type(mlp.gate_up_proj) is MergedColumnParallelLinear and type(mlp.down_proj) is RowParallelLinear
             self.layers.append(rec)
-        self._checks = checks
+        self._checks = tuple(checks)
 
     # -- applicability --------------------------------------------------------------------
     @classmethod
@@ -186,6 +185,8 @@ class LlamaFlatForward:
 
         if not flat_forward_enabled():
             return f"{FLAT_FORWARD_ENV}=0"
+        if not isinstance(model, LlamaForCausalLM):  # (Gemma borrows LlamaForCausalLM.forward)
+            return f"{type(model).__name__} is not a LlamaForCausalLM"
         if platform_name != "cpu":
             return f"platform {platform_name!r} (the flat forward is the cpu platform's)"
         if get_tp_size() != 1:
@@ -205,8 +206,11 @@ class LlamaFlatForward:
             if type(decoder) is not LlamaDecoderLayer:
                 return f"a decoder layer is a {type(decoder).__name__}"
             attn, mlp = decoder.self_attn, decoder.mlp
+            for module, cls in ((attn, LlamaAttention), (mlp, LlamaMLP)):  # (before reading their submodules)
+                if type(module) is not cls:  # a MoE block, another attention
+                    return f"a {type(module).__name__} where {cls.__name__} is expected"
             expected += [(decoder.input_layernorm, RMSNorm), (decoder.post_attention_layernorm, RMSNorm),
-                         (attn, LlamaAttention), (mlp, LlamaMLP), (attn.qkv_proj, QKVParallelLinear),
+                         (attn.qkv_proj, QKVParallelLinear),
                          (attn.o_proj, RowParallelLinear), (attn.attn, Attention), (attn.rotary_emb, RotaryEmbedding),
                          (mlp.gate_up_proj, MergedColumnParallelLinear), (mlp.down_proj, RowParallelLinear),
                          (mlp.act_fn, SiluAndMul)]
@@ -229,10 +233,7 @@ class LlamaFlatForward:
     def is_current(self) -> bool:
         """The linear modules are still the ones bound (LoRA, say, would have replaced them) and no global
         module hook was registered since."""
-        for modules, name, module in self._checks:
-            if modules[name] is not module:
-                return False
-        return not _global_hooks()
+        return all(modules[name] is bound for modules, name, bound in self._checks) and not _global_hooks()
 
     # -- a step ---------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:

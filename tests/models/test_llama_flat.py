@@ -116,6 +116,12 @@ def test_why_not_names_each_fallback(llama_checkpoint, monkeypatch):
     assert "Identity where RowParallelLinear is expected" in LlamaFlatForward.why_not(model, "cpu")
 
 
+def test_lora_engine_keeps_the_module_path(llama_checkpoint):
+    """With LoRA enabled the linear modules are LoRA wrappers (another class): the module path serves."""
+    _, _, ran = _greedy(llama_checkpoint, PROMPTS["1 stream"], True, max_tokens=3, enable_lora=True, max_lora_rank=8)
+    assert isinstance(ran, str) and "WithLoRA where" in ran, ran
+
+
 def test_step_falls_back_when_a_linear_is_replaced_after_build(llama_checkpoint):
     """A bound linear module replaced after the build (LoRA's wrapping, say): the step returns None and the
     model's forward runs the module path, which uses the new module."""
