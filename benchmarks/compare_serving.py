@@ -103,7 +103,10 @@ def run_server(name: str, cmd: list[str], env: dict, model: str, w: dict, loads:
     cmd = cmd + ["--port", str(port)]
     print("$", " ".join(cmd), flush=True)
     log = open(os.path.join(tempfile.gettempdir(), f"serve_{name}.log"), "w")
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # (started outside the checkout: from its root, `python -m` would put the repository's top-level folders on
+    # sys.path, and vLLM's transformers then imports this repository's kernels/ as the `kernels` package)
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=tempfile.gettempdir())
     base = f"http://127.0.0.1:{port}"
     result = {"server": name}
     try:
