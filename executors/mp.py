@@ -70,6 +70,18 @@ def _num_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _defers_outputs(platform_name: str) -> bool:
+    """Whether async scheduling sends steps as ``_DEFERRED_STEP``. On a device whose kernels run
+    asynchronously, yes: a rank answers step N right after launching step N + 1. On the CPU a launch
+    runs the whole forward, so that answer would wait for it: the ranks answer each step as it ends
+    instead, and the engine processes it while the next step runs (measured: W2 offline, 2 cores,
+    BENCHMARKS.md). ``HALSERVE_MP_DEFER_OUTPUTS=1`` (or ``0``) forces the choice (the CPU tests)."""
+    forced = os.environ.get("HALSERVE_MP_DEFER_OUTPUTS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return platform_name != "cpu"
+
+
 def _error_reply(exc: BaseException) -> tuple:
     """("error", pickled exception or None, one-line summary, formatted traceback)."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -158,7 +170,8 @@ class MultiprocExecutor(Executor):
         self._pending_steps: deque[int] = deque()  # submitted steps whose replies are not read yet
         self._finished_steps: dict[int, Any] = {}  # ticket -> ModelRunnerOutput, read but not collected
         # async scheduling: steps go as _DEFERRED_STEP, and the ranks hold the last one's reply (its ticket)
-        self._defers_steps = config.async_scheduling and self.max_concurrent_batches == 1
+        self._defers_steps = config.async_scheduling and self.max_concurrent_batches == 1 and _defers_outputs(
+            platform_name)
         self._held_step: int | None = None
         rpc_timeout = os.environ.get("HALSERVE_MP_RPC_TIMEOUT_S")
         self.rpc_timeout_s = float(rpc_timeout) if rpc_timeout else None  # None: wait while ranks live

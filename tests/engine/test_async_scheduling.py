@@ -34,6 +34,13 @@ VARIANTS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _mp_defers_outputs(monkeypatch):
+    """The mp executor's ranks keep each step's ids on the device on the CPU too (by default they answer
+    each step as it ends there: executors/mp.py ``_defers_outputs``)."""
+    monkeypatch.setenv("HALSERVE_MP_DEFER_OUTPUTS", "1")
+
+
 @pytest.fixture(scope="module")
 def llama_path(checkpoint_factory):
     return checkpoint_factory("llama")
@@ -48,7 +55,7 @@ def prompts():
     return own[:5] + [shared + p for p in own[5:]]
 
 
-def _run(path, prompts, params, **kwargs):
+def _run(path, prompts, params, device_inputs=True, **kwargs):
     """(token ids per output, per prompt; finish reasons; the engine's stats)"""
     llm = LLM(path, **{**BASE, **kwargs})
     try:
@@ -59,7 +66,8 @@ def _run(path, prompts, params, **kwargs):
             assert llm.llm_engine.config.executor_name == "mp", "async scheduling puts the worker in its own process"
         # async: the decode steps' inputs were the step before's ids, gathered on the device (no host sync)
         num_on_device, = llm.llm_engine.core.collective_rpc("num_placeholder_inputs")
-        assert (num_on_device > 0) == async_on, num_on_device
+        if device_inputs is not None:
+            assert (num_on_device > 0) == (async_on and device_inputs), num_on_device
     finally:
         llm.llm_engine.shutdown()
     tokens = [[c.token_ids for c in o.outputs] for o in outputs]
@@ -68,9 +76,9 @@ def _run(path, prompts, params, **kwargs):
     return tokens, reasons, texts, stats, async_on
 
 
-def _assert_same(path, prompts, params, **kwargs):
+def _assert_same(path, prompts, params, device_inputs=True, **kwargs):
     sync = _run(path, prompts, params, **kwargs)
-    async_ = _run(path, prompts, params, async_scheduling=True, **kwargs)
+    async_ = _run(path, prompts, params, device_inputs, async_scheduling=True, **kwargs)
     assert not sync[4] and async_[4], "async scheduling should be off, then on"
     assert async_[0] == sync[0]
     assert async_[1] == sync[1]
@@ -147,7 +155,8 @@ def test_structured_outputs_step_synchronously(llama_path):
     constrained = SamplingParams(temperature=1.0, seed=7, max_tokens=40, structured_outputs={"regex": regex})
     free = SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
     prompts = [[5 + i] * (60 + 10 * i) for i in range(4)]
-    sync, _ = _assert_same(llama_path, prompts, [constrained, free] * 2)
+    # (whether a step ever runs asynchronously depends on when the grammars compile: not asserted)
+    sync, _ = _assert_same(llama_path, prompts, [constrained, free] * 2, device_inputs=None)
     assert sync[1][0][0][0] == "stop"
 
 
