@@ -159,10 +159,10 @@ class EngineCoreProc:
                 continue
             if sock is self.listener:
                 conn, _ = self.listener.accept()
-                client = self.clients[conn] = _Client(conn, FrameReader(conn))
+                new = self.clients[conn] = _Client(conn, FrameReader(conn))
                 self.selector.register(conn, selectors.EVENT_READ)
                 self.had_client = True
-                self._reply(client, ("loras", *self.lora_names.lora_snapshot()))  # (before it can ask anything)
+                self._reply(new, ("loras", *self.lora_names.lora_snapshot()))  # (before it can ask anything)
                 continue
             client = self.clients.get(sock) if isinstance(sock, socket.socket) else None
             if client is None:
