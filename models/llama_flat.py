@@ -73,7 +73,8 @@ def _linear_call(layer: nn.Module, checks: list[tuple[dict, str, Any]]):
 
     A GGUF layer of one block type calls its ``gguf_gemm`` kernel directly (what ``GgufLinearMethod.apply``
     does for one run); ``checks`` gets the layer's ``gguf_runs`` list, so a reload that rebinds them is seen.
-    (The kernel's own wrapper stays in the path: its few-rows dispatch is the kernel's business.)"""
+    A kernel that offers ``bind`` (the cpu_native one) hands back its call with the per-call bookkeeping done
+    once; the dispatch by row count stays the kernel's business."""
     method = layer.quant_method
     bias = layer.bias
     from halserve.quant_methods.gguf import GgufLinearMethod
@@ -82,6 +83,9 @@ def _linear_call(layer: nn.Module, checks: list[tuple[dict, str, Any]]):
     if type(method) is GgufLinearMethod and runs is not None and len(runs) == 1:
         checks.append((layer.__dict__, "gguf_runs", runs))
         kernel, qweight, qtype = runs[0]
+        bind = getattr(kernel, "bind", None)
+        if bind is not None:
+            return bind(qweight, qtype, bias)
 
         def gguf_call(x: torch.Tensor) -> torch.Tensor:
             return kernel(x, qweight, qtype, bias)

@@ -179,6 +179,33 @@ class NativeGgufGemm(Kernel):
             setattr(qweight, _PACKED_ATTR, cached)
         return cached[1]
 
+    def bind(self, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None = None):
+        """``x -> self(x, qweight, qtype, bias)`` with the per-call bookkeeping done once, for a caller that
+        multiplies by one weight step after step (the cpu flat forward, models/llama_flat.py): a float32 ``x``
+        of fewer than ``PANEL_MIN_ROWS`` rows goes straight to ``gguf_gemm_packed`` while the weight's repacked
+        copy is the one bound (the same tensor, not written in place since); anything else takes ``__call__``.
+        The same op, arguments and numbers as ``__call__``."""
+        gemm_packed, code, n, isa_code = self.ops.gguf_gemm_packed, QTYPE_CODES[qtype], qweight.shape[0], self.isa_code
+        panel_min, two_level_min, min_levels = PANEL_MIN_ROWS[self.isa], TWO_LEVEL_MIN_ROWS, self.min_activation_levels
+        float32 = torch.float32
+        bound: list = [None, -1, -1]  # [the repacked copy's entry on the tensor, the tensor's version, data_ptr then]
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            m, k = x.shape
+            if m >= panel_min or x.dtype is not float32:
+                return self(x, qweight, qtype, bias)
+            entry = getattr(qweight, _PACKED_ATTR, None)
+            if (entry is None or entry is not bound[0] or qweight._version != bound[1]
+                    or qweight.data_ptr() != bound[2]):
+                self.packed(qweight, qtype, k)  # (makes or refreshes the copy; its key checks everything)
+                entry = bound[0] = getattr(qweight, _PACKED_ATTR)
+                bound[1], bound[2] = qweight._version, qweight.data_ptr()
+            levels = min_levels if m < two_level_min else max(min_levels, 2)
+            out = gemm_packed(x, entry[1], code, n, k, isa_code, levels)  # [M, N] float32
+            return out if bias is None else out + bias.float()
+
+        return call
+
     def _cached_panel(self, qweight: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
         key = (qweight.data_ptr(), tuple(qweight.shape), qweight._version, qtype, k)
         cached: tuple[tuple, torch.Tensor] | None = getattr(self, "_panel", None)

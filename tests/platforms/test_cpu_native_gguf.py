@@ -281,3 +281,28 @@ def test_bad_packed_weight_is_a_clear_error():
     with pytest.raises(RuntimeError, match="packed must be gguf_repack's uint8"):
         kernel.ops.gguf_gemm_packed(torch.randn(1, 32), torch.zeros(10, dtype=torch.uint8), 0, 3, 32,
                                     kernel.isa_code, 1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K"])
+def test_bound_call_equals_the_kernel_call_and_follows_the_weight(qtype):
+    """``bind`` (the flat forward's call) gives exactly ``__call__``'s numbers: one and two int8 levels, a
+    bias, a head's two-level minimum, bfloat16 through ``__call__``; and it repacks after an in-place write."""
+    g = torch.Generator().manual_seed(23)
+    n, k = _shapes(qtype)[2]
+    w = random_blocks(qtype, n, k, g)
+    bias = torch.randn(n, generator=g)
+    kernel, head = NativeGgufGemm(), NativeGgufGemm()
+    head.min_activation_levels = 2
+    for kern, b in ((kernel, None), (kernel, bias), (head, None)):
+        call = kern.bind(w, qtype, b)
+        for m in (1, 3, TWO_LEVEL_MIN_ROWS + 1):
+            x = torch.randn(m, k, generator=g)
+            assert torch.equal(call(x), kern(x, w, qtype, b)), (m, b is not None, kern.min_activation_levels)
+        xb = torch.randn(2, k, generator=g).to(torch.bfloat16)
+        assert torch.equal(call(xb), kern(xb, w, qtype, b))
+    call = kernel.bind(w, qtype)
+    x = torch.randn(2, k, generator=g)
+    before = call(x)
+    w.copy_(random_blocks(qtype, n, k, g))  # written in place: the bound call must not keep the old copy
+    after = call(x)
+    assert not torch.equal(after, before) and torch.equal(after, kernel(x, w, qtype))
