@@ -475,7 +475,7 @@ class ModelRunner:
         return input_ids.index_copy_(0, dst, self._prev_tokens.gather(step.placeholder_req_ids))
 
     def _sample(self, step: StepInputs, logits: torch.Tensor | None,
-                       scheduler_output: SchedulerOutput) -> PendingOutput:
+                scheduler_output: SchedulerOutput) -> PendingOutput:
         """Sample the step on the device; its ids stay there (``PendingOutput.resolve`` reads them). What
         does not need them is done here: prompt logprobs handed over, pooled results, computed counts."""
         num_reqs = len(step.states)

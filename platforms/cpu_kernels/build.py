@@ -95,10 +95,7 @@ def _cpu_identity() -> bytes:
 def build_key(sources: list[str], defines: tuple[str, ...] = ()) -> str:
     """A hash of everything the build's output depends on."""
     digest = hashlib.sha256()
-    for path in sorted(set(sources) | set(glob.glob(os.path.join(HERE, "*.h")))):
-        digest.update(os.path.basename(path).encode())
-        with open(path, "rb") as f:
-            digest.update(f.read())
+    prebuilt.hash_files(digest, sorted(set(sources) | set(glob.glob(os.path.join(HERE, "*.h")))))
     flags = (compile_flags(), LDFLAGS, torch.__version__) + ((tuple(defines),) if defines else ())
     digest.update(repr(flags).encode())
     digest.update(_cpu_identity())

@@ -98,12 +98,18 @@ def source_hash(sources: list[str] | tuple[str, ...], defines: tuple[str, ...] =
     digest = hashlib.sha256()
     headers = {os.path.join(folder, name) for folder in {os.path.dirname(os.path.abspath(s)) for s in sources}
                for name in os.listdir(folder) if name.endswith(".h")}
-    for path in sorted(set(map(os.path.abspath, sources)) | headers, key=os.path.basename):
+    hash_files(digest, sorted(set(map(os.path.abspath, sources)) | headers, key=os.path.basename))
+    digest.update(repr((tuple(defines), LDFLAGS)).encode())
+    return digest.hexdigest()[:16]
+
+
+def hash_files(digest, paths) -> None:
+    """Feed each file's name and bytes, in the order given, to ``digest`` (a hashlib object); build.py's
+    cache key does the same."""
+    for path in paths:
         digest.update(os.path.basename(path).encode())
         with open(path, "rb") as f:
             digest.update(f.read())
-    digest.update(repr((tuple(defines), LDFLAGS)).encode())
-    return digest.hexdigest()[:16]
 
 
 def _abi() -> str:
