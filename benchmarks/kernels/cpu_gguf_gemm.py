@@ -4,6 +4,7 @@ GEMM the dequantized model runs, on SmolLM2-135M's linear shapes; and single-str
     python benchmarks/kernels/cpu_gguf_gemm.py kernels [--rows 1]
     python benchmarks/kernels/cpu_gguf_gemm.py decode --model ~/.cache/halserve/models/SmolLM2-135M-Instruct.Q4_1.gguf
     python benchmarks/kernels/cpu_gguf_gemm.py paths --rows 1,4,16,32,64,512 --qtype Q4_0 [--isa avx2]
+    python benchmarks/kernels/cpu_gguf_gemm.py model --rows 1,16,64 --qtype Q4_0 [--head-qtype Q8_0] [--isa avx2]
 
 ``paths``: one layer's four GEMMs (microseconds, summed) at each row count M, the previous paths (``gguf_gemv``
 on the GGUF rows below 32 rows, one int8 level below 16 and two from 16; the float32 panel dequantized per call
@@ -11,6 +12,11 @@ from 32) against today's kernel call (the repacked integer path, same levels; AV
 timed alternately shape by shape (``--head``: SmolLM2's LM head, two levels at every M as halserve.layers.vocab
 asks, and before from 32 rows its cached float32 panel, 113 MB). The previous paths run with today's AVX2 activation quantizer (it was
 scalar), so they read a little faster than they were.
+
+``model``: the GEMMs of one whole SmolLM2-135M forward at M rows (30 layers' four, each layer its own weights,
+then the LM head, two levels as halserve.layers.vocab asks), so the weights stream from memory as in a decode
+step (115 MB of repacked Q4_0 would not stay in any cache); milliseconds per pass (median of rounds) and the
+repacked bytes read per pass over that time (GB/s), beside a plain ``torch.sum`` read of 512 MB for scale.
 
 ``kernels``: microseconds per call (median of rounds), each shape's weight streamed as in a decode step
 (all four shapes' weights cycled so the caches do not hold them). ``decode``: 128 prompt tokens, 128
@@ -132,6 +138,39 @@ def bench_paths(rows: list[int], qtype: str, isa: str | None, copies: int, head:
         print(f"{m:5d} {old:10.0f} {new:10.0f} {old / new:7.2f}x {new / m:11.1f}", flush=True)
 
 
+def bench_model(rows: list[int], qtype: str, head_qtype: str, isa: str | None, layers: int = 30) -> None:
+    from halserve.kernels.gguf_blocks import random_blocks
+    from halserve.platforms.cpu_kernels.native_gguf import NativeGgufGemm, _PACKED_ATTR
+
+    kernel, head_kernel = NativeGgufGemm(isa), NativeGgufGemm(isa)
+    head_kernel.min_activation_levels = 2
+    g = torch.Generator().manual_seed(0)
+    weights = [(kernel, random_blocks(qtype, n, k, g), qtype, k) for _ in range(layers) for _name, n, k in SHAPES]
+    weights.append((head_kernel, random_blocks(head_qtype, 49152, 576, g), head_qtype, 576))
+    for kern, w, qt, k in weights:
+        kern(torch.randn(1, k, generator=g), w, qt)  # the repacked copies made before timing
+    packed = sum(getattr(w, _PACKED_ATTR)[1].numel() for _k, w, _q, _kk in weights)
+    gguf = sum(w.numel() for _k, w, _q, _kk in weights)
+    big = torch.ones(128 << 20)
+    big.sum()
+    start = time.perf_counter()
+    for _ in range(5):
+        big.sum()
+    read_gbs = 5 * big.numel() * 4 / (time.perf_counter() - start) / 1e9
+    print(f"{layers} layers {qtype} + head {head_qtype}, {kernel.isa}, {torch.get_num_threads()} threads; GGUF bytes "
+          f"{gguf / 1e6:.1f} MB, repacked {packed / 1e6:.1f} MB; torch.sum reads {read_gbs:.1f} GB/s")
+    print(f"{'M':>5} {'ms/pass':>8} {'repacked GB/s':>14} {'ms/pass/row':>12}")
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
+
+        def one_pass():
+            for kern, w, qt, k in weights:
+                kern(xs[k], w, qt)
+
+        ms = _time_us(one_pass, iters=max(2, 40 // m), rounds=5) / 1e3
+        print(f"{m:5d} {ms:8.2f} {packed / ms / 1e6:14.1f} {ms / m:12.3f}", flush=True)
+
+
 def bench_decode(model: str, modes: list[str]) -> None:
     from halserve import LLM, SamplingParams
 
@@ -159,11 +198,12 @@ def bench_decode(model: str, modes: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["kernels", "decode", "paths"])
+    parser.add_argument("what", choices=["kernels", "decode", "paths", "model"])
     parser.add_argument("--rows", default="1", help="activation rows M (kernels; paths: comma-separated)")
     parser.add_argument("--isa", default=None, help="avx2 or avx512_vnni (paths; default: the best here)")
     parser.add_argument("--head", action="store_true", help="paths: SmolLM2's 49152 x 576 LM head instead")
     parser.add_argument("--qtype", default="Q4_1", help="GGUF type (kernels)")
+    parser.add_argument("--head-qtype", default="Q8_0", help="the LM head's GGUF type (model)")
     parser.add_argument("--copies", type=int, default=8, help="weights cycled per shape (kernels)")
     parser.add_argument("--model", help="the .gguf (decode)")
     parser.add_argument("--modes", default="gguf/float32,unquantized/float32,unquantized/bfloat16")
@@ -172,6 +212,8 @@ def main() -> None:
         bench_kernels(int(args.rows), args.qtype, args.copies)
     elif args.what == "paths":
         bench_paths([int(r) for r in args.rows.split(",")], args.qtype, args.isa, args.copies, args.head)
+    elif args.what == "model":
+        bench_model([int(r) for r in args.rows.split(",")], args.qtype, args.head_qtype, args.isa)
     else:
         bench_decode(args.model, args.modes.split(","))
 

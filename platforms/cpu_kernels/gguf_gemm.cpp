@@ -544,17 +544,22 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
 // gguf_repack(w, qtype, K, isa) rewrites the GGUF rows once (at the first batched call; the GGUF bytes stay the
 // source of truth, native_gguf.py keeps the copy beside them) into groups of 16 output rows (N padded to 16 with
 // zero scales). Per group and block c of 32 values, every row's values are stored as unsigned bytes u with a
-// float scale s and offset o per row (per half block of 16 for Q6_K), so that w = s u + o:
+// scale s and offset o per row (per half block of 16 for Q6_K), so that w = s u + o:
 //   Q4_0  u = q       s = d        o = -8 d          Q4_K  u = q (4 bits)   s = d sc_j     o = -dmin m_j
 //   Q4_1  u = q       s = d        o = m             Q5_K  u = q (5 bits)   s = d sc_j     o = -dmin m_j
 //   Q8_0  u = q + 128 s = d        o = -128 d        Q6_K  u = q (6 bits)   s = d sc per 16, o = -32 s
 //         (AVX2: q kept signed, o = 0: its maddubs would overflow int16 on u up to 255; the sign trick instead)
-// Layout of one block of a group: the values as [j = 0..7][row 0..15][4 bytes: values 4j..4j+3] (512 bytes),
-// or for the 4-bit types [t = 0..3][row][4 bytes, low nibbles values 4t.., high nibbles values 16 + 4t..] (256),
-// then s[16] and o[16] as float32 (and s2[16], o2[16] for Q6_K's second half). So one 512-bit register holds
-// four values of 16 rows, and _mm512_dpbusd_epi32 against four activation bytes broadcast gives 16 outputs'
-// partial sums at once (llama.cpp's Q4_0x8 repacking, generalized); AVX2 takes each group as two halves of 8.
-// Memory: 4-bit types 4 + 2 bits per value (1.33x a Q4_0 file's bytes), the byte types 8 + 2 (Q6_K 8 + 4).
+// Layout of a group: its blocks' values one block after another, then their scales one block after another
+// (so the value loads stay 64-byte aligned whatever the scales' size). One block's values are
+// [j = 0..7][row 0..15][4 bytes: values 4j..4j+3] (512 bytes), or for the 4-bit types
+// [t = 0..3][row][4 bytes, low nibbles values 4t.., high nibbles values 16 + 4t..] (256). Its scales take as
+// few bytes as keep them exact (a decode step reads every byte once: this is its memory traffic): Q4_0 and
+// Q8_0 s[16] as float16 (GGUF's own d), o = -8 s / -128 s computed, not stored; Q4_1 s[16] and o[16] as
+// float16 (its d and m); the K types s[16], o[16] as float32 (d sc_j is not a float16) and s2[16], o2[16] for
+// Q6_K's second half. So one 512-bit register holds four values of 16 rows,
+// and _mm512_dpbusd_epi32 against four activation bytes broadcast gives 16 outputs' partial sums at once
+// (llama.cpp's Q4_0x8 repacking, generalized); AVX2 takes each group as two halves of 8.
+// Memory per value: Q4_0 4.5 bits, Q4_1 5, Q8_0 8.5 (each its GGUF size), Q4_K 4 + 2, Q5_K 8 + 2, Q6_K 8 + 4.
 //
 //   gguf_repack(w [N, row bytes] uint8, qtype, K, isa) -> uint8 [ceil(N / 16) * K / 32 * block bytes]
 //   gguf_gemm_packed(x [M, K] f32, packed, qtype, N, K, isa, levels) -> [M, N] f32
@@ -564,7 +569,19 @@ constexpr int kGroup = 16;
 inline bool packed_nibbles(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || qt == kQ4_K; }
 inline bool packed_halves(int64_t qt) { return qt == kQ6_K; }
 inline int64_t packed_qbytes(int64_t qt) { return packed_nibbles(qt) ? 256 : 512; }
-inline int64_t packed_block_bytes(int64_t qt) { return packed_qbytes(qt) + (packed_halves(qt) ? 256 : 128); }
+// How a block's scales are stored: float32 s and o (the K types), float16 s and o (Q4_1), float16 s with
+// o = kOffset * s computed (Q4_0, Q8_0).
+enum ScaleKind { kScaleF32 = 0, kScaleF16 = 1, kScaleF16Implicit = 2 };
+inline int scale_kind(int64_t qt) { return is_k_type(qt) ? kScaleF32 : qt == kQ4_1 ? kScaleF16 : kScaleF16Implicit; }
+inline int64_t packed_scale_bytes(int64_t qt) {
+  const int kind = scale_kind(qt);
+  return kind == kScaleF32 ? (packed_halves(qt) ? 256 : 128) : kind == kScaleF16 ? 64 : 32;
+}
+inline int64_t packed_block_bytes(int64_t qt) { return packed_qbytes(qt) + packed_scale_bytes(qt); }
+// The computed offset's factor (o = factor * s) for kScaleF16Implicit: Q4_0 -8; Q8_0 -128 where its values are
+// stored as q + 128 (VNNI), none on AVX2 (q kept signed).
+inline float implicit_offset(int64_t qt, int64_t isa) { return qt == kQ4_0 ? -8.0f : isa == 2 ? -128.0f : 0.0f; }
+inline uint16_t float_to_half_bits(float f) { return c10::Half(f).x; }
 
 // One row's block c of 32 values -> u[32], s[2], o[2] (the halves' scale and offset; equal but for Q6_K).
 HS_AVX2 void decode_row_block(int64_t qt, int64_t isa, const uint8_t* row, int64_t c, uint8_t* u, float* s, float* o) {
@@ -607,6 +624,7 @@ at::Tensor gguf_repack(const at::Tensor& w, int64_t qtype, int64_t K, int64_t is
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   const bool nib = packed_nibbles(qtype), halves = packed_halves(qtype);
+  const int kind = scale_kind(qtype);
   at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
     uint8_t u[32];
     float s[2], o[2];
@@ -614,6 +632,7 @@ at::Tensor gguf_repack(const at::Tensor& w, int64_t qtype, int64_t K, int64_t is
       for (int64_t c = 0; c < KB; ++c) {
         uint8_t* pb = op + (g * KB + c) * PB;
         float* sc = reinterpret_cast<float*>(pb + QB);
+        uint16_t* sc16 = reinterpret_cast<uint16_t*>(sc);
         for (int l = 0; l < kGroup; ++l) {
           const int64_t n = g * kGroup + l;
           if (n >= N) break;  // padding rows: zero values and scales
@@ -624,6 +643,11 @@ at::Tensor gguf_repack(const at::Tensor& w, int64_t qtype, int64_t K, int64_t is
           } else {
             for (int j = 0; j < 8; ++j)
               for (int e = 0; e < 4; ++e) pb[j * 64 + l * 4 + e] = u[4 * j + e];
+          }
+          if (kind != kScaleF32) {  // s (and Q4_1's o) are GGUF's float16 d (m): exact
+            sc16[l] = float_to_half_bits(s[0]);
+            if (kind == kScaleF16) sc16[16 + l] = float_to_half_bits(o[0]);
+            continue;
           }
           sc[l] = s[0];
           sc[16 + l] = o[0];
@@ -645,10 +669,12 @@ inline int32_t load_i32(const int8_t* p) {
 }
 
 // Rows m0 .. m0 + R - 1 of the quantized activations (levels of one output row adjacent) against group g.
-template <bool NIB, bool HALVES, int R>
+// SC: the ScaleKind (for kScaleF16Implicit, xq.fsum comes multiplied by implicit_offset's factor).
+template <bool NIB, bool HALVES, int SC, int R>
 HS_AVX512 void packed_tile_avx512(const QuantX& xq, int64_t KB, const uint8_t* gp, int64_t m0, int levels,
                                   float* out, int64_t N, int64_t n0) {
-  constexpr int64_t QB = NIB ? 256 : 512, PB = QB + (HALVES ? 256 : 128);
+  constexpr int64_t QB = NIB ? 256 : 512;
+  constexpr int64_t PB = QB + (SC == kScaleF32 ? (HALVES ? 256 : 128) : SC == kScaleF16 ? 64 : 32);
   const __m512i m4 = _mm512_set1_epi8(0xF);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -673,11 +699,22 @@ HS_AVX512 void packed_tile_avx512(const QuantX& xq, int64_t KB, const uint8_t* g
       }
     }
     const float* sc = reinterpret_cast<const float*>(pb + QB);
-    const __m512 s = _mm512_loadu_ps(sc), o = _mm512_loadu_ps(sc + 16);
+    const uint16_t* sc16 = reinterpret_cast<const uint16_t*>(sc);
+    __m512 s, o;
+    if constexpr (SC == kScaleF32) {
+      s = _mm512_loadu_ps(sc);
+      o = _mm512_loadu_ps(sc + 16);
+    } else {
+      s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc16)));
+      o = SC == kScaleF16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc16 + 16))) : s;
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * KB + c;
       const float dx = xq.d[i];
-      if constexpr (HALVES) {
+      if constexpr (SC == kScaleF16Implicit) {  // o fsum = s (off fsum), off a power of two: the same numbers
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), _mm512_mul_ps(s, _mm512_set1_ps(dx)), acc[r]);
+        acc[r] = _mm512_fmadd_ps(s, _mm512_set1_ps(xq.fsum[i]), acc[r]);  // (fsum already times off)
+      } else if constexpr (HALVES) {
         const __m512 s2 = _mm512_loadu_ps(sc + 32), o2 = _mm512_loadu_ps(sc + 48);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), _mm512_mul_ps(s, _mm512_set1_ps(dx)), acc[r]);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib[r]), _mm512_mul_ps(s2, _mm512_set1_ps(dx)), acc[r]);
@@ -700,10 +737,11 @@ HS_AVX512 void packed_tile_avx512(const QuantX& xq, int64_t KB, const uint8_t* g
 
 // AVX2: half h of group g (8 output rows), maddubs, its int16 pair sums added in int16 while they fit (J16);
 // SIGNED (Q8_0): |w| times x with w's sign.
-template <bool NIB, bool HALVES, bool SIGNED, int R>
+template <bool NIB, bool HALVES, bool SIGNED, int SC, int R>
 HS_AVX2 void packed_tile_avx2(const QuantX& xq, int64_t KB, const uint8_t* gp, int h, int64_t m0, int levels,
                               float* out, int64_t N, int64_t n0) {
-  constexpr int64_t QB = NIB ? 256 : 512, PB = QB + (HALVES ? 256 : 128);
+  constexpr int64_t QB = NIB ? 256 : 512;
+  constexpr int64_t PB = QB + (SC == kScaleF32 ? (HALVES ? 256 : 128) : SC == kScaleF16 ? 64 : 32);
   // j steps summed in int16 before widening: a maddubs pair sum is at most 2 * 127 * max u, so 8 of them fit
   // for 4-bit values (30480), 4 for Q5_K's 5 bits (31496), 2 for Q6_K's 6 (32004, within a half), 1 for Q8_0
   constexpr int J16 = SIGNED ? 1 : NIB ? 8 : HALVES ? 2 : 4;
@@ -737,12 +775,24 @@ HS_AVX2 void packed_tile_avx2(const QuantX& xq, int64_t KB, const uint8_t* gp, i
         }
       }
     }
-    const float* sc = reinterpret_cast<const float*>(pb + QB - 32 * h) + 8 * h;
-    const __m256 s = _mm256_loadu_ps(sc), o = _mm256_loadu_ps(sc + 16);
+    const uint8_t* scb = pb - 32 * h + QB;
+    const float* sc = reinterpret_cast<const float*>(scb) + 8 * h;
+    const uint16_t* sc16 = reinterpret_cast<const uint16_t*>(scb) + 8 * h;
+    __m256 s, o;
+    if constexpr (SC == kScaleF32) {
+      s = _mm256_loadu_ps(sc);
+      o = _mm256_loadu_ps(sc + 16);
+    } else {
+      s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc16)));
+      o = SC == kScaleF16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc16 + 16))) : s;
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t i = (m0 + r) * KB + c;
       const float dx = xq.d[i];
-      if constexpr (HALVES) {
+      if constexpr (SC == kScaleF16Implicit) {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), _mm256_mul_ps(s, _mm256_set1_ps(dx)), acc[r]);
+        if constexpr (!SIGNED) acc[r] = _mm256_fmadd_ps(s, _mm256_set1_ps(xq.fsum[i]), acc[r]);  // (times off)
+      } else if constexpr (HALVES) {
         const __m256 s2 = _mm256_loadu_ps(sc + 32), o2 = _mm256_loadu_ps(sc + 48);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), _mm256_mul_ps(s, _mm256_set1_ps(dx)), acc[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib[r]), _mm256_mul_ps(s2, _mm256_set1_ps(dx)), acc[r]);
@@ -774,27 +824,50 @@ constexpr int kTile512 = 8, kTile2 = 4;  // quantized activation rows per tile (
 using Tile512Fn = void (*)(const QuantX&, int64_t, const uint8_t*, int64_t, int, float*, int64_t, int64_t);
 using Tile2Fn = void (*)(const QuantX&, int64_t, const uint8_t*, int, int64_t, int, float*, int64_t, int64_t);
 
-template <bool NIB, bool HALVES>
+template <bool NIB, bool HALVES, int SC>
 Tile512Fn pick512(int rows) {
   switch (rows) {
-    case 1: return packed_tile_avx512<NIB, HALVES, 1>;
-    case 2: return packed_tile_avx512<NIB, HALVES, 2>;
-    case 3: return packed_tile_avx512<NIB, HALVES, 3>;
-    case 4: return packed_tile_avx512<NIB, HALVES, 4>;
-    case 5: return packed_tile_avx512<NIB, HALVES, 5>;
-    case 6: return packed_tile_avx512<NIB, HALVES, 6>;
-    case 7: return packed_tile_avx512<NIB, HALVES, 7>;
-    default: return packed_tile_avx512<NIB, HALVES, 8>;
+    case 1: return packed_tile_avx512<NIB, HALVES, SC, 1>;
+    case 2: return packed_tile_avx512<NIB, HALVES, SC, 2>;
+    case 3: return packed_tile_avx512<NIB, HALVES, SC, 3>;
+    case 4: return packed_tile_avx512<NIB, HALVES, SC, 4>;
+    case 5: return packed_tile_avx512<NIB, HALVES, SC, 5>;
+    case 6: return packed_tile_avx512<NIB, HALVES, SC, 6>;
+    case 7: return packed_tile_avx512<NIB, HALVES, SC, 7>;
+    default: return packed_tile_avx512<NIB, HALVES, SC, 8>;
   }
 }
 
-template <bool NIB, bool HALVES, bool SIGNED>
+// The tile for qtype (its value layout and ScaleKind) and this many rows.
+Tile512Fn pick512_for(int64_t qt, int rows) {
+  switch (qt) {
+    case kQ4_0: return pick512<true, false, kScaleF16Implicit>(rows);
+    case kQ4_1: return pick512<true, false, kScaleF16>(rows);
+    case kQ8_0: return pick512<false, false, kScaleF16Implicit>(rows);
+    case kQ4_K: return pick512<true, false, kScaleF32>(rows);
+    case kQ5_K: return pick512<false, false, kScaleF32>(rows);
+    default: return pick512<false, true, kScaleF32>(rows);  // Q6_K
+  }
+}
+
+template <bool NIB, bool HALVES, bool SIGNED, int SC>
 Tile2Fn pick2(int rows) {
   switch (rows) {
-    case 1: return packed_tile_avx2<NIB, HALVES, SIGNED, 1>;
-    case 2: return packed_tile_avx2<NIB, HALVES, SIGNED, 2>;
-    case 3: return packed_tile_avx2<NIB, HALVES, SIGNED, 3>;
-    default: return packed_tile_avx2<NIB, HALVES, SIGNED, 4>;
+    case 1: return packed_tile_avx2<NIB, HALVES, SIGNED, SC, 1>;
+    case 2: return packed_tile_avx2<NIB, HALVES, SIGNED, SC, 2>;
+    case 3: return packed_tile_avx2<NIB, HALVES, SIGNED, SC, 3>;
+    default: return packed_tile_avx2<NIB, HALVES, SIGNED, SC, 4>;
+  }
+}
+
+Tile2Fn pick2_for(int64_t qt, int rows) {
+  switch (qt) {
+    case kQ4_0: return pick2<true, false, false, kScaleF16Implicit>(rows);
+    case kQ4_1: return pick2<true, false, false, kScaleF16>(rows);
+    case kQ8_0: return pick2<false, false, true, kScaleF16Implicit>(rows);  // q kept signed: the sign trick
+    case kQ4_K: return pick2<true, false, false, kScaleF32>(rows);
+    case kQ5_K: return pick2<false, false, false, kScaleF32>(rows);
+    default: return pick2<false, true, false, kScaleF32>(rows);  // Q6_K
   }
 }
 
@@ -814,9 +887,12 @@ at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, in
   if (M == 0 || N == 0) return out;
   QuantX xq;
   quantize_x(x.data_ptr<float>(), M, K, static_cast<int>(levels), xq);
+  if (scale_kind(qtype) == kScaleF16Implicit) {  // the computed offset o = off s: its term is s (off d sum(q))
+    const float off = implicit_offset(qtype, isa);
+    for (float& f : xq.fsum) f *= off;  // (a power of two: exact)
+  }
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const bool nib = packed_nibbles(qtype), halves = packed_halves(qtype);
   const int lv = static_cast<int>(levels);
   if (isa == 2) {
     const int64_t tiles = (MQ + kTile512 - 1) / kTile512;
@@ -824,21 +900,16 @@ at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, in
       for (int64_t t = t0; t < t1; ++t) {  // group-major: a group's weights stay in cache over its row tiles
         const int64_t g = t / tiles, m0 = (t % tiles) * kTile512;
         const int rows = static_cast<int>(std::min<int64_t>(kTile512, MQ - m0));
-        Tile512Fn fn = nib ? pick512<true, false>(rows) : halves ? pick512<false, true>(rows) : pick512<false, false>(rows);
-        fn(xq, KB, pp + g * KB * PB, m0, lv, op, N, g * kGroup);
+        pick512_for(qtype, rows)(xq, KB, pp + g * KB * PB, m0, lv, op, N, g * kGroup);
       }
     });
   } else {
     const int64_t halves_n = (N + 7) / 8, tiles = (MQ + kTile2 - 1) / kTile2;
-    const bool sgn = qtype == kQ8_0;
     at::parallel_for(0, halves_n * tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t hg = t / tiles, m0 = (t % tiles) * kTile2;
         const int rows = static_cast<int>(std::min<int64_t>(kTile2, MQ - m0));
-        Tile2Fn fn = nib ? pick2<true, false, false>(rows)
-                         : halves ? pick2<false, true, false>(rows)
-                                  : sgn ? pick2<false, false, true>(rows) : pick2<false, false, false>(rows);
-        fn(xq, KB, pp + (hg / 2) * KB * PB, static_cast<int>(hg % 2), m0, lv, op, N, hg * 8);
+        pick2_for(qtype, rows)(xq, KB, pp + (hg / 2) * KB * PB, static_cast<int>(hg % 2), m0, lv, op, N, hg * 8);
       }
     });
   }

@@ -230,8 +230,13 @@ def test_packed_weights_match_the_gguf_rows_integer_op(qtype, isa):
     for n, k in _shapes(qtype):
         w = random_blocks(qtype, n, k, g)
         packed = kernel.packed(w, qtype, k)
-        group_bytes = (256 if qtype in ("Q4_0", "Q4_1", "Q4_K") else 512) + (256 if qtype == "Q6_K" else 128)
+        # values, then the scales: float16 s for Q4_0/Q8_0 (their GGUF bits per value, 4.5 and 8.5), s and o for
+        # Q4_1 (5), float32 s and o for the K types (Q6_K per half block)
+        scale_bytes = {"Q4_0": 32, "Q8_0": 32, "Q4_1": 64, "Q6_K": 256}.get(qtype, 128)
+        group_bytes = (256 if qtype in ("Q4_0", "Q4_1", "Q4_K") else 512) + scale_bytes
         assert packed.numel() == -(-n // 16) * (k // 32) * group_bytes
+        if qtype in ("Q4_0", "Q4_1", "Q8_0"):  # as small as the file's blocks, padding rows apart
+            assert packed.numel() == -(-n // 16) * 16 * w.shape[1]
         for m in (1, 3, 4, 7, 8, 9, 17, 33):
             x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 4
             for levels in (1, 2):
