@@ -91,8 +91,8 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
         n = metadata.num_actual_tokens
         block_size = kv_cache.shape[3] // self.head_size
         self._kernel.write_kv(kv_cache, k[:n], v[:n], metadata.slot_mapping[:n], block_size)
-        decode_args = (block_size, self.scale, self.sliding_window or 0, self.logits_soft_cap or 0.0)
-        if not metadata.prefills and q.shape[0] == n and self._all_decodes_in_order(metadata) and q.is_contiguous():
+        decode_args = (block_size, *self.decode_constants())
+        if not metadata.prefills and q.shape[0] == n and self.all_decodes_in_order(metadata) and q.is_contiguous():
             # The common decode step: the kernel's output is the layer's output.
             return self._kernel.paged_decode(q, kv_cache, metadata.block_table, metadata.seq_lens, *decode_args)
 
@@ -136,7 +136,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
                             f"{type(metadata).__name__}")
         n = metadata.num_actual_tokens
         self._write_mla(kv_cache, torch.cat([kv_c[:n], k_pe[:n]], dim=-1), metadata.slot_mapping[:n].long(), k_scale)
-        if not metadata.prefills and q_nope.shape[0] == n and self._all_decodes_in_order(metadata):
+        if not metadata.prefills and q_nope.shape[0] == n and self.all_decodes_in_order(metadata):
             # the common decode step: the kernel's rows are the layer's output
             return self._mla_absorbed(q_nope, q_pe, kv_cache, metadata.block_table, metadata.seq_lens, w_uk, w_uv,
                                       k_scale)
@@ -189,8 +189,22 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
             meta.cache["cpu_native_spans"] = hit
         return hit
 
+    def plain_decode(self, metadata: TorchAttentionMetadata, num_tokens: int):
+        """For a caller that runs a step's layers itself (the cpu flat forward, models/llama_flat.py): None unless
+        this step is the one ``forward``'s first branch serves (every request decodes one token, in order, no
+        padding); else ``(kernel, slot_mapping, block_table, seq_lens)``: the built kernel module (``write_kv``,
+        ``paged_decode``, ``rotary_write_decode``) and the step's arguments for it (the rest are
+        ``decode_constants``)."""
+        if metadata.prefills or num_tokens != metadata.num_actual_tokens or not self.all_decodes_in_order(metadata):
+            return None
+        return self._kernel, metadata.slot_mapping, metadata.block_table, metadata.seq_lens
+
+    def decode_constants(self) -> tuple[float, int, float]:
+        """What follows the block size in the kernel's ``paged_decode`` arguments: scale, window, soft cap."""
+        return self.scale, self.sliding_window or 0, self.logits_soft_cap or 0.0
+
     @staticmethod
-    def _all_decodes_in_order(meta: TorchAttentionMetadata) -> bool:
+    def all_decodes_in_order(meta: TorchAttentionMetadata) -> bool:
         """Request r is a decode whose token is token r, for every r (cached per step)."""
         hit = meta.cache.get("cpu_native_in_order")
         if hit is None:

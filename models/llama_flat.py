@@ -154,21 +154,20 @@ class LlamaFlatForward:
                             attn.k_norm.kernel, attn.k_norm.weight, attn.k_norm.eps) if attn.has_qk_norm else None)
             rec.attn = attn.attn
             rec.backend = attn.attn.backend
-            rec.native_decode = None
             from halserve.attention_backends.cpu_native import CpuNativeAttentionBackend
 
-            if type(rec.backend) is CpuNativeAttentionBackend:
-                backend = rec.backend
-                # (the backend's decode-step arguments after block_size: scale, window, soft cap)
-                rec.native_decode = (backend._kernel, backend.scale, backend.sliding_window or 0,
-                                     backend.logits_soft_cap or 0.0)
+            # the cpu_native backend's decode constants (scale, window, soft cap), or None: another backend
+            rec.native_decode = (rec.backend.decode_constants() if type(rec.backend) is CpuNativeAttentionBackend
+                                 else None)
             for parent, names in ((attn, ("qkv_proj", "o_proj")), (mlp, ("gate_up_proj", "down_proj"))):
                 for name in names:
                     checks.append((parent._modules, name, parent._modules[name]))
             assert type(attn.qkv_proj) is QKVParallelLinear and type(attn.o_proj) is RowParallelLinear
             assert type(mlp.gate_up_proj) is MergedColumnParallelLinear and type(mlp.down_proj) is RowParallelLinear
             self.layers.append(rec)
-        self._checks = tuple(checks)
+        self._check_keys = [(modules, name) for modules, name, _ in checks]
+        self._bound = [bound for _, _, bound in checks]  # (held: their ids cannot go to other objects)
+        self._bound_ids = [id(bound) for bound in self._bound]
 
     # -- applicability --------------------------------------------------------------------
     @classmethod
@@ -237,7 +236,9 @@ class LlamaFlatForward:
     def is_current(self) -> bool:
         """The linear modules are still the ones bound (LoRA, say, would have replaced them) and no global
         module hook was registered since."""
-        return all(modules[name] is bound for modules, name, bound in self._checks) and not _global_hooks()
+        # (one list of ids built and compared: ~10 us a step for SmolLM2's 150 entries, where a generator of
+        # `is` tests took ~100)
+        return [id(modules[name]) for modules, name in self._check_keys] == self._bound_ids and not _global_hooks()
 
     # -- a step ---------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
@@ -250,16 +251,18 @@ class LlamaFlatForward:
             return None
         num_tokens = input_ids.shape[0]
         rotary = self.rotary
-        rope, cos_sin, rope_head, is_neox = rotary.kernel, rotary.cos_sin_cache, rotary.head_size, rotary.is_neox
+        cos_sin, rope_head, is_neox = rotary.cos_sin_cache, rotary.head_size, rotary.is_neox
         native_rotary, add_rms_norm = self.native_rotary, self.add_rms_norm
         if native_rotary is not None:
             cos_sin = cos_sin.float()  # (a no-op: the table is float32; what the kernel passes)
-        decode_args = None  # the cpu_native backend's decode step (its forward's first branch), or None
+        # the cpu_native backend's plain decode step (its forward's first branch; the layers share the step's
+        # metadata): (kernel module, slot_mapping, block_table, seq_lens), or None
         first = self.layers[0] if self.layers else None
-        if first is not None and first.native_decode is not None and not metadata.prefills \
-                and num_tokens == metadata.num_actual_tokens \
-                and first.backend._all_decodes_in_order(metadata):
-            decode_args = (metadata.slot_mapping, metadata.block_table, metadata.seq_lens)
+        plain = (first.backend.plain_decode(metadata, num_tokens)
+                 if first is not None and first.native_decode is not None else None)
+        # rotary, write_kv and paged_decode from the qkv rows in one C++ call (the same functions on the same
+        # views), for float32 rows on the native rotary whose head size is the layers'
+        fused = plain[0].rotary_write_decode if plain is not None and native_rotary is not None else None
 
         hidden = self.embed.forward(input_ids)  # [T, H]
         residual = None
@@ -272,33 +275,16 @@ class LlamaFlatForward:
             else:
                 x, residual = rec.norm_in(hidden, rec.w_in, rec.eps_in, residual)
             qkv = rec.qkv(x)  # [T, (Hq + 2 Hk) D]
-            q_size, kv_size = rec.q_size, rec.kv_size  # q | k | v: views of qkv's columns (its split)
-            q, k, v = qkv.narrow(1, 0, q_size), qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size)
-            if rec.qk_norm is not None:  # per head: [T * H, D]
-                qn, qw, qe, kn, kw, ke = rec.qk_norm
-                q = qn(q.reshape(-1, rec.head_size), qw, qe, None).view(-1, rec.q_size)
-                k = kn(k.reshape(-1, rec.head_size), kw, ke, None).view(-1, rec.kv_size)
-            if native_rotary is not None:
-                q, k = native_rotary(positions, q, k, cos_sin, rope_head, is_neox)
-            else:
-                q, k = rope(positions, q, k, cos_sin, rope_head, is_neox)
-            v = v.contiguous()
-            attn = rec.attn
-            head = rec.head_size
-            q3 = q.view(num_tokens, rec.num_heads, head)
-            k3 = k.view(num_tokens, rec.num_kv_heads, head)
-            v3 = v.view(num_tokens, rec.num_kv_heads, head)
+            attn, head = rec.attn, rec.head_size
             kv_cache = attn.kv_cache
             if kv_cache.numel() == 0:
                 raise RuntimeError(f"attention layer {attn.prefix!r} has no kv_cache; the model runner must set it")
-            if decode_args is not None and q3.is_contiguous() and kv_cache.dtype == q3.dtype:
-                kernel, scale, window, cap = rec.native_decode
-                block_size = kv_cache.shape[3] // head
-                kernel.write_kv(kv_cache, k3, v3, decode_args[0], block_size)
-                out = kernel.paged_decode(q3, kv_cache, decode_args[1], decode_args[2], block_size, scale, window, cap)
+            if fused is not None and rec.qk_norm is None and rope_head == head and kv_cache.dtype == qkv.dtype:
+                _, slots, block_table, seq_lens = plain
+                out = fused(qkv, positions, cos_sin, rec.num_heads, rec.num_kv_heads, head, is_neox, kv_cache, slots,
+                            block_table, seq_lens, kv_cache.shape[3] // head, *rec.native_decode)  # [T, Hq D]
             else:
-                out = rec.backend.forward(q3, k3, v3, kv_cache, metadata, attn.k_scale, attn.v_scale)
-            out = out.reshape(num_tokens, rec.num_heads * head)
+                out = self._attention(rec, qkv, positions, cos_sin, kv_cache, metadata, plain)
             if add_rms_norm is not None:
                 x, residual = add_rms_norm(rec.o(out), residual, rec.w_post, rec.eps_post)
             else:
@@ -309,6 +295,33 @@ class LlamaFlatForward:
         else:
             hidden, _ = self.norm_final(hidden, self.w_final, self.eps_final, residual)
         return hidden
+
+    def _attention(self, rec: _Layer, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                   kv_cache: torch.Tensor, metadata: Any, plain: tuple | None) -> torch.Tensor:
+        """One layer's attention from its qkv rows, op by op: ``LlamaAttention.forward``'s calls (q/k norms,
+        rotary, the backend's ``forward``), or on a plain decode step the cpu_native backend's two kernels."""
+        rotary, num_tokens, head = self.rotary, qkv.shape[0], rec.head_size
+        q_size, kv_size = rec.q_size, rec.kv_size  # q | k | v: views of qkv's columns (its split)
+        q, k, v = qkv.narrow(1, 0, q_size), qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size)
+        if rec.qk_norm is not None:  # per head: [T * H, D]
+            qn, qw, qe, kn, kw, ke = rec.qk_norm
+            q = qn(q.reshape(-1, head), qw, qe, None).view(-1, q_size)
+            k = kn(k.reshape(-1, head), kw, ke, None).view(-1, kv_size)
+        rope = self.native_rotary if self.native_rotary is not None else rotary.kernel
+        q, k = rope(positions, q, k, cos_sin, rotary.head_size, rotary.is_neox)
+        v = v.contiguous()
+        q3 = q.view(num_tokens, rec.num_heads, head)
+        k3 = k.view(num_tokens, rec.num_kv_heads, head)
+        v3 = v.view(num_tokens, rec.num_kv_heads, head)
+        if plain is not None and rec.native_decode is not None and q3.is_contiguous() and kv_cache.dtype == q3.dtype:
+            kernel, slots, block_table, seq_lens = plain
+            block_size = kv_cache.shape[3] // head
+            kernel.write_kv(kv_cache, k3, v3, slots, block_size)
+            out = kernel.paged_decode(q3, kv_cache, block_table, seq_lens, block_size, *rec.native_decode)
+        else:
+            attn = rec.attn
+            out = rec.backend.forward(q3, k3, v3, kv_cache, metadata, attn.k_scale, attn.v_scale)
+        return out.reshape(num_tokens, rec.num_heads * head)
 
 
 __all__ = ["FLAT_FORWARD_ENV", "LlamaFlatForward", "flat_forward_enabled"]

@@ -382,6 +382,25 @@ void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, t
 
 torch::Tensor silu_and_mul(torch::Tensor x);
 
+// One decode step's attention from the fused projection's output, for a caller that runs the layers itself
+// (models/llama_flat.py): qkv [T, (Hq + 2 Hk) D] -> [T, Hq D], exactly rotary(q, k) then write_kv(k, v) then
+// paged_decode(q), the same functions on the same views, in one call instead of ~11 Python-level ones a layer.
+torch::Tensor rotary_write_decode(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos_sin, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_size, bool is_neox, torch::Tensor kv_cache,
+                                  torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
+                                  int64_t block_size, double scale, int64_t sliding_window, double soft_cap) {
+  const int64_t D = head_size, q_size = num_heads * D, kv_size = num_kv_heads * D;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == q_size + 2 * kv_size,
+              "qkv must be [T, (num_heads + 2 num_kv_heads) head_size] = [T, ", q_size + 2 * kv_size, "]");
+  const int64_t T = qkv.size(0);
+  auto rotated = rotary(positions, qkv.narrow(1, 0, q_size), qkv.narrow(1, q_size, kv_size), cos_sin, D, is_neox);
+  auto v = qkv.narrow(1, q_size + kv_size, kv_size).contiguous();
+  write_kv(kv_cache, rotated[1].view({T, num_kv_heads, D}), v.view({T, num_kv_heads, D}), slot_mapping, block_size);
+  auto out = paged_decode(rotated[0].view({T, num_heads, D}), kv_cache, block_table, seq_lens, block_size, scale,
+                          sliding_window, soft_cap);
+  return out.view({T, q_size});
+}
+
 int64_t shm_all_reduce(torch::Tensor buffer, torch::Tensor x, int64_t rank, int64_t world, int64_t slot_bytes,
                        int64_t seq);
 int64_t shm_all_gather(torch::Tensor buffer, torch::Tensor x, torch::Tensor out, int64_t rank, int64_t world,
@@ -393,6 +412,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (float32)");
   m.def("write_kv", &write_kv,
         "write new K/V into a [2, blocks, Hk, B*D] float32 or bfloat16 cache (keys stored [D, B] per block)");
+  m.def("rotary_write_decode", &rotary_write_decode,
+        "a decode step's attention from the fused qkv rows: rotary, write_kv, paged_decode in one call");
   m.def("paged_prefill_supported", &paged_prefill_supported, "whether paged_prefill runs this head/block configuration");
   m.def("paged_prefill", &paged_prefill,
         "flash-style prefill attention over the paged [2, blocks, Hk, B*D] float32/bfloat16 cache, all spans at once");

@@ -204,3 +204,35 @@ def test_prefill_kernel_rejects_bad_spans():
         kernel.paged_prefill(torch.empty_like(q), q, cache, table, one(0), one(8), one(8), one(1), *args)
     assert not kernel.paged_prefill_supported(4, 2, 64, 8)  # block size 8: the SDPA path
     assert not kernel.paged_prefill_supported(20, 2, 64, 16)  # group of 10
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("num_heads,num_kv_heads,rotary_dim", [(9, 3, 64), (4, 4, 32)])
+def test_rotary_write_decode_is_the_three_kernels_in_one_call(num_heads, num_kv_heads, rotary_dim, is_neox):
+    """The flat forward's fused decode call (models/llama_flat.py): rotary, write_kv and paged_decode from the
+    qkv rows give the same output and the same cache, bit for bit, as the three kernels called in turn."""
+    kernel, gen = cpu_kernels.load(), torch.Generator().manual_seed(7)
+    head, block_size, num_blocks = 64, 16, 24
+    seq_lens = [1, 17, 40]
+    meta = _step([1] * len(seq_lens), seq_lens, block_size, num_blocks, gen)
+    positions = torch.tensor([s - 1 for s in seq_lens])
+    cos_sin = torch.randn(64, rotary_dim, generator=gen)
+    qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head, generator=gen)
+    cache = torch.randn(2, num_blocks, num_kv_heads, block_size * head, generator=gen)
+    want_cache, got_cache = cache.clone(), cache.clone()
+    q_size, kv_size = num_heads * head, num_kv_heads * head
+    q, k = kernel.rotary(positions, qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], cos_sin, head, is_neox)
+    v = qkv[:, q_size + kv_size:].contiguous()
+    kernel.write_kv(want_cache, k.view(-1, num_kv_heads, head), v.view(-1, num_kv_heads, head), meta.slot_mapping,
+                    block_size)
+    want = kernel.paged_decode(q.view(-1, num_heads, head), want_cache, meta.block_table, meta.seq_lens, block_size,
+                               0.125, 0, 0.0)
+    got = kernel.rotary_write_decode(qkv, positions, cos_sin, num_heads, num_kv_heads, head, is_neox, got_cache,
+                                     meta.slot_mapping, meta.block_table, meta.seq_lens, block_size, 0.125, 0, 0.0)
+    assert got.shape == (len(seq_lens), q_size)
+    assert torch.equal(got, want.view(len(seq_lens), q_size))
+    assert torch.equal(got_cache, want_cache)
+    assert not torch.equal(got_cache, cache)  # (it wrote)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        kernel.rotary_write_decode(qkv[:, 1:], positions, cos_sin, num_heads, num_kv_heads, head, is_neox, got_cache,
+                                   meta.slot_mapping, meta.block_table, meta.seq_lens, block_size, 0.125, 0, 0.0)

@@ -12,12 +12,24 @@ import torch
 from halserve.models.llama_flat import FLAT_FORWARD_ENV, LlamaFlatForward
 
 
-def _greedy(path: str, prompts: list[list[int]], flat: bool, max_tokens: int = 12, **kwargs):
+def _greedy(path: str, prompts: list[list[int]], flat: bool, max_tokens: int = 12, fused_calls: list | None = None,
+            **kwargs):
     """(token ids per prompt, logprob of each chosen token per prompt, what the model ran: the flat forward or
-    the module path's reason)."""
+    the module path's reason). ``fused_calls`` gets one entry per call of the cpu kernels' fused decode
+    attention (``rotary_write_decode``)."""
     from halserve import LLM, SamplingParams
+    from halserve.platforms import cpu_kernels
+
+    kernel = cpu_kernels.load()
+    fused = kernel.rotary_write_decode
+
+    def counted(*args):
+        if fused_calls is not None:
+            fused_calls.append(args[0].shape[0])
+        return fused(*args)
 
     os.environ[FLAT_FORWARD_ENV] = "1" if flat else "0"  # (read at the model's first step)
+    kernel.rotary_write_decode = counted
     llm = LLM(path, platform="cpu", dtype="float32", block_size=16, max_num_batched_tokens=32, max_model_len=256,
               **kwargs)
     try:
@@ -27,6 +39,7 @@ def _greedy(path: str, prompts: list[list[int]], flat: bool, max_tokens: int = 1
         ran = model._flat
     finally:
         os.environ.pop(FLAT_FORWARD_ENV, None)
+        kernel.rotary_write_decode = fused
         llm.llm_engine.shutdown()
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[step[tok].logprob for step, tok in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
@@ -39,10 +52,16 @@ PROMPTS = {"1 stream": [[5, 17, 99, 3]],
            "4 streams": [[7], [i * 37 % 290 + 3 for i in range(45)], [11, 12, 13, 14, 15, 16, 17], [42] * 20]}
 
 
-def _assert_same(path: str, prompts: list[list[int]], **kwargs) -> None:
-    flat_tokens, flat_logprobs, ran = _greedy(path, prompts, True, **kwargs)
+def _assert_same(path: str, prompts: list[list[int]], fused: bool = False, **kwargs) -> None:
+    """``fused``: the flat forward's decode steps must have taken the one-call attention (float32 on cpu_native,
+    no q/k norms), which the module path never calls."""
+    fused_calls: list[int] = []
+    flat_tokens, flat_logprobs, ran = _greedy(path, prompts, True, fused_calls=fused_calls, **kwargs)
     assert isinstance(ran, LlamaFlatForward), ran
-    module_tokens, module_logprobs, ran_off = _greedy(path, prompts, False, **kwargs)
+    assert bool(fused_calls) == fused, fused_calls
+    flat_calls = len(fused_calls)
+    module_tokens, module_logprobs, ran_off = _greedy(path, prompts, False, fused_calls=fused_calls, **kwargs)
+    assert len(fused_calls) == flat_calls  # (the module path makes none)
     assert ran_off == f"{FLAT_FORWARD_ENV}=0"
     assert flat_tokens == module_tokens
     assert flat_logprobs == module_logprobs  # bit-identical floats: the same kernels in the same order
@@ -57,7 +76,7 @@ def llama_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("streams", list(PROMPTS))
 def test_float32_checkpoint_flat_equals_module_path(llama_checkpoint, streams):
-    _assert_same(llama_checkpoint, PROMPTS[streams])
+    _assert_same(llama_checkpoint, PROMPTS[streams], fused=True)
 
 
 def test_torch_attention_backend_goes_through_backend_forward(llama_checkpoint):
@@ -84,7 +103,7 @@ def _gguf_helpers():
 def test_gguf_blocks_flat_equals_module_path(tmp_path, streams):
     helpers = _gguf_helpers()
     path = helpers.write_gguf(str(tmp_path / "q41.gguf"), "llama", qtype=helpers.T.Q4_1)
-    _assert_same(path, PROMPTS[streams])
+    _assert_same(path, PROMPTS[streams], fused=True)
 
 
 # -- where it does not apply ------------------------------------------------------------------------
