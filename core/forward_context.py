@@ -23,18 +23,22 @@ if TYPE_CHECKING:  # pragma: no cover
 class ForwardContext:
     attn_metadata: Any  # backend metadata for this step, or None for a dummy run
     kv_connector: KVConnector | None = None  # the worker's KV connector when this step loads or saves blocks (per-layer hooks)
+    # every request has one query token this step (a decode step): a kernel may pick its arithmetic by it, e.g.
+    # the cpu GGUF kernel's one int8 activation level for decode rows however many (platforms/cpu_kernels/native_gguf.py)
+    decode_only: bool = False
 
 
 _current: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any, kv_connector: KVConnector | None = None) -> Iterator[ForwardContext]:
-    """Make ``attn_metadata`` (and the step's KV connector) visible to the layers for the duration
-    of one model call. Nesting restores the outer context on exit."""
+def set_forward_context(attn_metadata: Any, kv_connector: KVConnector | None = None,
+                        decode_only: bool = False) -> Iterator[ForwardContext]:
+    """Make ``attn_metadata`` (and the step's KV connector, and whether it is a decode step) visible to the
+    layers for the duration of one model call. Nesting restores the outer context on exit."""
     global _current
     previous = _current
-    _current = ForwardContext(attn_metadata=attn_metadata, kv_connector=kv_connector)
+    _current = ForwardContext(attn_metadata=attn_metadata, kv_connector=kv_connector, decode_only=decode_only)
     try:
         yield _current
     finally:
@@ -52,4 +56,9 @@ def get_forward_context() -> ForwardContext:
     return _current
 
 
-__all__ = ["ForwardContext", "get_forward_context", "set_forward_context"]
+def in_decode_step() -> bool:
+    """A model call of a decode step is in progress (``ForwardContext.decode_only``); False outside any."""
+    return _current is not None and _current.decode_only
+
+
+__all__ = ["ForwardContext", "get_forward_context", "in_decode_step", "set_forward_context"]

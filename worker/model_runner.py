@@ -422,7 +422,8 @@ class ModelRunner:
         if self.step_graphs is not None:  # a decode-only step replays its captured graph (None: eager)
             hidden = self.step_graphs.replay(common, input_ids, positions, **kwargs)
         if hidden is None:
-            with set_forward_context(attn_metadata, self._step_connector):
+            decode_only = c.max_query_len == 1  # every request one token
+            with set_forward_context(attn_metadata, self._step_connector, decode_only=decode_only):
                 hidden = self.model(input_ids, positions, intermediate, **kwargs)
         if not self.pp.is_last:
             from halserve.distributed import pp_send

@@ -6,13 +6,14 @@ The integer path runs on a repacked copy of the weight (``gguf_repack``, made at
 the GGUF tensor, which stays the source of truth: a new tensor or one written in place is repacked again):
 groups of 16 output rows whose values sit four bytes per row side by side, so one register of weights meets
 four activation bytes broadcast and gives 16 outputs' partial sums (llama.cpp's Q4_0x8 repacking, for every
-type), and a tile of up to 8 (AVX-512) or 4 (AVX2) activation rows shares each weight register. Its memory:
-4 + 2 bits per value for Q4_0/Q4_1/Q4_K (1.33x a Q4_0 file's bytes, 1.2x Q4_1's), 8 + 2 for Q8_0 and Q5_K,
-8 + 4 for Q6_K, held beside the GGUF bytes (SmolLM2-135M Q4_0: about 80 MB of layers and 35 MB for its Q8_0
-head, against 117 MB of float32 panel the head alone cached before).
+type), and a tile of up to 8 (AVX-512) or 4 (AVX2) activation rows shares each weight register. Its memory,
+held beside the GGUF bytes: Q4_0 4.5 bits per value, Q4_1 5, Q8_0 8.5 (the file's own sizes: float16 scales,
+Q4_0's and Q8_0's offsets computed), Q4_K 4 + 2, Q5_K 8 + 2, Q6_K 8 + 4 (float32 scales and offsets); SmolLM2-135M
+Q4_0: 60 MB of layers and 30 MB for its Q8_0 head. A one-row decode step reads all of it, so its size is the
+step's memory traffic (float32 scales had cost 1.3x the bytes and ~1.3x the time of a forward's GEMVs).
 
-    M < TWO_LEVEL_MIN_ROWS (decode)        gguf_gemm_packed, one int8 level: AVX-512 VNNI (_mm512_dpbusd_epi32)
-                                           or AVX2 (_mm256_maddubs_epi16)
+    M < TWO_LEVEL_MIN_ROWS, or any M       gguf_gemm_packed, one int8 level: AVX-512 VNNI (_mm512_dpbusd_epi32)
+    in a decode step (one token each)      or AVX2 (_mm256_maddubs_epi16)
     TWO_LEVEL_MIN_ROWS <= M < panel rows   gguf_gemm_packed, two int8 levels: x ~ d q + d2 q2 (q2 the int8
                                            blocks of x's rounding error), twice the integer work, ~260x less error
     M >= PANEL_MIN_ROWS[isa]               the blocks dequantized to a float32 panel of PANEL_BYTES at a time,
@@ -28,7 +29,10 @@ Q4_1 min term through the block's sum of q, as Q8_1's s), two levels 2.8e-5. Tha
 to flip: SmolLM2's first answer token to "What is the capital of France?" is one (exact log-probs -1.883 "The"
 vs -1.965 "L"), and prefilling its 37-token prompt with one int8 level, ours or a faithful model of
 llama.cpp's, answers "L'Étoile, ..." where the float and two-level paths answer Paris. So prompts of 16
-tokens or more never take one level. The integer path is checked against a reference that rounds the
+tokens or more never take one level. Decode rows always do (a decode step, every request one token, whatever
+the number of requests; before, 16 or more streams took two), as a single stream's always did and llama.cpp's
+do: one request's tokens then come from the same arithmetic alone or among 64, and batched decode does half
+the integer work; the LM head keeps its two levels (``min_activation_levels``). The integer path is checked against a reference that rounds the
 activations the same way (``gguf_blocks.quantize_activations_q8``, float summation order apart) and loosely
 against the float reference (tests/platforms/test_cpu_native_gguf.py).
 
@@ -49,6 +53,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from halserve.forward_context import in_decode_step
 from halserve.kernels.base import Kernel
 from halserve.platforms.cpu_kernels.panel import cpu_flags
 
@@ -57,7 +62,10 @@ logger = logging.getLogger(__name__)
 QTYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}  # gguf_gemm.cpp's qtype argument
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256; their panel dequantizes in torch (gguf_blocks)
 ISA_CODES = {"avx2": 1, "avx512_vnni": 2}  # its isa argument
-TWO_LEVEL_MIN_ROWS = 16  # from this many activation rows on, two int8 levels (prompts keep their answers)
+TWO_LEVEL_MIN_ROWS = 16  # from this many activation rows on, two int8 levels (prompts keep their answers), except
+# in a decode step (every request one token: forward_context.in_decode_step()), whose rows take one level however
+# many: each row is one request's token, as a single stream's, so a request's decode arithmetic does not depend on
+# how many others share its step, and 16-64-stream decode does half the integer work
 # from this many on, dequantize to a float panel and use the float GEMM, per instruction path (measured on
 # SmolLM2's GEMMs, benchmarks/kernels/cpu_gguf_gemm.py: the VNNI integer path beats the panel at 512 rows)
 PANEL_MIN_ROWS = {"avx2": 1 << 30, "avx512_vnni": 1 << 30}  # never by default: the packed path won at every M
@@ -200,7 +208,7 @@ class NativeGgufGemm(Kernel):
                 self.packed(qweight, qtype, k)  # (makes or refreshes the copy; its key checks everything)
                 entry = bound[0] = getattr(qweight, _PACKED_ATTR)
                 bound[1], bound[2] = qweight._version, qweight.data_ptr()
-            levels = min_levels if m < two_level_min else max(min_levels, 2)
+            levels = min_levels if m < two_level_min or in_decode_step() else max(min_levels, 2)
             out = gemm_packed(x, entry[1], code, n, k, isa_code, levels)  # [M, N] float32
             return out if bias is None else out + bias.float()
 
@@ -220,7 +228,7 @@ class NativeGgufGemm(Kernel):
         m, k = x.shape
         code = QTYPE_CODES[qtype]
         if m < PANEL_MIN_ROWS[self.isa]:
-            levels = max(self.min_activation_levels, 1 if m < TWO_LEVEL_MIN_ROWS else 2)
+            levels = max(self.min_activation_levels, 1 if m < TWO_LEVEL_MIN_ROWS or in_decode_step() else 2)
             out = self.ops.gguf_gemm_packed(x, self.packed(qweight, qtype, k), code, qweight.shape[0], k,
                                             self.isa_code, levels)  # [M, N] float32
         elif self.cache_panel:

@@ -266,6 +266,33 @@ def test_prefill_rows_stay_integer_on_vnni_and_match_two_levels(isa):
     assert torch.equal(got, packed)
 
 
+def test_decode_step_rows_take_one_level_however_many():
+    """Inside a decode step's forward context (every request one token) 40 rows take one int8 level, as one row
+    does, through ``__call__`` and ``bind``; outside it two; the LM head's minimum of two holds in both."""
+    from halserve.forward_context import set_forward_context
+
+    kernel, head = NativeGgufGemm(), NativeGgufGemm()
+    head.min_activation_levels = 2
+    g = torch.Generator().manual_seed(23)
+    w = random_blocks("Q4_0", 48, 576, g)
+    x = torch.randn(40, 576, generator=g)
+    packed = kernel.packed(w, "Q4_0", 576)
+
+    def at(levels):
+        return kernel.ops.gguf_gemm_packed(x, packed, 0, 48, 576, kernel.isa_code, levels)
+
+    one, two = at(1), at(2)
+    assert not torch.equal(one, two)
+    bound = kernel.bind(w, "Q4_0")
+    assert torch.equal(kernel(x, w, "Q4_0"), two) and torch.equal(bound(x), two)
+    with set_forward_context(None, decode_only=True):
+        assert torch.equal(kernel(x, w, "Q4_0"), one) and torch.equal(bound(x), one)
+        assert torch.equal(head(x, w, "Q4_0"), two)
+        assert torch.equal(kernel(x[:1], w, "Q4_0"), one[:1])  # (a row's output is the same alone)
+    with set_forward_context(None):  # a mixed step
+        assert torch.equal(kernel(x, w, "Q4_0"), two)
+
+
 def test_packed_copy_is_kept_on_the_weight_and_follows_it():
     kernel = NativeGgufGemm()
     g = torch.Generator().manual_seed(19)
