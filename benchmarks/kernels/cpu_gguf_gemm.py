@@ -140,7 +140,7 @@ def bench_paths(rows: list[int], qtype: str, isa: str | None, copies: int, head:
 
 def bench_model(rows: list[int], qtype: str, head_qtype: str, isa: str | None, layers: int = 30) -> None:
     from halserve.kernels.gguf_blocks import random_blocks
-    from halserve.platforms.cpu_kernels.native_gguf import NativeGgufGemm, _PACKED_ATTR
+    from halserve.platforms.cpu_kernels.native_gguf import _PACKED_ATTR, NativeGgufGemm
 
     kernel, head_kernel = NativeGgufGemm(isa), NativeGgufGemm(isa)
     head_kernel.min_activation_levels = 2
