@@ -22,7 +22,9 @@ goes through its quant method's ``apply``, as ``LinearBase.forward`` does at one
 the output is bit-identical to the module path's (tests/models/test_llama_flat.py compares greedy tokens
 and hidden states). Attention calls the layer's backend as ``Attention.forward`` does; on a decode-only
 step with the ``cpu_native`` backend (every request one token, in order) it calls that backend's two
-kernels directly, which is what its ``forward`` does for such a step.
+kernels directly, which is what its ``forward`` does for such a step; in float32 with the native rotary it
+hands the qkv rows to ``rotary_write_decode``, which runs the rotary, ``write_kv`` and ``paged_decode``
+functions in one C++ call (~11 Python-level calls a layer fewer).
 
 Where it does not apply, ``why_not`` says why (logged once at debug level) and the model keeps the
 module path: a platform other than ``cpu``; tensor or pipeline parallelism; a model whose classes are not

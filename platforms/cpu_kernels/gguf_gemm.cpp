@@ -549,11 +549,11 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
 //   Q4_1  u = q       s = d        o = m             Q5_K  u = q (5 bits)   s = d sc_j     o = -dmin m_j
 //   Q8_0  u = q + 128 s = d        o = -128 d        Q6_K  u = q (6 bits)   s = d sc per 16, o = -32 s
 //         (AVX2: q kept signed, o = 0: its maddubs would overflow int16 on u up to 255; the sign trick instead)
-// Layout of a group: its blocks' values one block after another, then their scales one block after another
-// (so the value loads stay 64-byte aligned whatever the scales' size). One block's values are
+// Layout of a group: block after block, each its values then its scales. One block's values are
 // [j = 0..7][row 0..15][4 bytes: values 4j..4j+3] (512 bytes), or for the 4-bit types
-// [t = 0..3][row][4 bytes, low nibbles values 4t.., high nibbles values 16 + 4t..] (256). Its scales take as
-// few bytes as keep them exact (a decode step reads every byte once: this is its memory traffic): Q4_0 and
+// [t = 0..3][row][4 bytes, low nibbles values 4t.., high nibbles values 16 + 4t..] (256). (All of a group's
+// values before all its scales, which keeps every value load 64-byte aligned, read 1.6x slower at one row:
+// BENCHMARKS.md.) Its scales take as few bytes as keep them exact (a decode step reads every byte once: this is its memory traffic): Q4_0 and
 // Q8_0 s[16] as float16 (GGUF's own d), o = -8 s / -128 s computed, not stored; Q4_1 s[16] and o[16] as
 // float16 (its d and m); the K types s[16], o[16] as float32 (d sc_j is not a float16) and s2[16], o2[16] for
 // Q6_K's second half. So one 512-bit register holds four values of 16 rows,
@@ -570,7 +570,7 @@ inline bool packed_nibbles(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || qt
 inline bool packed_halves(int64_t qt) { return qt == kQ6_K; }
 inline int64_t packed_qbytes(int64_t qt) { return packed_nibbles(qt) ? 256 : 512; }
 // How a block's scales are stored: float32 s and o (the K types), float16 s and o (Q4_1), float16 s with
-// o = kOffset * s computed (Q4_0, Q8_0).
+// o = implicit_offset(qt) * s computed (Q4_0, Q8_0).
 enum ScaleKind { kScaleF32 = 0, kScaleF16 = 1, kScaleF16Implicit = 2 };
 inline int scale_kind(int64_t qt) { return is_k_type(qt) ? kScaleF32 : qt == kQ4_1 ? kScaleF16 : kScaleF16Implicit; }
 inline int64_t packed_scale_bytes(int64_t qt) {
