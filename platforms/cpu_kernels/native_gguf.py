@@ -32,9 +32,9 @@ llama.cpp's, answers "L'Étoile, ..." where the float and two-level paths answer
 tokens or more never take one level. Decode rows always do (a decode step, every request one token, whatever
 the number of requests; before, 16 or more streams took two), as a single stream's always did and llama.cpp's
 do: one request's tokens then come from the same arithmetic alone or among 64, and batched decode does half
-the integer work; the LM head keeps its two levels (``min_activation_levels``). The integer path is checked against a reference that rounds the
-activations the same way (``gguf_blocks.quantize_activations_q8``, float summation order apart) and loosely
-against the float reference (tests/platforms/test_cpu_native_gguf.py).
+the integer work; the LM head keeps its two levels (``min_activation_levels``). The integer path is checked
+against a reference that rounds the activations the same way (``gguf_blocks.quantize_activations_q8``, float
+summation order apart) and loosely against the float reference (tests/platforms/test_cpu_native_gguf.py).
 
 ``gguf_gemv`` (the same integer arithmetic on the GGUF rows as stored, up to 4 activation rows per pass) is
 kept as an op: the packed path's cross-check in the tests. ``HALSERVE_GGUF_ISA=avx2`` (or ``avx512_vnni``)
@@ -187,6 +187,11 @@ class NativeGgufGemm(Kernel):
             setattr(qweight, _PACKED_ATTR, cached)
         return cached[1]
 
+    def activation_levels(self, m: int) -> int:
+        """int8 levels for ``m`` activation rows on the packed path: one below ``TWO_LEVEL_MIN_ROWS`` rows or in a
+        decode step, else two; at least ``min_activation_levels``."""
+        return max(self.min_activation_levels, 1 if m < TWO_LEVEL_MIN_ROWS or in_decode_step() else 2)
+
     def bind(self, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None = None):
         """``x -> self(x, qweight, qtype, bias)`` with the per-call bookkeeping done once, for a caller that
         multiplies by one weight step after step (the cpu flat forward, models/llama_flat.py): a float32 ``x``
@@ -194,7 +199,7 @@ class NativeGgufGemm(Kernel):
         copy is the one bound (the same tensor, not written in place since); anything else takes ``__call__``.
         The same op, arguments and numbers as ``__call__``."""
         gemm_packed, code, n, isa_code = self.ops.gguf_gemm_packed, QTYPE_CODES[qtype], qweight.shape[0], self.isa_code
-        panel_min, two_level_min, min_levels = PANEL_MIN_ROWS[self.isa], TWO_LEVEL_MIN_ROWS, self.min_activation_levels
+        panel_min, levels_for = PANEL_MIN_ROWS[self.isa], self.activation_levels
         float32 = torch.float32
         bound: list = [None, -1, -1]  # [the repacked copy's entry on the tensor, the tensor's version, data_ptr then]
 
@@ -208,8 +213,7 @@ class NativeGgufGemm(Kernel):
                 self.packed(qweight, qtype, k)  # (makes or refreshes the copy; its key checks everything)
                 entry = bound[0] = getattr(qweight, _PACKED_ATTR)
                 bound[1], bound[2] = qweight._version, qweight.data_ptr()
-            levels = min_levels if m < two_level_min or in_decode_step() else max(min_levels, 2)
-            out = gemm_packed(x, entry[1], code, n, k, isa_code, levels)  # [M, N] float32
+            out = gemm_packed(x, entry[1], code, n, k, isa_code, levels_for(m))  # [M, N] float32
             return out if bias is None else out + bias.float()
 
         return call
@@ -228,9 +232,8 @@ class NativeGgufGemm(Kernel):
         m, k = x.shape
         code = QTYPE_CODES[qtype]
         if m < PANEL_MIN_ROWS[self.isa]:
-            levels = max(self.min_activation_levels, 1 if m < TWO_LEVEL_MIN_ROWS or in_decode_step() else 2)
             out = self.ops.gguf_gemm_packed(x, self.packed(qweight, qtype, k), code, qweight.shape[0], k,
-                                            self.isa_code, levels)  # [M, N] float32
+                                            self.isa_code, self.activation_levels(m))  # [M, N] float32
         elif self.cache_panel:
             out = F.linear(x.float(), self._cached_panel(qweight, qtype, k))
         else:
