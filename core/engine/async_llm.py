@@ -224,17 +224,52 @@ class AsyncLLM:
 
     async def submit(self, prepared: PreparedRequest) -> RequestStream:
         """``add_request``'s second half: queue a prepared request; returns its stream."""
+        return (await self.submit_all([prepared]))[0]
+
+    async def submit_all(self, prepared: Sequence[PreparedRequest]) -> list[RequestStream]:
+        """Queue prepared requests (a batch's prompts) in one engine round trip, all or none;
+        returns their streams. The core's refusal of one (e.g. it can never fit in the KV cache)
+        is a ValueError here whose ``batch_index`` is that request's place in ``prepared``, and
+        nothing is queued. (One round trip, not one per request: the core answers between steps,
+        so a 64-prompt batch queued one at a time waited ~64 steps for its last prompt.)"""
+        self._check_alive()
+        seen: set[str] = set()
+        for item in prepared:
+            if item.request_id in self._requests or item.request_id in seen:
+                raise ValueError(f"request id {item.request_id!r} is already in flight; use a unique id")
+            seen.add(item.request_id)
+        states = [self._register(item) for item in prepared]
+        core_requests = [request for item in prepared for request in item.core_requests]
+        # The core may still refuse one: wait for its verdict so that is a ValueError here,
+        # not a broken stream.
+        try:
+            error = await self.client.add_requests(core_requests)
+        except BaseException:
+            for state in states:
+                self._drop(state.request_id, abort_core=True)
+            raise
+        if error is not None:
+            for state in states:
+                self._drop(state.request_id, abort_core=True)
+            refused = getattr(error, "request_id", None)  # (the core names the child it refused)
+            parent = next((i for i, state in enumerate(states) if refused in state.child_ids), 0)
+            if isinstance(error, ValueError):
+                error.batch_index = parent  # type: ignore[attr-defined]
+            raise error
+        for state in states:
+            for observer in self.stat_observers:
+                observer.on_request_added(len(state.prompt_token_ids))
+        return [state.stream for state in states]
+
+    def _register(self, prepared: PreparedRequest) -> RequestState:
+        """The API-server side of a request about to be queued: its state and stream."""
         request_id, prompt_text, core_requests, arrival = (
             prepared.request_id, prepared.prompt_text, prepared.core_requests, prepared.arrival_time
         )
-        self._check_alive()
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in flight; use a unique id")
-        stream = RequestStream(request_id, self)
         state = RequestState(
             request_id=request_id,
             child_ids=[r.request_id for r in core_requests],
-            stream=stream,
+            stream=RequestStream(request_id, self),
             arrival_time=arrival,
             num_outputs=len(core_requests),
             prompt_token_ids=list(core_requests[0].prompt_token_ids),
@@ -248,19 +283,7 @@ class AsyncLLM:
         self._requests[request_id] = state
         for child_id in state.child_ids:
             self._child_to_parent[child_id] = request_id
-        # The core may still refuse it (e.g. it can never fit in the KV cache): wait for
-        # the engine thread's verdict so that is a ValueError here, not a broken stream.
-        try:
-            error = await self.client.add_requests(core_requests)
-        except BaseException:
-            self._drop(request_id, abort_core=True)
-            raise
-        if error is not None:
-            self._drop(request_id, abort_core=True)
-            raise error
-        for observer in self.stat_observers:
-            observer.on_request_added(len(state.prompt_token_ids))
-        return stream
+        return state
 
     async def generate(
         self,

@@ -202,7 +202,8 @@ class EngineCoreProc:
             logger.error("unknown message %r from a client", kind)
 
     def _add(self, client: _Client, requests: list) -> BaseException | None:
-        """All or none: the core's refusal (a ValueError) undoes the ones added before it."""
+        """All or none: the core's refusal (a ValueError carrying the refused ``request_id``) undoes the
+        ones added before it."""
         added: list[str] = []
         try:
             for req in requests:
@@ -214,6 +215,7 @@ class EngineCoreProc:
                 self.owner[req.request_id] = client
                 client.request_ids.add(req.request_id)
         except ValueError as exc:
+            exc.request_id = req.request_id  # type: ignore[attr-defined]  # (which one: the client names its prompt)
             self._abort(client, added)
             return exc
         return None

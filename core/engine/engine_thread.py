@@ -184,6 +184,7 @@ class EngineThread(EngineCoreClient):
                         core.add_request(req)
                         added.append(req.request_id)
                 except ValueError as exc:
+                    exc.request_id = req.request_id  # type: ignore[attr-defined]  # (which one: see submit_all)
                     error = exc
                     if added:
                         core.abort_requests(added)

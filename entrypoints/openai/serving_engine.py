@@ -140,8 +140,8 @@ class OpenAIServing:
         priority: int = 0,
     ) -> list[RequestStream]:
         """Queue one engine request per prompt. Every prompt is checked before any is queued:
-        an invalid one is a 400 and nothing runs (one the engine refuses when queued, e.g. it
-        can never fit in the KV cache, aborts those queued before it). The 400's ``param`` is the
+        an invalid one is a 400 and nothing runs (nor when the engine refuses one as they are
+        queued, all in one round trip, e.g. one that can never fit in the KV cache). The 400's ``param`` is the
         sampling field its message starts with, or ``message_params[prefix]`` for a message that
         starts with ``prefix`` (e.g. "structured outputs" -> the field that gave the constraint).
         ``prompt_params``: the request field each prompt came from (e.g. "documents[2]"); an error
@@ -164,11 +164,11 @@ class OpenAIServing:
                 if watch is not None and watch.done():
                     raise ClientDisconnected
             done = 0
-            for request in prepared:
-                streams.append(await self.engine.submit(request))
-                done += 1
-                if watch is not None and watch.done():
-                    raise ClientDisconnected
+            try:  # (one engine round trip for the whole batch: all queued, or none)
+                streams.extend(await self.engine.submit_all(prepared))
+            except ValueError as exc:
+                done = getattr(exc, "batch_index", 0)  # (the prompt the engine refused)
+                raise
             if watch is not None:
                 watch.cancel()
                 if watch.done() and not watch.cancelled():  # (it saw the disconnect as it was cancelled)

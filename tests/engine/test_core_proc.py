@@ -118,6 +118,35 @@ def test_async_llm_over_engine_process(demo_config):
     assert process.exitcode == 0
 
 
+def test_a_batch_refused_over_the_process_boundary_names_its_prompt():
+    """A batch crosses to the engine-core process in one message, all or none: the core's refusal
+    of one prompt (here: it can never fit in the KV cache) comes back naming its place in the batch,
+    nothing of the batch was queued, and the engine serves on."""
+    from halserve.config import EngineConfig
+    from halserve.demo import DEMO_MODEL_PATH
+    from halserve.engine.async_llm import AsyncLLM
+
+    config = EngineConfig(model=DEMO_MODEL_PATH, platform="cpu", num_kv_blocks=2, max_model_len=64)
+
+    async def main():
+        llm = AsyncLLM.from_config(config, multiprocess=True)
+        params = SamplingParams(max_tokens=4, temperature=0)
+        batch = [await llm.prepare_request(p, params.clone(), f"r{i}")
+                 for i, p in enumerate(["1+1=", "2+2=", "9" * 50, "3+3="])]
+        with pytest.raises(ValueError, match="needs 55 tokens of KV cache") as info:
+            await llm.submit_all(batch)
+        stats = await llm.call_core("get_stats")
+        batch = [await llm.prepare_request(p, params.clone(), f"s{i}") for i, p in enumerate(["1+1=", "2+2="])]
+        texts = [[o async for o in stream][-1].outputs[0].text for stream in await llm.submit_all(batch)]
+        await llm.shutdown()
+        return info.value, stats, texts
+
+    error, stats, texts = asyncio.run(main())
+    assert error.batch_index == 2
+    assert stats.num_running == 0 and stats.num_waiting == 0  # the two added before it were undone
+    assert texts == ["2", "4"]
+
+
 def _lora():
     from halserve.lora.request import LoRARequest
 

@@ -125,3 +125,47 @@ def test_shutdown_ends_in_flight_requests_with_abort():
     core, rest = run(main())
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
     assert core.is_shut_down
+
+
+def test_a_batch_is_queued_in_one_engine_round_trip_all_or_none():
+    """``submit_all`` (a multi-prompt request) queues every prompt in one round trip while the
+    engine is busy stepping; one the core refuses is a ValueError naming its place in the batch,
+    and none of the batch runs."""
+    async def main():
+        core = FakeCore(step_delay=0.02)
+        llm = make_async_llm(core)
+        sent = []
+        add = llm.client.add_requests
+
+        async def counting(core_requests):
+            sent.append([r.request_id for r in core_requests])
+            return await add(core_requests)
+
+        llm.client.add_requests = counting
+        busy = llm.generate("a", SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True), "busy")
+        await busy.__anext__()  # the engine is stepping
+        steps = core.num_steps
+        prepared = [await llm.prepare_request("ab", SamplingParams(max_tokens=3, temperature=0), f"b{i}")
+                    for i in range(16)]
+        streams = await llm.submit_all(prepared)
+        queued_within = core.num_steps - steps
+        finals = [[o async for o in stream][-1] for stream in streams]
+
+        bad = [await llm.prepare_request(p, SamplingParams(max_tokens=3, temperature=0), f"c{i}")
+               for i, p in enumerate(["ab", "cd", "x" * 45, "ef"])]  # the third can never fit
+        with pytest.raises(ValueError, match="never fit") as info:
+            await llm.submit_all(bad)
+        running_after = set(core.running)
+        aborted = list(core.aborted)
+        await busy.aclose()
+        await llm.shutdown()
+        return sent, queued_within, finals, info.value, running_after, aborted
+
+    sent, queued_within, finals, error, running_after, aborted = run(main())
+    assert sent[1] == [f"b{i}" for i in range(16)]  # one round trip for the 16 prompts
+    assert queued_within <= 2  # not one engine step per prompt
+    assert [f.outputs[0].text for f in finals] == ["cde"] * 16
+    assert error.batch_index == 2
+    assert sent[2] == ["c0", "c1", "c2", "c3"]
+    assert not running_after & {"c0", "c1", "c2", "c3"}  # all or none: the two added first were undone
+    assert {"c0", "c1"} <= set(aborted)
