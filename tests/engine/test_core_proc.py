@@ -137,7 +137,9 @@ def test_a_batch_refused_over_the_process_boundary_names_its_prompt():
             await llm.submit_all(batch)
         stats = await llm.call_core("get_stats")
         batch = [await llm.prepare_request(p, params.clone(), f"s{i}") for i, p in enumerate(["1+1=", "2+2="])]
-        texts = [[o async for o in stream][-1].outputs[0].text for stream in await llm.submit_all(batch)]
+        texts = []
+        for stream in await llm.submit_all(batch):
+            texts.append([o async for o in stream][-1].outputs[0].text)
         await llm.shutdown()
         return info.value, stats, texts
 

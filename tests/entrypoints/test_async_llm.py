@@ -149,7 +149,9 @@ def test_a_batch_is_queued_in_one_engine_round_trip_all_or_none():
                     for i in range(16)]
         streams = await llm.submit_all(prepared)
         queued_within = core.num_steps - steps
-        finals = [[o async for o in stream][-1] for stream in streams]
+        finals = []
+        for stream in streams:
+            finals.append([o async for o in stream][-1])
 
         bad = [await llm.prepare_request(p, SamplingParams(max_tokens=3, temperature=0), f"c{i}")
                for i, p in enumerate(["ab", "cd", "x" * 45, "ef"])]  # the third can never fit
