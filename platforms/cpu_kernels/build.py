@@ -6,8 +6,10 @@ deletes itself: a process killed mid-build (a timed-out test, a Ctrl-C'd server)
 every later build then waits on it forever. Two checkouts of different sources sharing one directory
 also rebuild over each other. So each extension builds in a directory of its own per input: a hash of
 its sources, the headers beside them, the flags, torch's version and this CPU (``-march=native``) names
-it. Processes take turns through ``flock`` on a lock that the OS releases when its holder dies; whoever
-holds it clears a stale torch lock before building.
+it; it compiles copies of the sources staged inside it (``stage_sources``), so that the same sources
+reached through another path (a second checkout, an installed wheel) do not change ninja's build
+command and recompile it. Processes take turns through ``flock`` on a lock that the OS releases when
+its holder dies; whoever holds it clears a stale torch lock before building.
 
 A build takes tens of seconds to minutes on a small machine, so while one runs a thread logs which
 library, how many of its sources are compiled (ninja writes one ``.o`` per source), the time so far
@@ -100,6 +102,40 @@ def build_key(sources: list[str], defines: tuple[str, ...] = ()) -> str:
     digest.update(repr(flags).encode())
     digest.update(_cpu_identity())
     return digest.hexdigest()[:16]
+
+
+def _headers_beside(sources: list[str]) -> list[str]:
+    return sorted({h for d in {os.path.dirname(os.path.abspath(s)) for s in sources}
+                   for h in glob.glob(os.path.join(d, "*.h"))})
+
+
+def stage_sources(directory: str, sources: list[str]) -> list[str]:
+    """Copies of ``sources`` and the headers beside them in ``directory/src``; returns the sources' copies.
+
+    ninja rebuilds when a build command changes, and torch's command names each source by its path:
+    a second checkout, a CI clone or an installed wheel holding the same sources (so the same
+    directory) would otherwise recompile it (~15 s for the GGUF kernels) every time the other one had
+    loaded it last. The copies' paths are the same for everyone. A copy is only written when missing
+    or different, so its mtime (which ninja also compares) stays put."""
+    staged = os.path.join(directory, "src")
+    os.makedirs(staged, exist_ok=True)
+    copies = []
+    for path in [*sources, *_headers_beside(sources)]:
+        target = os.path.join(staged, os.path.basename(path))
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            with open(target, "rb") as f:
+                same = f.read() == data
+        except OSError:
+            same = False
+        if not same:
+            with open(target + ".tmp", "wb") as f:
+                f.write(data)
+            os.replace(target + ".tmp", target)
+        if path in sources:
+            copies.append(target)
+    return copies
 
 
 def build_directory(name: str, sources: list[str], defines: tuple[str, ...] = ()) -> str:
@@ -238,11 +274,18 @@ def build_and_load(name: str, sources: list[str], *, is_python_module: bool = Tr
                 logger.warning("removing a stale build lock left by a killed process: %s", stale)
                 os.remove(stale)
             started = time.monotonic()
+            sources = stage_sources(directory, sources)
             if is_built(directory, name):
+                library = os.path.join(directory, f"{name}.so")
+                before = os.stat(library).st_mtime_ns
                 result = load_ext(name=name, sources=sources, build_directory=directory, extra_cflags=cflags,
                                   extra_ldflags=list(LDFLAGS), is_python_module=is_python_module, verbose=False)
-                logger.info("using cached build of %s (%s, loaded in %.1f s)", label, directory,
-                            time.monotonic() - started)
+                if os.stat(library).st_mtime_ns != before:  # ninja found its build command changed
+                    logger.info("rebuilt %s in %.0f s (%s: its build command had changed, e.g. another torch "
+                                "install's include paths)", label, time.monotonic() - started, directory)
+                else:
+                    logger.info("using cached build of %s (%s, loaded in %.1f s)", label, directory,
+                                time.monotonic() - started)
                 return result
             estimate = recorded_build_seconds(name) or estimate_s
             logger.info("building %s%s: %d sources (%s), once per machine and source version%s; cached in %s",

@@ -2,6 +2,7 @@
 LIBRARIES), and say truthfully what they do: "building ..." with progress on a first build, "using
 cached build ..." afterwards. The library tests fake the compile (the real libraries take minutes);
 the log tests build a one-function probe (about a second)."""
+import ctypes
 import logging
 import os
 
@@ -123,3 +124,48 @@ def test_first_build_reports_progress_and_the_second_says_cached(tmp_path, monke
     assert second == first
     assert "using cached build of the probe" in caplog.text
     assert "building" not in caplog.text
+
+
+@needs_toolchain
+@pytest.mark.timeout(180)
+def test_the_same_sources_from_another_checkout_load_without_a_rebuild(tmp_path):
+    """Two copies of the same sources (a second checkout, a CI clone, an installed wheel) share one
+    build: it compiles from staged copies, so neither copy's path makes ninja rebuild it for the other
+    (each load its own process, as torch only runs ninja once per process), and a load that did
+    recompile says so instead of "using cached build"."""
+    import subprocess
+    import sys
+
+    copies = []
+    for checkout in ("a", "b"):
+        (tmp_path / checkout).mkdir()
+        (tmp_path / checkout / "probe.h").write_text("#define PROBE_VALUE 4\n")
+        source = tmp_path / checkout / "probe.cpp"
+        source.write_text("#include \"probe.h\"\nextern \"C\" int halserve_build_probe() { return PROBE_VALUE; }\n")
+        copies.append(str(source))
+    env = {**os.environ, build.CACHE_ENV: str(tmp_path / "cache")}
+
+    def load(source: str) -> tuple[str, str]:
+        code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+                "from halserve.platforms.cpu_kernels import build\n"
+                f"print('LIB', build.build_and_load('probe_two', [{source!r}], is_python_module=False))\n")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                             cwd=str(tmp_path))
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout.split("LIB ")[-1].strip(), out.stdout
+
+    first, log = load(copies[0])
+    assert "building probe_two" in log
+    built = os.stat(first).st_mtime_ns
+    for source in (copies[1], copies[0], copies[1]):
+        library, log = load(source)
+        assert library == first and "using cached build of probe_two" in log, log
+    assert os.stat(first).st_mtime_ns == built  # never recompiled
+    assert ctypes.CDLL(first).halserve_build_probe() == 4
+
+    # a load that did recompile (here: a staged copy newer than the library) says so
+    staged = os.path.join(os.path.dirname(first), "src", "probe.cpp")
+    os.utime(staged, ns=(built + 10**9, built + 10**9))
+    _, log = load(copies[1])
+    assert os.stat(first).st_mtime_ns != built
+    assert "rebuilt probe_two" in log and "using cached build" not in log, log
