@@ -27,7 +27,9 @@ Per file (the engines alternate within each file; the first engine alternates be
 
 halserve runs in each ``--halserve-modes`` that this install has: ``gguf`` (the weights stay GGUF blocks,
 through the ``gguf_gemm`` kernel this platform resolves; the row names it), ``f32`` and ``bf16`` (the
-blocks dequantized at load, ``--quantization unquantized``). Both engines get ``--threads`` threads.
+blocks dequantized at load, ``--quantization unquantized``); ``gguf-l1`` (not in ``auto``) is gguf with
+``HALSERVE_GGUF_ACTIVATION_LEVELS=1``, llama.cpp's one int8 level for every GEMM's activations (the default
+takes two for prompts and the LM head). Both engines get ``--threads`` threads.
 Results go to ``bench_out/llamacpp.json`` and tables on stdout.
 """
 from __future__ import annotations
@@ -57,7 +59,12 @@ MODES = {
     "gguf": ["--quantization", "gguf", "--dtype", "float32"],
     "f32": ["--quantization", "unquantized", "--dtype", "float32"],
     "bf16": ["--quantization", "unquantized", "--dtype", "bfloat16"],
+    "gguf-l1": ["--quantization", "gguf", "--dtype", "float32"],  # + MODE_ENV: llama.cpp's arithmetic
 }
+# environment per mode: gguf-l1 rounds every GEMM's activations to one int8 level, as llama.cpp does (the default
+# gguf mode takes two for prompts and the LM head; platforms/cpu_kernels/native_gguf.py)
+MODE_ENV = {"gguf-l1": {"HALSERVE_GGUF_ACTIVATION_LEVELS": "1"}}
+AUTO_MODES = ("gguf", "f32", "bf16")
 
 
 def log(*args) -> None:
@@ -140,13 +147,15 @@ def halserve_modes(wanted: str) -> dict[str, str]:
                      key=lambda k: -k.priority)
     labels = {"gguf": f"halserve gguf ({kernels[0].name} gguf_gemm)" if kernels else "halserve gguf",
               "f32": "halserve f32 (dequantized)", "bf16": "halserve bf16 (dequantized)"}
-    modes = list(MODES) if wanted == "auto" else wanted.split(",")
+    labels["gguf-l1"] = labels["gguf"].replace("halserve gguf", "halserve gguf, one int8 level")
+    modes = list(AUTO_MODES) if wanted == "auto" else wanted.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(f"unknown --halserve-modes {unknown}; choose from {', '.join(MODES)} or auto")
-    if "gguf" in modes and "gguf" not in methods:
-        log("this install has no gguf quant method (halserve dequantizes GGUF files at load): skipping mode gguf")
-        modes.remove("gguf")
+    for mode in ("gguf", "gguf-l1"):
+        if mode in modes and "gguf" not in methods:
+            log(f"this install has no gguf quant method (halserve dequantizes GGUF files at load): skipping mode {mode}")
+            modes.remove(mode)
     return {m: labels[m] for m in modes}
 
 
@@ -168,7 +177,8 @@ def halserve_single_stream(path: str, mode: str, threads: int, repeats: int) -> 
     """Runs this script's --_offline in its own process (a fresh engine per mode, its memory returned)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--_offline", path, "--_mode", mode, "--repeats", str(repeats)]
     log("$", " ".join(cmd))
-    done = subprocess.run(cmd, env={**os.environ, "HALSERVE_CPU_THREADS": str(threads)}, capture_output=True,
+    done = subprocess.run(cmd, env={**os.environ, "HALSERVE_CPU_THREADS": str(threads), **MODE_ENV.get(mode, {})},
+                          capture_output=True,
                           text=True)
     if done.returncode != 0:
         reason = (done.stderr.strip().splitlines() or ["?"])[-1]
@@ -390,7 +400,7 @@ def main() -> None:
         results["single"][quant] = {label: rows[label] for label, _ in sorted(engines, key=lambda e: e[0] != "llama.cpp")}
     for k, quant in enumerate(serve_quants):
         runs = [("llama-server", llama_server_cmd(bin_dir, files[quant], args), {})]
-        runs += [(label, halserve_serve_cmd(files[quant], mode, args), {"HALSERVE_CPU_THREADS": str(args.threads)})
+        runs += [(label, halserve_serve_cmd(files[quant], mode, args), {"HALSERVE_CPU_THREADS": str(args.threads), **MODE_ENV.get(mode, {})})
                  for mode, label in modes.items()]
         if k % 2:
             runs = runs[1:] + runs[:1]

@@ -37,7 +37,8 @@ against a reference that rounds the activations the same way (``gguf_blocks.quan
 summation order apart) and loosely against the float reference (tests/platforms/test_cpu_native_gguf.py).
 
 ``gguf_gemv`` (the same integer arithmetic on the GGUF rows as stored, up to 4 activation rows per pass) is
-kept as an op: the packed path's cross-check in the tests. ``HALSERVE_GGUF_ISA=avx2`` (or ``avx512_vnni``)
+kept as an op: the packed path's cross-check in the tests. ``HALSERVE_GGUF_ACTIVATION_LEVELS=1`` takes one level
+everywhere (llama.cpp's arithmetic; ``forced_levels``). ``HALSERVE_GGUF_ISA=avx2`` (or ``avx512_vnni``)
 forces an instruction path; by default the best this CPU runs. ``load_gguf_ops()`` builds ``gguf_gemm.cpp``
 as its own small extension (``torch.ops.halserve_cpu_gguf``) the first time a GGUF model needs it, apart from
 the platform's main one.
@@ -99,6 +100,23 @@ def load_gguf_ops() -> str | None:
                 _load_error = f"building gguf_gemm.cpp failed: {type(exc).__name__}: {exc}"
                 logger.warning(_load_error)
     return _load_error
+
+
+LEVELS_ENV = "HALSERVE_GGUF_ACTIVATION_LEVELS"
+
+
+def forced_levels() -> int | None:
+    """``HALSERVE_GGUF_ACTIVATION_LEVELS``: 1 runs every GEMM (prompts and the LM head too) with one int8
+    level, llama.cpp's arithmetic: prompts cost half the integer work, and answers follow that arithmetic
+    (SmolLM2's Paris prompt then answers "L'Étoile", as a model of llama.cpp's does); 2 runs every GEMM
+    with two. Unset: the rules above (``activation_levels``)."""
+    value = os.environ.get(LEVELS_ENV, "").strip()
+    if not value:
+        return None
+    if value not in ("1", "2"):
+        raise ValueError(f"{LEVELS_ENV}={value!r}: use 1 (llama.cpp's one int8 level everywhere), 2 (two levels "
+                         f"everywhere) or leave it unset (two for prompts and the LM head, one for decode rows)")
+    return int(value)
 
 
 def cpu_isa() -> str | None:
@@ -166,6 +184,7 @@ class NativeGgufGemm(Kernel):
         self.isa = isa or cpu_isa()
         self.isa_code = ISA_CODES[self.isa]
         self.ops = torch.ops.halserve_cpu_gguf
+        self.forced_levels = forced_levels()
 
     def dequantize(self, qweight: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
         """``uint8 [N, row bytes]`` -> float32 ``[N, k]`` (the panel path's first half, also for tests)."""
@@ -189,7 +208,9 @@ class NativeGgufGemm(Kernel):
 
     def activation_levels(self, m: int) -> int:
         """int8 levels for ``m`` activation rows on the packed path: one below ``TWO_LEVEL_MIN_ROWS`` rows or in a
-        decode step, else two; at least ``min_activation_levels``."""
+        decode step, else two; at least ``min_activation_levels``; ``HALSERVE_GGUF_ACTIVATION_LEVELS`` overrides."""
+        if self.forced_levels is not None:
+            return self.forced_levels
         return max(self.min_activation_levels, 1 if m < TWO_LEVEL_MIN_ROWS or in_decode_step() else 2)
 
     def bind(self, qweight: torch.Tensor, qtype: str, bias: torch.Tensor | None = None):

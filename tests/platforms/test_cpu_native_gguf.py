@@ -338,3 +338,30 @@ def test_bound_call_equals_the_kernel_call_and_follows_the_weight(qtype):
     w.copy_(random_blocks(qtype, n, k, g))  # written in place: the bound call must not keep the old copy
     after = call(x)
     assert not torch.equal(after, before) and torch.equal(after, kernel(x, w, qtype))
+
+
+def test_activation_levels_can_be_forced_for_every_gemm(monkeypatch):
+    """``HALSERVE_GGUF_ACTIVATION_LEVELS=1`` (llama.cpp's arithmetic) takes one level for prompts and the LM
+    head too; ``=2`` two even for one row; anything else is refused, naming the variable."""
+    from halserve.platforms.cpu_kernels.native_gguf import LEVELS_ENV
+
+    g = torch.Generator().manual_seed(29)
+    w = random_blocks("Q8_0", 48, 576, g)
+    x = torch.randn(40, 576, generator=g)
+    plain = NativeGgufGemm()
+    packed = plain.packed(w, "Q8_0", 576)
+
+    def at(rows, levels):
+        return plain.ops.gguf_gemm_packed(x[:rows], packed, 2, 48, 576, plain.isa_code, levels)
+
+    assert torch.equal(plain(x, w, "Q8_0"), at(40, 2)) and torch.equal(plain(x[:1], w, "Q8_0"), at(1, 1))
+    monkeypatch.setenv(LEVELS_ENV, "1")
+    kernel, head = NativeGgufGemm(), NativeGgufGemm()
+    head.min_activation_levels = 2
+    assert torch.equal(kernel(x, w, "Q8_0"), at(40, 1)) and torch.equal(kernel.bind(w, "Q8_0")(x), at(40, 1))
+    assert torch.equal(head(x, w, "Q8_0"), at(40, 1))
+    monkeypatch.setenv(LEVELS_ENV, "2")
+    assert torch.equal(NativeGgufGemm()(x[:1], w, "Q8_0"), at(1, 2))
+    monkeypatch.setenv(LEVELS_ENV, "3")
+    with pytest.raises(ValueError, match="HALSERVE_GGUF_ACTIVATION_LEVELS='3'"):
+        NativeGgufGemm()
