@@ -148,8 +148,11 @@ def load_gguf_config(path: str, hf_config_path: str | None = None, trust_remote_
     if hf_config_path is not None:
         hf_config = AutoConfig.from_pretrained(hf_config_path, trust_remote_code=trust_remote_code)
     else:
-        hf_config = AutoConfig.from_pretrained(checkpoint.folder, gguf_file=os.path.basename(path),
-                                               trust_remote_code=trust_remote_code)
+        hf_config = _load_kept(path, "config", AutoConfig.from_pretrained)
+        if hf_config is None:
+            hf_config = AutoConfig.from_pretrained(checkpoint.folder, gguf_file=os.path.basename(path),
+                                                   trust_remote_code=trust_remote_code)
+            _keep(hf_config, path, "config")
         # transformers decides from the first file alone; a split set may keep output.weight in another
         hf_config.tie_word_embeddings = "output.weight" not in checkpoint.tensor_names
     if not getattr(hf_config, "architectures", None):
@@ -161,10 +164,88 @@ def load_gguf_config(path: str, hf_config_path: str | None = None, trust_remote_
     return hf_config
 
 
+CACHE_ENV = "HALSERVE_GGUF_CACHE"  # where converted configs and tokenizers are kept; "off": convert every time
+_COMPLETE = "halserve-complete"
+
+
+def converted_cache_dir(path: str) -> str | None:
+    """Where the config and tokenizer converted from ``path``'s metadata are kept: a folder per file (its real
+    path, size and mtime) and transformers version, under ``$HALSERVE_GGUF_CACHE`` or
+    ``~/.cache/halserve/gguf``; None when the cache is ``off`` or the file cannot be stat'ed."""
+    import hashlib
+
+    import transformers
+
+    root = os.environ.get(CACHE_ENV, "").strip()
+    if root.lower() == "off":
+        return None
+    if not root:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(cache, "halserve", "gguf")
+    try:
+        real = os.path.realpath(path)
+        stat = os.stat(real)
+    except OSError:
+        return None
+    key = hashlib.sha256(repr((real, stat.st_size, stat.st_mtime_ns, transformers.__version__)).encode())
+    name = os.path.splitext(os.path.basename(real))[0]
+    return os.path.join(root, f"{name}-{key.hexdigest()[:16]}")
+
+
 def load_gguf_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
-    """The tokenizer (and chat template) stored in the GGUF checkpoint ``path``'s metadata."""
+    """The tokenizer (and chat template) stored in the GGUF checkpoint ``path``'s metadata.
+
+    transformers converts it (and the config) from the file's metadata, parsing every field of it, the
+    49,152-token vocabulary included: ~3 s a pass for SmolLM2 on two cores, on the API server's and the
+    engine's start-up paths. So what it converts is saved once per file (``converted_cache_dir``) and later
+    starts load those folders (~0.3 s); a copy that fails to load is converted again."""
     from transformers import AutoTokenizer
 
-    checkpoint = open_gguf(path)
-    return AutoTokenizer.from_pretrained(checkpoint.folder, gguf_file=os.path.basename(path),
-                                         trust_remote_code=trust_remote_code)
+    tokenizer = _load_kept(path, "tokenizer", AutoTokenizer.from_pretrained)
+    if tokenizer is None:
+        checkpoint = open_gguf(path)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint.folder, gguf_file=os.path.basename(path),
+                                                  trust_remote_code=trust_remote_code)
+        _keep(tokenizer, path, "tokenizer")
+    return tokenizer
+
+
+def _load_kept(path: str, what: str, load: Any) -> Any:
+    """``load(folder)`` of the kept ``what`` ("config", "tokenizer") of ``path``, or None (none kept, or it
+    did not load: then it is converted again)."""
+    base = converted_cache_dir(path)
+    folder = None if base is None else os.path.join(base, what)
+    if folder is None or not os.path.isfile(os.path.join(folder, _COMPLETE)):
+        return None
+    try:
+        return load(folder)
+    except Exception as exc:  # noqa: BLE001 - a damaged copy: the caller converts again
+        logger.warning("the kept %s of %s in %s did not load (%s: %s); converting it again", what,
+                       os.path.basename(path), folder, type(exc).__name__, exc)
+        return None
+
+
+def _keep(converted: Any, path: str, what: str) -> None:
+    """``converted.save_pretrained`` into a fresh folder, then renamed into place (another process may be
+    doing the same: the first rename wins, the others' copies are dropped); best effort."""
+    import shutil
+    import tempfile
+
+    base = converted_cache_dir(path)
+    if base is None:
+        return
+    folder = os.path.join(base, what)
+    try:
+        os.makedirs(base, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{what}-", dir=base)
+        converted.save_pretrained(staging)
+        open(os.path.join(staging, _COMPLETE), "w").close()
+        if os.path.isdir(folder):
+            shutil.rmtree(folder, ignore_errors=True)  # (an incomplete or damaged copy)
+        try:
+            os.rename(staging, folder)
+        except OSError:  # another process's copy landed first
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        logger.warning("could not keep the converted %s in %s (%s); the next start converts it again", what,
+                       folder, exc)

@@ -321,3 +321,56 @@ def test_missing_path_and_ambiguous_folder(tmp_path, monkeypatch):
     write_gguf(str(tmp_path / "b.gguf"), "llama")
     with pytest.raises(ValueError, match=r"holds several GGUF models \(a\.gguf, b\.gguf\)"):
         _model_info(str(tmp_path))
+
+
+def test_the_converted_config_and_tokenizer_are_kept_and_load_the_same(tmp_path, monkeypatch):
+    """The config and tokenizer transformers converts from a GGUF's metadata are saved once per file; the next
+    load reads those copies (transformers does not parse the file again) and the tokenizer tokenizes, decodes
+    and applies the chat template exactly as the conversion did, the config has the same fields; a damaged
+    copy is converted again; ``HALSERVE_GGUF_CACHE=off`` keeps nothing."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from halserve.models.gguf import reader
+
+    monkeypatch.setenv(reader.CACHE_ENV, str(tmp_path / "cache"))
+    path = write_gguf(str(tmp_path / "m.gguf"), "llama", qtype=T.Q8_0)
+    fresh, fresh_config = reader.load_gguf_tokenizer(path), reader.load_gguf_config(path)
+    folder = reader.converted_cache_dir(path)
+    assert folder.startswith(str(tmp_path / "cache"))
+    assert os.path.isfile(os.path.join(folder, "tokenizer", "tokenizer.json"))
+    assert os.path.isfile(os.path.join(folder, "config", "config.json"))
+
+    def from_folder_only(load):
+        def checked(name, *args, **kwargs):
+            assert "gguf_file" not in kwargs, "transformers was asked to parse the GGUF again"
+            return load(name, *args, **kwargs)
+        return checked
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_folder_only(AutoTokenizer.from_pretrained))
+    monkeypatch.setattr(AutoConfig, "from_pretrained", from_folder_only(AutoConfig.from_pretrained))
+    kept, kept_config = reader.load_gguf_tokenizer(path), reader.load_gguf_config(path)
+    assert type(kept) is type(fresh) and kept.get_vocab() == fresh.get_vocab()
+    for text in ("a tie", "<|im_start|>user\nhi<|im_end|>", "  two  spaces ", "ünïcode and 123", ""):
+        assert kept(text).input_ids == fresh(text).input_ids, text
+        assert kept.decode(fresh(text).input_ids) == fresh.decode(fresh(text).input_ids)
+    messages = [{"role": "user", "content": "hi"}]
+    assert (kept.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == fresh.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert (kept.bos_token, kept.eos_token, kept.pad_token, kept.unk_token) == (
+        fresh.bos_token, fresh.eos_token, fresh.pad_token, fresh.unk_token)
+    assert kept.all_special_ids == fresh.all_special_ids
+    assert type(kept_config) is type(fresh_config)
+    drop = ("_name_or_path", "transformers_version")
+    assert ({k: v for k, v in kept_config.to_dict().items() if k not in drop}
+            == {k: v for k, v in fresh_config.to_dict().items() if k not in drop})
+
+    monkeypatch.undo()
+    monkeypatch.setenv(reader.CACHE_ENV, str(tmp_path / "cache"))
+    with open(os.path.join(folder, "tokenizer", "tokenizer.json"), "w") as f:
+        f.write("{not json")
+    again = reader.load_gguf_tokenizer(path)  # (a warning, then converted again and saved anew)
+    assert again.get_vocab() == fresh.get_vocab()
+    assert reader.load_gguf_tokenizer(path).get_vocab() == fresh.get_vocab()
+
+    monkeypatch.setenv(reader.CACHE_ENV, "off")
+    assert reader.converted_cache_dir(path) is None
