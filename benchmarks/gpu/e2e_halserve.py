@@ -107,6 +107,12 @@ def main() -> int:
           f"backend {runner.attn_backend_cls.name}, graphs {'captured: ' + str(runner.step_graphs.sizes[-1]) if runner.step_graphs else 'none'}",
           flush=True)
     results: dict = {"label": label, "weight_bytes": weights, "peak_gbps": args.peak_gbps, "decode": [], "offline": None}
+
+    def save() -> None:  # after every figure: a step cut off by its time limit keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+
     graphs = runner.step_graphs
     modes = ["graphs"] + ([] if args.no_eager else ["eager"])
     for mode in modes:
@@ -124,6 +130,7 @@ def main() -> int:
             print(f"[halserve] {label} decode batch {batch:3d} ctx {args.context} {mode:6s}: "
                   f"{row['tokens_per_s']:9.1f} tok/s ({row['step_ms']:.2f} ms/step); roofline "
                   f"{row['roofline_tokens_per_s']:9.1f} tok/s ({row['fraction_of_roofline']:.0%})", flush=True)
+            save()
     runner.step_graphs = graphs
     if args.offline_prompts:
         prompts = random_prompts(args.offline_prompts, args.offline_in, info.vocab_size, seed=1)
@@ -139,9 +146,7 @@ def main() -> int:
         print(f"[halserve] {label} offline {len(prompts)} x {args.offline_in} in / {args.offline_out} out: "
               f"{results['offline']['output_tokens_per_s']:.1f} output tok/s, "
               f"{results['offline']['total_tokens_per_s']:.1f} total tok/s ({elapsed:.2f} s)", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    save()
     engine.shutdown()
     return 0
 
