@@ -120,8 +120,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.gguf_qtype is not None:  # the blocks as stored (a tied embedding reads them too)
             self.prepared_weight = None
             return
-        prepared = self.gemm.prepare_weight(self.weight.data)
-        self.prepared_weight = None if prepared is self.weight.data else prepared
+        data = self.weight.data  # (a new tensor object at every read: compared once)
+        prepared = self.gemm.prepare_weight(data)
+        self.prepared_weight = None if prepared is data else prepared
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [N, hidden] -> logits [N, vocab] float32

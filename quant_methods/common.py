@@ -118,8 +118,9 @@ def prepare_gemm_weight(layer: nn.Module) -> None:
     """Let ``layer.gemm_kernel`` repack ``layer.weight`` once, after loading (e.g. oneDNN's blocked layout,
     or the CPU fp8 kernel's tile order); the checkpoint's copy is then dropped so the weight is not held
     twice. ``gemm_weight(layer)`` is what to pass the kernel."""
-    prepared = layer.gemm_kernel.prepare_weight(layer.weight.data)
-    if prepared is not layer.weight.data:
+    data = layer.weight.data  # (``.data`` is a new tensor object at every read: compared once)
+    prepared = layer.gemm_kernel.prepare_weight(data)
+    if prepared is not data:
         layer.prepared_weight = prepared
         layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
 

@@ -44,6 +44,9 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+WARMUP_STEPS = 4
+
+
 def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[dict]:
     import numpy as np
 
@@ -52,24 +55,28 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[dict]:
 
 
 def weight_bytes(model) -> int:
+    """Bytes a decode step reads from the weights: every weight storage (parameters, and the copies
+    the GEMM kernels prepared from them, which replace the parameters: halserve.platforms.weight_moves)
+    except the input embedding (a step reads ``batch`` rows of it; counted when tied to the LM head,
+    which reads it whole) and buffers (the rotary tables: a step reads a few rows)."""
+    from halserve.platforms.weight_moves import weight_storages
+
+    def key(t) -> tuple[str, int]:
+        return str(t.device), t.untyped_storage().data_ptr()
+
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    skip = {id(p) for p in embed.parameters()} if embed is not None else set()
     lm_head = getattr(model, "lm_head", None)
-    tied = lm_head is not None and any(id(p) in skip for p in lm_head.parameters())
-    total = 0
-    for p in model.parameters():
-        if id(p) not in skip or tied:  # a tied table is read whole, by the LM head
-            total += p.numel() * p.element_size()
-    # (the GPU GEMMs read the parameters as they are; a CPU kernel's repacked copies are not counted:
-    # the dry run's roofline means nothing)
-    return total
+    embedding = {key(p) for p in embed.parameters()} if embed is not None else set()
+    tied = lm_head is not None and any(key(p) in embedding for p in lm_head.parameters())
+    skip = {key(b) for b in model.buffers()} | (set() if tied else embedding)
+    return sum(t.untyped_storage().nbytes() for t in weight_storages(model) if key(t) not in skip)
 
 
 def decode(engine, batch: int, context: int, steps: int, vocab: int, seed: int) -> float:
     """Seconds per decode step of ``batch`` requests at about ``context`` tokens."""
     from halserve import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + WARMUP_STEPS + 16, ignore_eos=True, detokenize=False)
     ids = [f"decode-{batch}-{seed}-{i}" for i in range(batch)]
     for rid, prompt in zip(ids, random_prompts(batch, context, vocab, seed)):
         engine.add_request(rid, prompt, params)
@@ -80,6 +87,8 @@ def decode(engine, batch: int, context: int, steps: int, vocab: int, seed: int) 
             done[out.request_id] = len(out.outputs[0].token_ids)
         if time.monotonic() > deadline:
             raise RuntimeError(f"prefill of {batch} x {context} did not finish in 300 s")
+    for _ in range(WARMUP_STEPS):  # (kernels this batch shape compiles on first use: not timed)
+        engine.step()
     start = time.perf_counter()
     for _ in range(steps):
         outs = engine.step()
@@ -121,7 +130,7 @@ def main() -> int:
             print(f"[halserve] {label}: no graphs were captured on this platform; 'graphs' rows run eagerly")
         for batch in args.batch:
             step_s = decode(engine, batch, args.context, args.decode_steps, info.vocab_size, seed=batch)
-            kv = batch * (args.context + args.decode_steps // 2) * info.kv_cache_bytes_per_token
+            kv = batch * (args.context + WARMUP_STEPS + args.decode_steps // 2) * info.kv_cache_bytes_per_token
             roof_s = (weights + kv) / (args.peak_gbps * 1e9)
             row = {"mode": mode, "batch": batch, "context": args.context, "step_ms": step_s * 1e3,
                    "tokens_per_s": batch / step_s, "roofline_tokens_per_s": batch / roof_s,

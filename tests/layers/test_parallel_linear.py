@@ -135,3 +135,45 @@ def test_rms_norm_fused_residual_and_silu_and_mul():
     torch.testing.assert_close(out, s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight)
     y = torch.randn(3, 10)
     torch.testing.assert_close(SiluAndMul(5, CTX)(y), F.silu(y[:, :5]) * y[:, 5:])
+
+
+def test_a_kernel_that_keeps_the_weight_as_is_leaves_it_a_parameter():
+    """The cuda platform's ``gemm`` (torch's F.linear, no repacking) gives the weight back from
+    ``prepare_weight``: the layers keep it as their parameter (what sleep mode, LoRA and weight
+    accounting read) and hold no second reference. (``param.data`` is a new object at every read:
+    comparing two reads made every weight look "prepared" and emptied the parameter; the H200 run of
+    2026-11-28 counted Llama-3.1-8B's parameters as 1.05 GB.)"""
+    from halserve.platforms.weight_moves import weight_storages
+
+    ctx = ModelContext("cuda", torch.float32, TorchAttentionBackend)  # (its kernels resolve on any host)
+    w, x = torch.randn(8, 6), torch.randn(3, 6)
+    layer = ColumnParallelLinear(6, 8, False, ctx, "col")
+    assert type(layer.gemm_kernel).__name__ == "TorchGemm"
+    load(layer, "weight", w)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight.shape == (8, 6) and getattr(layer, "prepared_weight", None) is None
+    torch.testing.assert_close(layer(x), F.linear(x, w))
+    head = ParallelLMHead(10, 6, ctx)
+    load(head, "weight", torch.randn(10, 6))
+    head.process_weights_after_loading()
+    assert head.prepared_weight is None and head.weight.shape == (10, 6)
+    assert sum(t.untyped_storage().nbytes() for t in weight_storages(layer)) == w.numel() * 4
+
+
+def test_a_kernel_that_repacks_the_weight_drops_the_dense_copy():
+    from halserve.kernels.reference import TorchGemm
+
+    class Transposing(TorchGemm):
+        def prepare_weight(self, weight):
+            return weight.t().contiguous()
+
+        def __call__(self, x, weight, bias=None):
+            return F.linear(x, weight.t(), bias)
+
+    w, x = torch.randn(8, 6), torch.randn(3, 6)
+    layer = ColumnParallelLinear(6, 8, False, CTX, "col")
+    layer.gemm_kernel = Transposing()
+    load(layer, "weight", w)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight.numel() == 0 and layer.prepared_weight.shape == (6, 8)
+    torch.testing.assert_close(layer(x), F.linear(x, w))

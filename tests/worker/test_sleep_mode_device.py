@@ -135,8 +135,10 @@ def _pinned_back_to(before: int | None) -> bool:  # (16 MiB of slack for torch's
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # (tied weights once)
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    """Every storage sleep mode moves (parameters, buffers, kernels' prepared copies; tied weights once)."""
+    from halserve.platforms.weight_moves import weight_storages
+
+    return sum(t.untyped_storage().nbytes() for t in weight_storages(model))
 
 
 @pytest.mark.gpu
