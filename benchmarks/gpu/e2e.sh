@@ -12,11 +12,14 @@
 #   4. prefill (30) [~15]  the Triton prefill kernel's TFLOP/s (bench_paged_attention.py)
 #   5. serve   (90) [~60]  halserve serve Llama-3.1-8B + halserve bench serve: 200 prompts 512/128 at
 #                          concurrency 64: TTFT, TPOT
-#   6. peer    (60+100) [~50+90] transformers generate (static cache; transformers compiles the decode
-#                          step itself, torch.compile reduce-overhead) on the same workloads: Qwen2.5-0.5B
-#                          decode, then Llama-3.1-8B decode and offline 128 prompts (2 batches of 64)
+#   6. peer    (90+170) [>60, >140 on the H200] transformers generate (static cache; transformers compiles
+#                          the decode step itself, torch.compile reduce-overhead) on the same workloads:
+#                          Qwen2.5-0.5B decode, then Llama-3.1-8B decode and offline 64 prompts (one batch).
+#                          (2026-11-28, H200: compiling took most of 60 / 100 s; the 8B decode rows alone
+#                          took 140 s; the offline part never ran)
 #   7. summary: every figure in one table, with the halserve / transformers ratios
-# About 6-7 minutes in all on an H100 (9.5 if every limit were reached: run it with timeout_s 600). Returns to $OUT:
+# About 7-8 minutes in all on an H200 (on 2026-11-28 steps 1-5 took 199 s; 10.5 if every limit were
+# reached: run it with timeout_s 600, or as run_gpu_checks.sh's "lease", which cuts what follows to a deadline). Returns to $OUT:
 # e2e.log (everything), e2e_summary.json, serve_server.log. DRY_RUN=1: tiny configs on the CPU
 # (graph rows then run eagerly: the CPU platform captures none), small counts, the same code paths.
 set -uo pipefail
@@ -44,10 +47,10 @@ else
     decode=(--batch 1 64 --context 1024 --decode-steps 32 --max-model-len 2048)
     offline=(--offline-prompts 200 --offline-in 512 --offline-out 128)
     hf_decode=(--batch 1 64 --context 1024 --decode-steps 32)
-    hf_offline=(--offline-prompts 128 --offline-batch 64 --offline-in 512 --offline-out 128)
+    hf_offline=(--offline-prompts 64 --offline-batch 64 --offline-in 512 --offline-out 128)
     serve_args=(--num-prompts 200 --random-input-len 512 --random-output-len 128 --max-concurrency 64)
     serve_engine=(--max-model-len 2048)
-    t_tests=80; t_small=60; t_big=110; t_prefill=30; t_serve=90; t_peer_small=60; t_peer_big=100
+    t_tests=80; t_small=60; t_big=110; t_prefill=30; t_serve=90; t_peer_small=90; t_peer_big=170
 fi
 
 step() {  # step NAME LIMIT CMD...: run under `timeout`, log, remember the outcome

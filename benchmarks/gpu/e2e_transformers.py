@@ -69,6 +69,12 @@ def main() -> int:
         return time.perf_counter() - start
 
     results: dict = {"label": label, "decode": [], "offline": None}
+
+    def save() -> None:  # after every figure: a step cut off by its time limit keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+
     for batch in args.batch:
         new = args.decode_steps + 1
         generate(batch, args.context, new)  # compile (the decode step, at this batch and cache size)
@@ -84,6 +90,7 @@ def main() -> int:
         results["decode"].append(row)
         print(f"[transformers] {label} decode batch {batch:3d} ctx {args.context} static+compile: "
               f"{row['tokens_per_s']:9.1f} tok/s ({row['step_ms']:.2f} ms/step)", flush=True)
+        save()
     if args.offline_prompts:
         batches = -(-args.offline_prompts // args.offline_batch)
         generate(args.offline_batch, args.offline_in, args.offline_out)  # compile
@@ -95,9 +102,7 @@ def main() -> int:
         print(f"[transformers] {label} offline {num} x {args.offline_in} in / {args.offline_out} out "
               f"(batches of {args.offline_batch}): {results['offline']['output_tokens_per_s']:.1f} output tok/s "
               f"({elapsed:.2f} s)", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    save()
     return 0
 
 
