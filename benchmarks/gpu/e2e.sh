@@ -35,7 +35,7 @@ status=()
 
 if [ -n "${DRY_RUN:-}" ]; then
     suffix=-tiny; tiny=--tiny; dtype=float32; platform=(--platform cpu); scale=dry
-    decode=(--batch 1 4 --context 32 --decode-steps 4 --max-num-seqs 8 --max-num-batched-tokens 256 --max-model-len 256)
+    decode=(--batch 1 4 --context 32 --decode-steps 4 --profile 2 --max-num-seqs 8 --max-num-batched-tokens 256 --max-model-len 256)
     offline=(--offline-prompts 8 --offline-in 16 --offline-out 8)
     hf_decode=(--batch 1 4 --context 32 --decode-steps 4)
     hf_offline=(--offline-prompts 8 --offline-batch 4 --offline-in 16 --offline-out 8)
@@ -44,7 +44,7 @@ if [ -n "${DRY_RUN:-}" ]; then
     t_tests=300; t_small=300; t_big=300; t_prefill=300; t_serve=300; t_peer_small=300; t_peer_big=300
 else
     suffix=; tiny=; dtype=bfloat16; platform=(); scale=full
-    decode=(--batch 1 64 --context 1024 --decode-steps 32 --max-model-len 2048)
+    decode=(--batch 1 64 --context 1024 --decode-steps 32 --max-model-len 2048 --profile 3)
     offline=(--offline-prompts 200 --offline-in 512 --offline-out 128)
     hf_decode=(--batch 1 64 --context 1024 --decode-steps 32)
     hf_offline=(--offline-prompts 64 --offline-batch 64 --offline-in 512 --offline-out 128)

@@ -40,6 +40,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-eager", action="store_true", help="graphs only")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after each decode figure, profile STEPS more steps (torch.profiler): wall vs device time "
+                        "per step, kernel launches per step, the costliest kernels and host ops")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
@@ -72,11 +75,51 @@ def weight_bytes(model) -> int:
     return sum(t.untyped_storage().nbytes() for t in weight_storages(model) if key(t) not in skip)
 
 
-def decode(engine, batch: int, context: int, steps: int, vocab: int, seed: int) -> float:
-    """Seconds per decode step of ``batch`` requests at about ``context`` tokens."""
+def profile_steps(engine, steps: int, title: str) -> dict:
+    """``steps`` engine steps under torch.profiler: per step, the wall time, the time the device's kernels
+    ran (their durations summed: one stream, so not overlapping), how many kernels ran; and the costliest
+    kernels and host-side ops. Where kernels run back to back the device time is the step; the gap between
+    the two is the host's share (Python, launches, syncs)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    averages = prof.key_averages()
+
+    def device_us(e) -> float:
+        return float(getattr(e, "self_device_time_total", 0.0) or 0.0)
+
+    kernels = [e for e in averages if device_us(e) > 0 and not e.key.startswith(("cuda", "Memcpy", "Memset"))]
+    device = sum(device_us(e) for e in kernels) / 1e3 / steps  # ms per step
+    launches = sum(e.count for e in kernels) / steps
+    top_kernels = sorted(kernels, key=device_us, reverse=True)[:6]
+    host = sorted((e for e in averages if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total, reverse=True)[:6]
+    out = {"wall_ms": wall * 1e3, "device_ms": device, "kernels_per_step": launches,
+           "top_kernels": [(e.key[:60], device_us(e) / 1e3 / steps) for e in top_kernels],
+           "top_host_ops": [(e.key[:60], e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in host]}
+    print(f"[profile] {title}: wall {out['wall_ms']:.2f} ms/step, device kernels {device:.2f} ms/step "
+          f"({device / out['wall_ms']:.0%}), {launches:.0f} kernels/step", flush=True)
+    print("[profile]   kernels (ms/step): " + "; ".join(f"{k} {ms:.3f}" for k, ms in out["top_kernels"]), flush=True)
+    print("[profile]   host ops (self ms/step, calls/step): "
+          + "; ".join(f"{k} {ms:.3f} x{n:.0f}" for k, ms, n in out["top_host_ops"]), flush=True)
+    return out
+
+
+def decode(engine, batch: int, context: int, steps: int, vocab: int, seed: int,
+           profile: int = 0, title: str = "") -> tuple[float, dict | None]:
+    """Seconds per decode step of ``batch`` requests at about ``context`` tokens (and, with ``profile``,
+    that many more steps' profile)."""
     from halserve import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=steps + WARMUP_STEPS + 16, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + WARMUP_STEPS + profile + 16, ignore_eos=True,
+                            detokenize=False)
     ids = [f"decode-{batch}-{seed}-{i}" for i in range(batch)]
     for rid, prompt in zip(ids, random_prompts(batch, context, vocab, seed)):
         engine.add_request(rid, prompt, params)
@@ -94,10 +137,11 @@ def decode(engine, batch: int, context: int, steps: int, vocab: int, seed: int) 
         outs = engine.step()
         assert len(outs) == batch, f"a decode step advanced {len(outs)} of {batch} requests"
     elapsed = time.perf_counter() - start
+    profiled = profile_steps(engine, profile, title) if profile else None
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return elapsed / steps
+    return elapsed / steps, profiled
 
 
 def main() -> int:
@@ -129,12 +173,13 @@ def main() -> int:
         if mode == "graphs" and graphs is None:
             print(f"[halserve] {label}: no graphs were captured on this platform; 'graphs' rows run eagerly")
         for batch in args.batch:
-            step_s = decode(engine, batch, args.context, args.decode_steps, info.vocab_size, seed=batch)
+            step_s, profiled = decode(engine, batch, args.context, args.decode_steps, info.vocab_size, seed=batch,
+                                      profile=args.profile, title=f"{label} batch {batch} {mode}")
             kv = batch * (args.context + WARMUP_STEPS + args.decode_steps // 2) * info.kv_cache_bytes_per_token
             roof_s = (weights + kv) / (args.peak_gbps * 1e9)
             row = {"mode": mode, "batch": batch, "context": args.context, "step_ms": step_s * 1e3,
                    "tokens_per_s": batch / step_s, "roofline_tokens_per_s": batch / roof_s,
-                   "fraction_of_roofline": roof_s / step_s}
+                   "fraction_of_roofline": roof_s / step_s, "profile": profiled}
             results["decode"].append(row)
             print(f"[halserve] {label} decode batch {batch:3d} ctx {args.context} {mode:6s}: "
                   f"{row['tokens_per_s']:9.1f} tok/s ({row['step_ms']:.2f} ms/step); roofline "
