@@ -9,6 +9,7 @@
 #                          == transformers, token for token (tests/platforms/triton/test_triton_engine_gpu.py)
 #   2. decode  (60) [~35]  Qwen2.5-0.5B, batch 1 and 64 at context 1024, graphs then eager, beside the roofline
 #   3. decode  (110) [~70] Llama-3.1-8B, the same, then offline 200 prompts x 512 in / 128 out (graphs)
+#   3b. async  (45+45)     both models' decode rows again with --async-scheduling (graphs, uni executor)
 #   4. prefill (30) [~15]  the Triton prefill kernel's TFLOP/s (bench_paged_attention.py)
 #   5. serve   (90) [~60]  halserve serve Llama-3.1-8B + halserve bench serve: 200 prompts 512/128 at
 #                          concurrency 64: TTFT, TPOT
@@ -18,7 +19,7 @@
 #                          (2026-11-28, H200: compiling took most of 60 / 100 s; the 8B decode rows alone
 #                          took 140 s; the offline part never ran)
 #   7. summary: every figure in one table, with the halserve / transformers ratios
-# About 7-8 minutes in all on an H200 (on 2026-11-28 steps 1-5 took 199 s; 10.5 if every limit were
+# About 8-9 minutes in all on an H200 (on 2026-11-28 steps 1-5 took 199 s; 12 if every limit were
 # reached: run it with timeout_s 600, or as run_gpu_checks.sh's "lease", which cuts what follows to a deadline). Returns to $OUT:
 # e2e.log (everything), e2e_summary.json, serve_server.log. DRY_RUN=1: tiny configs on the CPU
 # (graph rows then run eagerly: the CPU platform captures none), small counts, the same code paths.
@@ -41,7 +42,7 @@ if [ -n "${DRY_RUN:-}" ]; then
     hf_offline=(--offline-prompts 8 --offline-batch 4 --offline-in 16 --offline-out 8)
     serve_args=(--num-prompts 8 --random-input-len 16 --random-output-len 8 --max-concurrency 4)
     serve_engine=(--platform cpu --max-model-len 256 --max-num-seqs 8)
-    t_tests=300; t_small=300; t_big=300; t_prefill=300; t_serve=300; t_peer_small=300; t_peer_big=300
+    t_tests=300; t_small=300; t_big=300; t_prefill=300; t_serve=300; t_peer_small=300; t_peer_big=300; t_async=300
 else
     suffix=; tiny=; dtype=bfloat16; platform=(); scale=full
     decode=(--batch 1 64 --context 1024 --decode-steps 32 --max-model-len 2048 --profile 3)
@@ -50,7 +51,7 @@ else
     hf_offline=(--offline-prompts 64 --offline-batch 64 --offline-in 512 --offline-out 128)
     serve_args=(--num-prompts 200 --random-input-len 512 --random-output-len 128 --max-concurrency 64)
     serve_engine=(--max-model-len 2048)
-    t_tests=80; t_small=60; t_big=110; t_prefill=30; t_serve=90; t_peer_small=90; t_peer_big=170
+    t_tests=80; t_small=60; t_big=110; t_prefill=30; t_serve=90; t_peer_small=90; t_peer_big=170; t_async=45
 fi
 
 step() {  # step NAME LIMIT CMD...: run under `timeout`, log, remember the outcome
@@ -83,6 +84,15 @@ step decode-qwen2.5-0.5b "$t_small" python3 $here/e2e_halserve.py --model "$smal
 step decode-llama-3.1-8b "$t_big" python3 $here/e2e_halserve.py --model "$big" --label llama-3.1-8b \
     --dtype $dtype "${platform[@]}" --peak-gbps "$PEAK" "${decode[@]}" "${offline[@]}" \
     --json "$WORK/json/halserve_big.json"
+
+# 3b. async scheduling (issue 25: step N+1 scheduled while N runs; the sampled ids stay on the device),
+#     graphs only, the same decode rows: what it saves of the host's share of a step
+step decode-async-qwen2.5-0.5b "$t_async" python3 $here/e2e_halserve.py --model "$small" --label qwen2.5-0.5b \
+    --dtype $dtype "${platform[@]}" --peak-gbps "$PEAK" "${decode[@]}" --no-eager --async-scheduling \
+    --json "$WORK/json/halserve_small_async.json"
+step decode-async-llama-3.1-8b "$t_async" python3 $here/e2e_halserve.py --model "$big" --label llama-3.1-8b \
+    --dtype $dtype "${platform[@]}" --peak-gbps "$PEAK" "${decode[@]}" --no-eager --async-scheduling \
+    --json "$WORK/json/halserve_big_async.json"
 
 # 4. the prefill kernel
 if [ -n "${DRY_RUN:-}" ]; then

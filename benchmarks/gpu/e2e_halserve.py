@@ -40,6 +40,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-eager", action="store_true", help="graphs only")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engine schedules step N+1 while step N runs (the uni executor: its runner is read "
+                        "here); rows are named graphs+async / eager+async")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after each decode figure, profile STEPS more steps (torch.profiler): wall vs device time "
                         "per step, kernel launches per step, the costliest kernels and host ops")
@@ -113,9 +116,10 @@ def profile_steps(engine, steps: int, title: str) -> dict:
 
 
 def decode(engine, batch: int, context: int, steps: int, vocab: int, seed: int,
-           profile: int = 0, title: str = "") -> tuple[float, dict | None]:
+           profile: int = 0, title: str = "", lagged: bool = False) -> tuple[float, dict | None]:
     """Seconds per decode step of ``batch`` requests at about ``context`` tokens (and, with ``profile``,
-    that many more steps' profile)."""
+    that many more steps' profile). ``lagged`` (async scheduling): a step returns the outputs of the one
+    before, so the timed steps are counted by the tokens they returned, not asserted one per request."""
     from halserve import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + WARMUP_STEPS + profile + 16, ignore_eos=True,
@@ -133,10 +137,14 @@ def decode(engine, batch: int, context: int, steps: int, vocab: int, seed: int,
     for _ in range(WARMUP_STEPS):  # (kernels this batch shape compiles on first use: not timed)
         engine.step()
     start = time.perf_counter()
+    advanced = 0
     for _ in range(steps):
         outs = engine.step()
-        assert len(outs) == batch, f"a decode step advanced {len(outs)} of {batch} requests"
+        advanced += len(outs)
+        assert lagged or len(outs) == batch, f"a decode step advanced {len(outs)} of {batch} requests"
     elapsed = time.perf_counter() - start
+    if lagged:  # (steady state: every step answers each request once; one more or less at the edges)
+        assert abs(advanced - steps * batch) <= batch, (advanced, steps, batch)
     profiled = profile_steps(engine, profile, title) if profile else None
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
@@ -151,7 +159,8 @@ def main() -> int:
     label = args.label or args.model
     llm = LLM(args.model, load_format="dummy", dtype=args.dtype, platform=args.platform,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+              **({"async_scheduling": True, "distributed_executor_backend": "uni"} if args.async_scheduling else {}))
     engine = llm.llm_engine
     runner = engine.core.executor.worker.model_runner
     info = engine.model_info
@@ -170,18 +179,20 @@ def main() -> int:
     modes = ["graphs"] + ([] if args.no_eager else ["eager"])
     for mode in modes:
         runner.step_graphs = graphs if mode == "graphs" else None  # eager: what --enforce-eager runs
+        name = mode + ("+async" if args.async_scheduling else "")
         if mode == "graphs" and graphs is None:
             print(f"[halserve] {label}: no graphs were captured on this platform; 'graphs' rows run eagerly")
         for batch in args.batch:
             step_s, profiled = decode(engine, batch, args.context, args.decode_steps, info.vocab_size, seed=batch,
-                                      profile=args.profile, title=f"{label} batch {batch} {mode}")
+                                      profile=args.profile, title=f"{label} batch {batch} {name}",
+                                      lagged=args.async_scheduling)
             kv = batch * (args.context + WARMUP_STEPS + args.decode_steps // 2) * info.kv_cache_bytes_per_token
             roof_s = (weights + kv) / (args.peak_gbps * 1e9)
-            row = {"mode": mode, "batch": batch, "context": args.context, "step_ms": step_s * 1e3,
+            row = {"mode": name, "batch": batch, "context": args.context, "step_ms": step_s * 1e3,
                    "tokens_per_s": batch / step_s, "roofline_tokens_per_s": batch / roof_s,
                    "fraction_of_roofline": roof_s / step_s, "profile": profiled}
             results["decode"].append(row)
-            print(f"[halserve] {label} decode batch {batch:3d} ctx {args.context} {mode:6s}: "
+            print(f"[halserve] {label} decode batch {batch:3d} ctx {args.context} {name:6s}: "
                   f"{row['tokens_per_s']:9.1f} tok/s ({row['step_ms']:.2f} ms/step); roofline "
                   f"{row['roofline_tokens_per_s']:9.1f} tok/s ({row['fraction_of_roofline']:.0%})", flush=True)
             save()

@@ -34,24 +34,28 @@ def summarize(folder: str, log: str | None = None) -> tuple[dict, list[str]]:
     summary: dict = {"decode": [], "offline": [], "serve": None, "prefill_tflops": []}
     for size in ("small", "big"):
         ours, peer = _load(folder, f"halserve_{size}.json"), _load(folder, f"hf_{size}.json")
+        lagged = _load(folder, f"halserve_{size}_async.json")  # the same rows with async scheduling, if run
         if ours is None:
             lines.append(f"halserve {size} model: missing (its step failed or was cut off)")
             continue
         label = ours["label"]
         hf_rows = {r["batch"]: r for r in (peer or {}).get("decode", [])}
         by_batch: dict[int, dict] = {}
-        for row in ours["decode"]:
+        for row in ours["decode"] + (lagged or {}).get("decode", []):
             by_batch.setdefault(row["batch"], {"roofline": row["roofline_tokens_per_s"]})[row["mode"]] = row["tokens_per_s"]
         for batch, row in sorted(by_batch.items()):
             hf = hf_rows.get(batch, {}).get("tokens_per_s")
             entry = {"model": label, "batch": batch, "context": ours["decode"][0]["context"],
                      "graphs_tokens_per_s": row.get("graphs"), "eager_tokens_per_s": row.get("eager"),
+                     "graphs_async_tokens_per_s": row.get("graphs+async"),
                      "roofline_tokens_per_s": row["roofline"], "transformers_tokens_per_s": hf}
             summary["decode"].append(entry)
             graphs = row.get("graphs")
             lines.append(
                 f"decode {label:14s} batch {batch:3d} ctx {entry['context']}: graphs {_fmt(graphs)} tok/s, "
-                f"eager {_fmt(row.get('eager'))} (graphs/eager {_ratio(graphs, row.get('eager'))}), roofline "
+                f"eager {_fmt(row.get('eager'))} (graphs/eager {_ratio(graphs, row.get('eager'))}), "
+                + (f"graphs+async {_fmt(row['graphs+async'])} ({_ratio(row['graphs+async'], graphs)} of graphs), "
+                   if lagged is not None else "") + "roofline "
                 f"{_fmt(row['roofline'])} ({_ratio(graphs, row['roofline'])} of it), transformers {_fmt(hf)} "
                 f"(halserve/transformers {_ratio(graphs, hf)})")
         if ours.get("offline"):
