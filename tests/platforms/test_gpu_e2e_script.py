@@ -45,8 +45,18 @@ def test_summary_reports_missing_steps(tmp_path):
                    capture_output=True, text=True)
     summary = json.loads(out.read_text())
     assert summary["decode"] == [{"model": "m", "batch": 1, "context": 8, "graphs_tokens_per_s": 30.0,
-                                  "eager_tokens_per_s": 10.0, "roofline_tokens_per_s": 60.0,
-                                  "transformers_tokens_per_s": 15.0}]
+                                  "eager_tokens_per_s": 10.0, "graphs_async_tokens_per_s": None,
+                                  "roofline_tokens_per_s": 60.0, "transformers_tokens_per_s": 15.0}]
+    lines = subprocess.run([sys.executable, os.path.join(GPU, "e2e_summary.py"), str(folder), str(out)], check=True,
+                           capture_output=True, text=True).stdout
+    assert "graphs+async" not in lines  # no async step ran: no column
+    (folder / "halserve_small_async.json").write_text(json.dumps({
+        "label": "m", "decode": [{"mode": "graphs+async", "batch": 1, "context": 8, "tokens_per_s": 45.0,
+                                  "roofline_tokens_per_s": 60.0}], "offline": None}))
+    lines = subprocess.run([sys.executable, os.path.join(GPU, "e2e_summary.py"), str(folder), str(out)], check=True,
+                           capture_output=True, text=True).stdout
+    assert "graphs+async 45.0 (1.50x of graphs)" in lines, lines
+    assert json.loads(out.read_text())["decode"][0]["graphs_async_tokens_per_s"] == 45.0
     assert summary["serve"] is None
 
 
@@ -61,8 +71,9 @@ def test_e2e_dry_run(tmp_path):
                           capture_output=True, text=True, timeout=1500)
     log = (out / "e2e.log").read_text() if (out / "e2e.log").exists() else proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    for name in ("tests", "decode-qwen2.5-0.5b", "decode-llama-3.1-8b", "prefill-kernel", "serve-llama-3.1-8b",
-                 "peer-qwen2.5-0.5b", "peer-llama-3.1-8b"):
+    for name in ("tests", "decode-qwen2.5-0.5b", "decode-llama-3.1-8b", "decode-async-qwen2.5-0.5b",
+                 "decode-async-llama-3.1-8b", "prefill-kernel", "serve-llama-3.1-8b", "peer-qwen2.5-0.5b",
+                 "peer-llama-3.1-8b"):
         assert f"=== {name}: ok" in log, name
     summary = json.loads((out / "e2e_summary.json").read_text())
     assert summary["scale"] == "dry"
@@ -70,10 +81,12 @@ def test_e2e_dry_run(tmp_path):
     assert set(rows) == {(m, b) for m in ("qwen2.5-0.5b", "llama-3.1-8b") for b in (1, 4)}
     for row in rows.values():
         assert row["graphs_tokens_per_s"] > 0 and row["eager_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0
+        assert row["graphs_async_tokens_per_s"] > 0  # the same rows with --async-scheduling
         assert row["roofline_tokens_per_s"] > row["graphs_tokens_per_s"]
     (offline,) = summary["offline"]
     assert offline["prompts"] == 8 and offline["transformers_output_tokens_per_s"] > 0
     assert summary["serve"]["completed"] == 8 and summary["serve"]["failed"] == 0
     assert summary["prefill_tflops"] and "TFLOP/s" in summary["prefill_tflops"][0]
+    assert log.count("[profile]") >= 3 * 12  # three lines per decode row (--profile): 12 rows
     # what comes back from a device run: at most 8 files
     assert sorted(os.listdir(out)) == ["device.txt", "e2e.log", "e2e_summary.json", "serve_server.log"]
