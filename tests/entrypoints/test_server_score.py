@@ -226,11 +226,10 @@ def test_lora_adapter_selected_by_model(second_server):
 
 def test_client_disconnect_aborts_the_embeddings(second_server):
     url = second_server.url
-    # 4,000 distinct documents take seconds to queue; the client leaves once the first are being
-    # embedded: queueing stops there (it used to go on for every document) and the rest is aborted.
-    # Each document spans a few 32-token steps, so the engine is always behind the queueing and some
-    # are in flight when the client leaves (with 10-token documents it sometimes had finished every
-    # queued one by then, and nothing was left to abort)
+    # 4,000 distinct documents reach the engine core in one round trip (AsyncLLM.submit_all); the client
+    # leaves once the first are being embedded, and the rest is aborted rather than embedded for nobody.
+    # Each document spans a few 32-token steps, so most are still waiting when the client leaves. (Before
+    # the batch was queued in one round trip, queueing itself took seconds and stopped at the disconnect.)
     documents = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * 8 for i in range(4000)]
     num_finished_before = num_finished(url)
     before = wait_idle(url)
@@ -253,7 +252,8 @@ def test_client_disconnect_aborts_the_embeddings(second_server):
     num_ended = num_finished(url) - num_finished_before
     time.sleep(1)
     assert num_finished(url) - num_finished_before == num_ended  # nothing more arrives
-    assert 0 < num_ended < len(documents) // 4, num_ended
     after = wait_idle(url)
-    assert after[key] - before[key] > 0
+    aborted = after[key] - before[key]
+    assert aborted > len(documents) // 2, (aborted, num_ended)  # most never ran
+    assert 0 <= num_ended - aborted < len(documents) // 4, (aborted, num_ended)  # few were embedded
     assert after["halserve:kv_cache_usage_perc"] == pytest.approx(before["halserve:kv_cache_usage_perc"], abs=1e-9)
