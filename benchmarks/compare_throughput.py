@@ -50,7 +50,11 @@ def _run(cmd: list[str], env: dict | None = None) -> dict | None:
         out = f.name
     cmd = [c.replace("{json}", out) for c in cmd]
     print("$", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, text=True, capture_output=True)
+    # (every engine runs outside the checkout, as compare_serving.py's servers do: from its root, vLLM's
+    # `python -m` model inspection puts the repository's top-level folders on sys.path and imports this
+    # repository's kernels/ as the `kernels` package, and fails)
+    proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, text=True, capture_output=True,
+                          cwd=tempfile.gettempdir())
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
     print(tail, flush=True)
     if proc.returncode != 0:
@@ -72,7 +76,7 @@ def main() -> None:
     rows = []
     for name in args.workloads:
         w = WORKLOADS[name]
-        path = ensure_checkpoint(name, args.models_dir)
+        path = os.path.abspath(ensure_checkpoint(name, args.models_dir))  # (the engines run in a temporary folder)
         n, i, o = str(w["num_prompts"]), str(w["input_len"]), str(w["output_len"])
         res = {"workload": name}
         engines = {"halserve": ([sys.executable, "-m", "halserve.entrypoints.cli", "bench", "throughput", "--model", path,
