@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-"""``auto`` stores K/V in the model dtype; ``fp8`` is the platform's e4m3 flavour."""
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""``auto`` stores K/V in the model dtype; ``bfloat16`` stores them in bfloat16 whatever the model computes in
+(vLLM's name; under a float32 model half the bytes a decode step reads, as llama.cpp's default f16 cache);
+``fp8`` is the platform's e4m3 flavour."""
 
 
 @dataclass

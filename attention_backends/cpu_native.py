@@ -39,7 +39,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
     name = "cpu_native"
     platforms = ("cpu",)
     dtypes = ("float32", "bfloat16")
-    kv_cache_dtypes = ("auto",)
+    kv_cache_dtypes = ("auto", "bfloat16")  # bfloat16: under a float32 model too (the kernels widen it)
     description = ("native C++ paged decode and prefill (transposed-key cache layout); float32 and bfloat16; "
                    "built on first use")
 
@@ -85,9 +85,9 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: TorchAttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0):
         """q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D]."""
-        if q.dtype not in (torch.float32, torch.bfloat16) or kv_cache.dtype != q.dtype:
-            raise ValueError(f"cpu_native runs float32 or bfloat16 with a cache of the same dtype, got q {q.dtype} "
-                             f"and cache {kv_cache.dtype}; use the torch attention backend")
+        if q.dtype not in (torch.float32, torch.bfloat16) or kv_cache.dtype not in (q.dtype, torch.bfloat16):
+            raise ValueError(f"cpu_native runs float32 or bfloat16 with a cache of the same dtype (or bfloat16), got "
+                             f"q {q.dtype} and cache {kv_cache.dtype}; use the torch attention backend")
         n = metadata.num_actual_tokens
         block_size = kv_cache.shape[3] // self.head_size
         self._kernel.write_kv(kv_cache, k[:n], v[:n], metadata.slot_mapping[:n], block_size)
@@ -119,7 +119,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
                 # [nb, Hk, D, B] -> [1, Hk, nb * B, D];  [nb, Hk, B, D] -> [1, Hk, nb * B, D]
                 kk = keys.index_select(0, block_ids).permute(1, 0, 3, 2).reshape(self.num_kv_heads, -1, self.head_size)
                 vv = values.index_select(0, block_ids).transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)
-                kk, vv = kk[:, : span.seq_len].unsqueeze(0), vv[:, : span.seq_len].unsqueeze(0)
+                kk, vv = kk[:, : span.seq_len].unsqueeze(0).to(q.dtype), vv[:, : span.seq_len].unsqueeze(0).to(q.dtype)
             q_pre = q[span.token_start : span.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
             o = self._attend(q_pre, kk, vv, mask, is_causal=mask is None)
             out[span.token_start : span.token_end] = o.squeeze(0).transpose(0, 1)

@@ -29,7 +29,8 @@ halserve runs in each ``--halserve-modes`` that this install has: ``gguf`` (the 
 through the ``gguf_gemm`` kernel this platform resolves; the row names it), ``f32`` and ``bf16`` (the
 blocks dequantized at load, ``--quantization unquantized``); ``gguf-l1`` (not in ``auto``) is gguf with
 ``HALSERVE_GGUF_ACTIVATION_LEVELS=1``, llama.cpp's one int8 level for every GEMM's activations (the default
-takes two for prompts and the LM head). Both engines get ``--threads`` threads.
+takes two for prompts and the LM head); ``gguf-kv16`` and ``gguf-l1-kv16`` are those two with ``--kv-cache-dtype
+bfloat16`` (llama.cpp's own cache is f16 by default). Both engines get ``--threads`` threads.
 Results go to ``bench_out/llamacpp.json`` and tables on stdout.
 """
 from __future__ import annotations
@@ -60,10 +61,13 @@ MODES = {
     "f32": ["--quantization", "unquantized", "--dtype", "float32"],
     "bf16": ["--quantization", "unquantized", "--dtype", "bfloat16"],
     "gguf-l1": ["--quantization", "gguf", "--dtype", "float32"],  # + MODE_ENV: llama.cpp's arithmetic
+    # the KV cache in bfloat16 (llama.cpp's default cache is f16): half the bytes a decode step's attention reads
+    "gguf-kv16": ["--quantization", "gguf", "--dtype", "float32", "--kv-cache-dtype", "bfloat16"],
+    "gguf-l1-kv16": ["--quantization", "gguf", "--dtype", "float32", "--kv-cache-dtype", "bfloat16"],
 }
 # environment per mode: gguf-l1 rounds every GEMM's activations to one int8 level, as llama.cpp does (the default
 # gguf mode takes two for prompts and the LM head; platforms/cpu_kernels/native_gguf.py)
-MODE_ENV = {"gguf-l1": {"HALSERVE_GGUF_ACTIVATION_LEVELS": "1"}}
+MODE_ENV = {mode: {"HALSERVE_GGUF_ACTIVATION_LEVELS": "1"} for mode in ("gguf-l1", "gguf-l1-kv16")}
 AUTO_MODES = ("gguf", "f32", "bf16")
 
 
@@ -148,11 +152,13 @@ def halserve_modes(wanted: str) -> dict[str, str]:
     labels = {"gguf": f"halserve gguf ({kernels[0].name} gguf_gemm)" if kernels else "halserve gguf",
               "f32": "halserve f32 (dequantized)", "bf16": "halserve bf16 (dequantized)"}
     labels["gguf-l1"] = labels["gguf"].replace("halserve gguf", "halserve gguf, one int8 level")
+    labels["gguf-kv16"] = labels["gguf"].replace("halserve gguf", "halserve gguf, bf16 KV cache")
+    labels["gguf-l1-kv16"] = labels["gguf"].replace("halserve gguf", "halserve gguf, one int8 level, bf16 KV cache")
     modes = list(AUTO_MODES) if wanted == "auto" else wanted.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(f"unknown --halserve-modes {unknown}; choose from {', '.join(MODES)} or auto")
-    for mode in ("gguf", "gguf-l1"):
+    for mode in ("gguf", "gguf-l1", "gguf-kv16", "gguf-l1-kv16"):
         if mode in modes and "gguf" not in methods:
             log(f"this install has no gguf quant method (halserve dequantizes GGUF files at load): skipping mode {mode}")
             modes.remove(mode)
@@ -192,7 +198,7 @@ def offline(path: str, mode: str, repeats: int) -> None:
 
     from halserve import LLM, SamplingParams
 
-    kwargs = {MODES[mode][i].lstrip("-"): MODES[mode][i + 1] for i in range(0, len(MODES[mode]), 2)}
+    kwargs = {MODES[mode][i].lstrip("-").replace("-", "_"): MODES[mode][i + 1] for i in range(0, len(MODES[mode]), 2)}
     llm = LLM(path, platform="cpu", max_model_len=1024, enable_prefix_caching=False, **kwargs)
     rng = random.Random(0)
     vocab = llm.get_tokenizer().vocab_size

@@ -200,6 +200,8 @@ def get_model_info(config: EngineConfig, platform: Platform) -> ModelInfo:
     multimodal = supports_multimodal(model_cls)
     if config.kv_cache_dtype == "auto":
         elem_size = torch.empty((), dtype=dtype).element_size()
+    elif config.kv_cache_dtype == "bfloat16":
+        elem_size = 2
     else:
         elem_size = 1  # every fp8 flavour
     return ModelInfo(

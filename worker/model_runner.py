@@ -188,6 +188,8 @@ class ModelRunner:
         kv = self.config.kv_cache_dtype
         if kv == "auto":
             return self.info.dtype
+        if kv == "bfloat16":
+            return torch.bfloat16
         if kv in ("fp8", "fp8_e4m3"):  # the device's e4m3 flavour (e4m3fnuz on MI300)
             return getattr(torch, self.platform.fp8_e4m3_dtype() or "float8_e4m3fn")
         return torch.float8_e5m2  # "fp8_e5m2", the last of KV_CACHE_DTYPES

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import glob
 import hashlib
 import json
 import logging
@@ -97,16 +96,11 @@ def _cpu_identity() -> bytes:
 def build_key(sources: list[str], defines: tuple[str, ...] = ()) -> str:
     """A hash of everything the build's output depends on."""
     digest = hashlib.sha256()
-    prebuilt.hash_files(digest, sorted(set(sources) | set(glob.glob(os.path.join(HERE, "*.h")))))
+    prebuilt.hash_files(digest, prebuilt.build_inputs(sources))  # what stage_sources copies
     flags = (compile_flags(), LDFLAGS, torch.__version__) + ((tuple(defines),) if defines else ())
     digest.update(repr(flags).encode())
     digest.update(_cpu_identity())
     return digest.hexdigest()[:16]
-
-
-def _headers_beside(sources: list[str]) -> list[str]:
-    return sorted({h for d in {os.path.dirname(os.path.abspath(s)) for s in sources}
-                   for h in glob.glob(os.path.join(d, "*.h"))})
 
 
 def stage_sources(directory: str, sources: list[str]) -> list[str]:
@@ -119,8 +113,7 @@ def stage_sources(directory: str, sources: list[str]) -> list[str]:
     or different, so its mtime (which ninja also compares) stays put."""
     staged = os.path.join(directory, "src")
     os.makedirs(staged, exist_ok=True)
-    copies = []
-    for path in [*sources, *_headers_beside(sources)]:
+    for path in prebuilt.build_inputs(sources):
         target = os.path.join(staged, os.path.basename(path))
         with open(path, "rb") as f:
             data = f.read()
@@ -133,9 +126,7 @@ def stage_sources(directory: str, sources: list[str]) -> list[str]:
             with open(target + ".tmp", "wb") as f:
                 f.write(data)
             os.replace(target + ".tmp", target)
-        if path in sources:
-            copies.append(target)
-    return copies
+    return [os.path.join(staged, os.path.basename(path)) for path in sources]
 
 
 def build_directory(name: str, sources: list[str], defines: tuple[str, ...] = ()) -> str:

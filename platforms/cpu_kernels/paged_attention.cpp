@@ -1,6 +1,8 @@
 // Paged attention for the CPU platform's `cpu_native` backend: float32, or bfloat16 q,
 // cache and output with float32 arithmetic (the kernels are templates over the storage
-// type T; the float32 instantiation does exactly what the float32-only kernels did).
+// type T; the float32 instantiation does exactly what the float32-only kernels did), and
+// float32 q and output over a bfloat16 cache (kv_cache_dtype="bfloat16": the cache type C
+// apart from T; a decode step reads half the bytes, as llama.cpp's default f16 cache does).
 //
 // Cache layout, one tensor per layer: kv_cache [2, num_blocks, Hk, B * D] where
 //   keys   kv_cache[0][blk][h] is [D, B]   (token-minor: B consecutive tokens per d)
@@ -97,12 +99,13 @@ inline void pv_generic(const T* vb, const float* p, int64_t p_stride, int64_t ba
   }
 }
 
-// Everything one (request, kv head) task needs; T is the cache and output element type.
-template <typename T>
+// Everything one (request, kv head) task needs; T is the output element type, C the cache's (T, or bfloat16
+// under a float32 model: kv_cache_dtype="bfloat16").
+template <typename T, typename C>
 struct DecodeTask {
   const float* qh;        // [G, D] the query heads of this kv head (widened to float)
-  const T* kp;            // key cache base
-  const T* vp;            // value cache base
+  const C* kp;            // key cache base
+  const C* vp;            // value cache base
   const int32_t* row;     // block-table row
   int64_t head_off;       // h * B * D
   int64_t block_stride;   // Hk * B * D
@@ -112,8 +115,8 @@ struct DecodeTask {
   T* out;                 // [G, D]
 };
 
-template <typename T>
-inline const T* block_ptr(const DecodeTask<T>& k, const T* base, int64_t lb) {
+template <typename Task, typename C>
+inline const C* block_ptr(const Task& k, const C* base, int64_t lb) {
   const int64_t blk = k.row[lb];
   TORCH_CHECK(blk >= 0 && blk < k.NB, "block id out of range");
   return base + blk * k.block_stride + k.head_off;
@@ -122,8 +125,8 @@ inline const T* block_ptr(const DecodeTask<T>& k, const T* base, int64_t lb) {
 // Fast path: B a multiple of 16, D a multiple of 16, G <= 8. Scores of whole blocks are
 // written in place (span is a whole number of blocks), the edges masked to -inf, then a
 // vectorised softmax (exp16) and the unnormalised p * V, divided by the sum at the end.
-template <int G, typename T>
-void decode_task_fast(const DecodeTask<T>& k, std::vector<float>& scores, std::vector<float>& acc) {
+template <int G, typename T, typename C>
+void decode_task_fast(const DecodeTask<T, C>& k, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t B = k.B, D = k.D;
   const int64_t first_blk = k.start / B, last_blk = (k.len - 1) / B;
   const int64_t base = first_blk * B, span = (last_blk + 1) * B - base;
@@ -131,12 +134,12 @@ void decode_task_fast(const DecodeTask<T>& k, std::vector<float>& scores, std::v
   float* sc = scores.data();
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t lb = first_blk; lb <= last_blk; ++lb) {
-    const T* kb = block_ptr(k, k.kp, lb);
+    const C* kb = block_ptr(k, k.kp, lb);
     // Blocks are scattered, which hardware prefetchers cannot follow: fetch the next
     // block's keys (or this task's first values) while scoring this one.
     prefetch_lines(lb < last_blk ? block_ptr(k, k.kp, lb + 1) : block_ptr(k, k.vp, first_blk), B * D);
     const int64_t t0 = lb * B;
-    for (int64_t j = 0; j < B; j += 16) score16<G, T>(k.qh, kb + j, D, B, k.scale, sc + (t0 - base) + j, span);
+    for (int64_t j = 0; j < B; j += 16) score16<G, C>(k.qh, kb + j, D, B, k.scale, sc + (t0 - base) + j, span);
   }
   for (int g = 0; g < G; ++g) {
     float* s = sc + g * span;
@@ -164,18 +167,18 @@ void decode_task_fast(const DecodeTask<T>& k, std::vector<float>& scores, std::v
   }
   acc.assign(G * D, 0.f);
   for (int64_t lb = first_blk; lb <= last_blk; ++lb) {
-    const T* vb = block_ptr(k, k.vp, lb);
+    const C* vb = block_ptr(k, k.vp, lb);
     if (lb < last_blk) prefetch_lines(block_ptr(k, k.vp, lb + 1), B * D);
     const int64_t t0 = lb * B;
-    pv16<G, T>(vb, sc, span, base, std::max(k.start, t0), std::min(k.len, t0 + B), t0, D, acc.data());
+    pv16<G, C>(vb, sc, span, base, std::max(k.start, t0), std::min(k.len, t0 + B), t0, D, acc.data());
   }
   for (int g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) k.out[g * D + d] = from_float<T>(acc[g * D + d] * inv[g]);
 }
 
 // Any block size, head size and group size.
-template <typename T>
-void decode_task_generic(const DecodeTask<T>& k, std::vector<float>& scores, std::vector<float>& acc) {
+template <typename T, typename C>
+void decode_task_generic(const DecodeTask<T, C>& k, std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t B = k.B, D = k.D, G = k.G;
   const int64_t first_blk = k.start / B, last_blk = (k.len - 1) / B;
   const int64_t base = first_blk * B, span = (last_blk + 1) * B - base;
@@ -214,56 +217,63 @@ void decode_task_generic(const DecodeTask<T>& k, std::vector<float>& scores, std
   for (int64_t i = 0; i < G * D; ++i) k.out[i] = from_float<T>(acc[i]);
 }
 
-template <typename T>
-using TaskFn = void (*)(const DecodeTask<T>&, std::vector<float>&, std::vector<float>&);
+template <typename T, typename C>
+using TaskFn = void (*)(const DecodeTask<T, C>&, std::vector<float>&, std::vector<float>&);
 
-template <typename T>
-TaskFn<T> pick_task_fn(int64_t B, int64_t D, int64_t G) {
+template <typename T, typename C>
+TaskFn<T, C> pick_task_fn(int64_t B, int64_t D, int64_t G) {
   if (B % 16 == 0 && D % 16 == 0) {
     switch (G) {
-      case 1: return decode_task_fast<1, T>;
-      case 2: return decode_task_fast<2, T>;
-      case 3: return decode_task_fast<3, T>;
-      case 4: return decode_task_fast<4, T>;
-      case 5: return decode_task_fast<5, T>;
-      case 6: return decode_task_fast<6, T>;
-      case 7: return decode_task_fast<7, T>;
-      case 8: return decode_task_fast<8, T>;
+      case 1: return decode_task_fast<1, T, C>;
+      case 2: return decode_task_fast<2, T, C>;
+      case 3: return decode_task_fast<3, T, C>;
+      case 4: return decode_task_fast<4, T, C>;
+      case 5: return decode_task_fast<5, T, C>;
+      case 6: return decode_task_fast<6, T, C>;
+      case 7: return decode_task_fast<7, T, C>;
+      case 8: return decode_task_fast<8, T, C>;
       default: break;
     }
   }
-  return decode_task_generic<T>;
+  return decode_task_generic<T, C>;
 }
 
 bool is_storage_dtype(const torch::Tensor& t) {
   return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
 }
 
+// The cache holds q's dtype, or bfloat16 under float32 q (kv_cache_dtype="bfloat16": half the bytes a decode
+// step reads; the arithmetic stays float32).
+bool cache_dtype_ok(const torch::Tensor& q, const torch::Tensor& kv) {
+  return kv.scalar_type() == q.scalar_type() ||
+         (q.scalar_type() == torch::kFloat && kv.scalar_type() == torch::kBFloat16);
+}
+
 void check(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& bt, const torch::Tensor& sl) {
   TORCH_CHECK(q.dim() == 3 && is_storage_dtype(q) && q.is_contiguous(),
               "q must be contiguous float32 or bfloat16 [N, Hq, D]");
-  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.scalar_type() == q.scalar_type() && kv.is_contiguous(),
-              "kv_cache must be contiguous [2, num_blocks, Hk, B*D] of q's dtype");
+  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && cache_dtype_ok(q, kv) && kv.is_contiguous(),
+              "kv_cache must be contiguous [2, num_blocks, Hk, B*D] of q's dtype (or bfloat16 under float32 q)");
   TORCH_CHECK(bt.scalar_type() == torch::kInt && sl.scalar_type() == torch::kInt, "block_table/seq_lens must be int32");
   TORCH_CHECK(bt.size(0) == q.size(0) && sl.size(0) == q.size(0), "one block-table row and seq_len per query");
 }
 
-template <typename T>
-void run_decode(const T* qp, const T* kp, T* op, const int32_t* btp, const int32_t* slp, int64_t N, int64_t Hq,
+template <typename T, typename C>
+void run_decode(const T* qp, const C* kp, T* op, const int32_t* btp, const int32_t* slp, int64_t N, int64_t Hq,
                 int64_t Hk, int64_t D, int64_t NB, int64_t B, int64_t max_blocks, float fscale, float cap,
                 int64_t sliding_window) {
   const int64_t G = Hq / Hk;
-  const T* vp = kp + NB * Hk * B * D;
+  const C* vp = kp + NB * Hk * B * D;
   const int64_t head_stride = B * D;       // elements of one (block, head)
   const int64_t block_stride = Hk * B * D;  // elements of one block
-  const TaskFn<T> task_fn = pick_task_fn<T>(B, D, G);
+  const TaskFn<T, C> task_fn = pick_task_fn<T, C>(B, D, G);
   at::parallel_for(0, N * Hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, qbuf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / Hk, h = task % Hk;
       const int64_t len = slp[n];
       TORCH_CHECK(len >= 1 && len <= max_blocks * B, "seq_len out of range for the block table");
-      DecodeTask<T> k;
+      DecodeTask<T, C> k;
       const T* qh = qp + (n * Hq + h * G) * D;
       if constexpr (std::is_same_v<T, float>) {
         k.qh = qh;
@@ -299,10 +309,10 @@ void run_decode(const T* qp, const T* kp, T* op, const int32_t* btp, const int32
   });
 }
 
-template <typename T>
-void run_write_kv(T* keys, const T* kp, const T* vp, const int64_t* sp, int64_t T_, int64_t Hk, int64_t D, int64_t NB,
+template <typename T, typename C>
+void run_write_kv(C* keys, const T* kp, const T* vp, const int64_t* sp, int64_t T_, int64_t Hk, int64_t D, int64_t NB,
                   int64_t B) {
-  T* values = keys + NB * Hk * B * D;
+  C* values = keys + NB * Hk * B * D;
   at::parallel_for(0, T_, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = sp[t];
@@ -311,10 +321,15 @@ void run_write_kv(T* keys, const T* kp, const T* vp, const int64_t* sp, int64_t 
       for (int64_t h = 0; h < Hk; ++h) {
         const T* ks = kp + (t * Hk + h) * D;
         const T* vs = vp + (t * Hk + h) * D;
-        T* kt = keys + (blk * Hk + h) * B * D + off;      // [D, B] tile, column off
-        T* vt = values + (blk * Hk + h) * B * D + off * D;  // [B, D] tile, row off
-        for (int64_t d = 0; d < D; ++d) kt[d * B] = ks[d];
-        std::copy(vs, vs + D, vt);
+        C* kt = keys + (blk * Hk + h) * B * D + off;      // [D, B] tile, column off
+        C* vt = values + (blk * Hk + h) * B * D + off * D;  // [B, D] tile, row off
+        if constexpr (std::is_same_v<T, C>) {
+          for (int64_t d = 0; d < D; ++d) kt[d * B] = ks[d];
+          std::copy(vs, vs + D, vt);
+        } else {  // float32 k/v into a bfloat16 cache: rounded to nearest even
+          for (int64_t d = 0; d < D; ++d) kt[d * B] = from_float<C>(ks[d]);
+          for (int64_t d = 0; d < D; ++d) vt[d] = from_float<C>(vs[d]);
+        }
       }
     }
   });
@@ -336,11 +351,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
   const int32_t* btp = bt.data_ptr<int32_t>();
   const int32_t* slp = sl.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
-  if (q.scalar_type() == torch::kFloat)
-    run_decode<float>(q.data_ptr<float>(), kv_cache.data_ptr<float>(), out.data_ptr<float>(), btp, slp, N, Hq, Hk, D,
-                      NB, B, max_blocks, fscale, cap, sliding_window);
+  if (q.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kBFloat16)
+    run_decode<float, c10::BFloat16>(q.data_ptr<float>(), kv_cache.data_ptr<c10::BFloat16>(), out.data_ptr<float>(),
+                                     btp, slp, N, Hq, Hk, D, NB, B, max_blocks, fscale, cap, sliding_window);
+  else if (q.scalar_type() == torch::kFloat)
+    run_decode<float, float>(q.data_ptr<float>(), kv_cache.data_ptr<float>(), out.data_ptr<float>(), btp, slp, N, Hq,
+                             Hk, D, NB, B, max_blocks, fscale, cap, sliding_window);
   else
-    run_decode<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), kv_cache.data_ptr<c10::BFloat16>(),
+    run_decode<c10::BFloat16, c10::BFloat16>(q.data_ptr<c10::BFloat16>(), kv_cache.data_ptr<c10::BFloat16>(),
                               out.data_ptr<c10::BFloat16>(), btp, slp, N, Hq, Hk, D, NB, B, max_blocks, fscale, cap,
                               sliding_window);
   return out;
@@ -349,13 +367,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
 // Writes the step's new keys and values into the cache: token t goes to slot
 // slot_mapping[t] = block * B + offset; its key column-wise into the block's [D, B] key
 // tile, its value as row `offset` of the [B, D] value tile. Negative slots (padding) are
-// skipped. Values are copied as they are: k, v and the cache share one dtype.
+// skipped. Values are copied as they are when k, v and the cache share one dtype; float32 k/v into a
+// bfloat16 cache (kv_cache_dtype="bfloat16") are rounded to it.
 void write_kv(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping, int64_t block_size) {
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && is_storage_dtype(kv_cache) && kv_cache.is_contiguous(),
               "kv_cache must be contiguous float32 or bfloat16 [2, num_blocks, Hk, B*D]");
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == kv_cache.scalar_type() &&
-                  v.scalar_type() == kv_cache.scalar_type(),
-              "k and v must be [T, Hk, D] of one shape and the cache's dtype");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() &&
+                  is_storage_dtype(k) && cache_dtype_ok(k, kv_cache),
+              "k and v must be [T, Hk, D] of one shape and the cache's dtype (or float32 into a bfloat16 cache)");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0), "one slot per token");
   const int64_t T = k.size(0), Hk = k.size(1), D = k.size(2), B = block_size, NB = kv_cache.size(1);
   TORCH_CHECK(kv_cache.size(2) == Hk && kv_cache.size(3) == B * D, "kv_cache does not match k/v heads, head size and block size");
@@ -364,10 +383,14 @@ void write_kv(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::T
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] < NB * B, "slot ", sp[t], " is outside the cache (", NB, " blocks of ", B, ")");
-  if (kv_cache.scalar_type() == torch::kFloat)
-    run_write_kv<float>(kv_cache.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), sp, T, Hk, D, NB, B);
+  if (k.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kBFloat16)
+    run_write_kv<float, c10::BFloat16>(kv_cache.data_ptr<c10::BFloat16>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                                       sp, T, Hk, D, NB, B);
+  else if (kv_cache.scalar_type() == torch::kFloat)
+    run_write_kv<float, float>(kv_cache.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), sp, T, Hk, D,
+                               NB, B);
   else
-    run_write_kv<c10::BFloat16>(kv_cache.data_ptr<c10::BFloat16>(), kc.data_ptr<c10::BFloat16>(),
+    run_write_kv<c10::BFloat16, c10::BFloat16>(kv_cache.data_ptr<c10::BFloat16>(), kc.data_ptr<c10::BFloat16>(),
                                 vc.data_ptr<c10::BFloat16>(), sp, T, Hk, D, NB, B);
 }
 

@@ -35,12 +35,12 @@ struct PrefillTask {
   int64_t span, head, tile;
 };
 
-template <typename T>
+template <typename T, typename C>  // C: the cache's element type (T, or bfloat16 under float32 q)
 struct Problem {
   const T* q;
   T* out;
-  const T* keys;
-  const T* values;
+  const C* keys;
+  const C* values;
   const int32_t* block_table;
   int64_t max_blocks, NB, Hq, Hk, D, B, G;
   float scale, cap;
@@ -48,8 +48,8 @@ struct Problem {
 };
 
 // One tile: rows r = i * G + g for query position i of the tile and head g of the group.
-template <int G, int MQ, typename T>
-void prefill_tile(const Problem<T>& P, int64_t token_start, int64_t query_len, int64_t seq_len, const int32_t* row,
+template <int G, int MQ, typename T, typename C>
+void prefill_tile(const Problem<T, C>& P, int64_t token_start, int64_t query_len, int64_t seq_len, const int32_t* row,
                   int64_t h, int64_t tile) {
   constexpr int R = G * MQ;
   const int64_t D = P.D, B = P.B;
@@ -84,8 +84,8 @@ void prefill_tile(const Problem<T>& P, int64_t token_start, int64_t query_len, i
     const int64_t blk = row[c0 / B];
     TORCH_CHECK(blk >= 0 && blk < P.NB, "block id out of range");
     const int64_t j = c0 % B;
-    const T* kb = P.keys + (blk * P.Hk + h) * B * D + j;    // [D, B] tile, column j
-    const T* vb = P.values + (blk * P.Hk + h) * B * D + j * D;  // [B, D] tile, row j
+    const C* kb = P.keys + (blk * P.Hk + h) * B * D + j;    // [D, B] tile, column j
+    const C* vb = P.values + (blk * P.Hk + h) * B * D + j * D;  // [B, D] tile, row j
 
     v16 s[R];
     for (int r = 0; r < R; ++r) s[r] = v16{};
@@ -146,21 +146,21 @@ void prefill_tile(const Problem<T>& P, int64_t token_start, int64_t query_len, i
     }
 }
 
-template <typename T>
-using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, const int32_t*, int64_t, int64_t);
+template <typename T, typename C>
+using TileFn = void (*)(const Problem<T, C>&, int64_t, int64_t, int64_t, const int32_t*, int64_t, int64_t);
 
 // (tile function, query positions per tile): about 24 accumulator rows in registers.
-template <typename T>
-std::pair<TileFn<T>, int64_t> pick_tile_fn(int64_t G) {
+template <typename T, typename C>
+std::pair<TileFn<T, C>, int64_t> pick_tile_fn(int64_t G) {
   switch (G) {
-    case 1: return {prefill_tile<1, 16, T>, 16};
-    case 2: return {prefill_tile<2, 12, T>, 12};
-    case 3: return {prefill_tile<3, 8, T>, 8};
-    case 4: return {prefill_tile<4, 6, T>, 6};
-    case 5: return {prefill_tile<5, 4, T>, 4};
-    case 6: return {prefill_tile<6, 4, T>, 4};
-    case 7: return {prefill_tile<7, 3, T>, 3};
-    case 8: return {prefill_tile<8, 3, T>, 3};
+    case 1: return {prefill_tile<1, 16, T, C>, 16};
+    case 2: return {prefill_tile<2, 12, T, C>, 12};
+    case 3: return {prefill_tile<3, 8, T, C>, 8};
+    case 4: return {prefill_tile<4, 6, T, C>, 6};
+    case 5: return {prefill_tile<5, 4, T, C>, 4};
+    case 6: return {prefill_tile<6, 4, T, C>, 4};
+    case 7: return {prefill_tile<7, 3, T, C>, 3};
+    case 8: return {prefill_tile<8, 3, T, C>, 3};
     default: return {nullptr, 0};
   }
 }
@@ -168,20 +168,20 @@ std::pair<TileFn<T>, int64_t> pick_tile_fn(int64_t G) {
 }  // namespace
 
 bool paged_prefill_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size) {
-  return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && pick_tile_fn<float>(num_heads / num_kv_heads).first &&
+  return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && pick_tile_fn<float, float>(num_heads / num_kv_heads).first &&
          head_size % 16 == 0 && block_size % 16 == 0;
 }
 
 namespace {
 
-template <typename T>
+template <typename T, typename C>
 void run_prefill(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                  const at::Tensor& block_table, const int64_t* tsp, const int64_t* qlp, const int64_t* slp,
                  const int64_t* rwp, int64_t S, int64_t B, double scale, int64_t sliding_window, double soft_cap) {
   const int64_t Hq = q.size(1), D = q.size(2), NB = kv_cache.size(1), Hk = kv_cache.size(2);
   const int64_t max_blocks = block_table.size(1), G = Hq / Hk;
-  const std::pair<TileFn<T>, int64_t> picked = pick_tile_fn<T>(G);
-  const TileFn<T> tile_fn = picked.first;
+  const std::pair<TileFn<T, C>, int64_t> picked = pick_tile_fn<T, C>(G);
+  const TileFn<T, C> tile_fn = picked.first;
   const int64_t MQ = picked.second;
   std::vector<PrefillTask> tasks;
   for (int64_t s = 0; s < S; ++s) {
@@ -189,10 +189,10 @@ void run_prefill(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k
     for (int64_t h = 0; h < Hk; ++h)
       for (int64_t t = 0; t < tiles; ++t) tasks.push_back({s, h, t});
   }
-  Problem<T> P;
+  Problem<T, C> P;
   P.q = q.data_ptr<T>();
   P.out = out.data_ptr<T>();
-  P.keys = kv_cache.data_ptr<T>();
+  P.keys = kv_cache.data_ptr<C>();
   P.values = P.keys + NB * Hk * B * D;
   P.block_table = block_table.data_ptr<int32_t>();
   P.max_blocks = max_blocks;
@@ -222,8 +222,10 @@ void paged_prefill(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor
                   q.is_contiguous(), "q must be contiguous float32 or bfloat16 [T, Hq, D]");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous(),
               "out must be contiguous, shaped like q and of its dtype");
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.scalar_type() == q.scalar_type() &&
-                  kv_cache.is_contiguous(), "kv_cache must be contiguous [2, num_blocks, Hk, B*D] of q's dtype");
+  const bool bf16_cache = q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && (kv_cache.scalar_type() == q.scalar_type() || bf16_cache) &&
+                  kv_cache.is_contiguous(),
+              "kv_cache must be contiguous [2, num_blocks, Hk, B*D] of q's dtype (or bfloat16 under float32 q)");
   TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
               "block_table must be contiguous int32 [R, max_blocks]");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hk = kv_cache.size(2), B = block_size;
@@ -242,9 +244,12 @@ void paged_prefill(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor
     TORCH_CHECK(slp[s] >= qlp[s] && slp[s] <= max_blocks * B, "span ", s, ": seq_len out of range for the block table");
     TORCH_CHECK(rwp[s] >= 0 && rwp[s] < block_table.size(0), "span ", s, ": block-table row out of range");
   }
-  if (q.scalar_type() == at::kFloat)
-    run_prefill<float>(out, q, kv_cache, block_table, tsp, qlp, slp, rwp, S, B, scale, sliding_window, soft_cap);
+  if (bf16_cache)
+    run_prefill<float, c10::BFloat16>(out, q, kv_cache, block_table, tsp, qlp, slp, rwp, S, B, scale, sliding_window,
+                                      soft_cap);
+  else if (q.scalar_type() == at::kFloat)
+    run_prefill<float, float>(out, q, kv_cache, block_table, tsp, qlp, slp, rwp, S, B, scale, sliding_window, soft_cap);
   else
-    run_prefill<c10::BFloat16>(out, q, kv_cache, block_table, tsp, qlp, slp, rwp, S, B, scale, sliding_window,
+    run_prefill<c10::BFloat16, c10::BFloat16>(out, q, kv_cache, block_table, tsp, qlp, slp, rwp, S, B, scale, sliding_window,
                                soft_cap);
 }

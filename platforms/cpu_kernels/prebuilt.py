@@ -96,11 +96,21 @@ def source_hash(sources: list[str] | tuple[str, ...], defines: tuple[str, ...] =
     """A hash of what a library is built from: its sources, the headers beside them, its -D flags and the
     link flags (the compile flags are the level's, and torch's version is checked on its own)."""
     digest = hashlib.sha256()
-    headers = {os.path.join(folder, name) for folder in {os.path.dirname(os.path.abspath(s)) for s in sources}
-               for name in os.listdir(folder) if name.endswith(".h")}
-    hash_files(digest, sorted(set(map(os.path.abspath, sources)) | headers, key=os.path.basename))
+    hash_files(digest, build_inputs(sources))
     digest.update(repr((tuple(defines), LDFLAGS)).encode())
     return digest.hexdigest()[:16]
+
+
+def headers_beside(sources: list[str] | tuple[str, ...]) -> list[str]:
+    """The ``.h`` files in the sources' folders: what their ``#include "..."`` can reach."""
+    return sorted({os.path.join(folder, name) for folder in {os.path.dirname(os.path.abspath(s)) for s in sources}
+                   for name in os.listdir(folder) if name.endswith(".h")})
+
+
+def build_inputs(sources: list[str] | tuple[str, ...]) -> list[str]:
+    """Every file a build compiles: the sources and the headers beside them, by file name (the order and the
+    names a staged copy has, so the same files in another checkout give the same hash)."""
+    return sorted(set(map(os.path.abspath, sources)) | set(headers_beside(sources)), key=os.path.basename)
 
 
 def hash_files(digest, paths) -> None:

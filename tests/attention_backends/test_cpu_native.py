@@ -47,12 +47,14 @@ def _history_step(history, block_table, block_size):
 
 
 def _run(backend_cls, steps, num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, gen_seed,
-         dtype=torch.float32, rounded_to=None):
+         dtype=torch.float32, rounded_to=None, cache_dtype=None):
     """Runs ``steps`` in ``dtype``; ``rounded_to`` rounds the random inputs through that
-    dtype first (a float32 reference run on exactly the inputs a bfloat16 run sees)."""
+    dtype first (a float32 reference run on exactly the inputs a bfloat16 run sees);
+    ``cache_dtype`` (default ``dtype``) is the cache's."""
     gen = torch.Generator().manual_seed(gen_seed)
     backend = backend_cls(num_heads, head_size, head_size**-0.5, num_kv_heads, **kwargs)
-    cache = torch.zeros(backend_cls.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype)
+    cache = torch.zeros(backend_cls.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size),
+                        dtype=cache_dtype or dtype)
     outs = []
     for meta_args in steps:
         t = meta_args.num_actual_tokens
@@ -117,6 +119,58 @@ def test_bfloat16_matches_float32_reference(num_heads, num_kv_heads, head_size, 
     decode_history = [1, 300, 17, 64]
     _assert_two_steps_match(decode_history, [1] * 4, num_heads, num_kv_heads, head_size, block_size, window, soft_cap,
                             gen_seed=num_heads * 5 + block_size, run_seed=17, spare_blocks=2, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size,window,soft_cap",
+    [(9, 3, 64, 16, None, None), (8, 2, 80, 16, 9, None), (6, 1, 32, 4, None, None), (20, 2, 32, 16, None, 10.0)],
+)
+def test_a_bfloat16_cache_under_float32(num_heads, num_kv_heads, head_size, block_size, window, soft_cap):
+    """kv_cache_dtype="bfloat16" under a float32 model: float32 q/k/v and output, the cache in bfloat16 (written
+    rounded, read widened) through the fast and generic decode, native prefill and the SDPA fallback (block 4,
+    group 10). With k/v already bf16-exact the rounding is exact, so the result is the float32 one: against the
+    torch backend on a float32 cache, and against the torch backend on its own bfloat16 cache."""
+    history = [37, 1, 36, 15, 2, 69]
+    query_lens = [20, 1, 1, 9, 17, 1]
+    gen = torch.Generator().manual_seed(num_heads * 7 + head_size)
+    seq_lens = [h + q for h, q in zip(history, query_lens)]
+    num_blocks = len(history) * -(-max(seq_lens) // block_size) + 3
+    step2 = _step(query_lens, seq_lens, block_size, num_blocks, gen)
+    step1 = _history_step(history, step2.block_table, block_size)
+    kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
+    args = (num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, 23)
+    want = _run(TorchAttentionBackend, [step1, step2], *args, rounded_to=torch.bfloat16)
+    torch_bf16 = _run(TorchAttentionBackend, [step1, step2], *args[:5], {**kwargs, "kv_cache_dtype": "bfloat16"},
+                      23, rounded_to=torch.bfloat16, cache_dtype=torch.bfloat16)
+    got = _run(CpuNativeAttentionBackend, [step1, step2], *args[:5], {**kwargs, "kv_cache_dtype": "bfloat16"},
+               23, rounded_to=torch.bfloat16, cache_dtype=torch.bfloat16)
+    for w, t, g in zip(want, torch_bf16, got):
+        assert g.dtype == t.dtype == torch.float32
+        torch.testing.assert_close(t, w, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_a_bfloat16_cache_rounds_what_it_stores():
+    """Float32 keys and values that bfloat16 cannot hold are stored rounded to nearest (write_kv), and decode
+    reads exactly those values: the output equals float32 attention over the rounded keys and values."""
+    kernel = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(5)
+    num_heads, num_kv_heads, head_size, block_size, tokens = 4, 2, 64, 16, 40
+    k = torch.randn(tokens, num_kv_heads, head_size, generator=gen)
+    v = torch.randn(tokens, num_kv_heads, head_size, generator=gen)
+    q = torch.randn(1, num_heads, head_size, generator=gen)
+    shape = CpuNativeAttentionBackend.kv_cache_shape(4, block_size, num_kv_heads, head_size)
+    cache, cache32 = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape)
+    slots = torch.arange(block_size, block_size + tokens)  # blocks 1-3
+    kernel.write_kv(cache, k, v, slots, block_size)
+    kernel.write_kv(cache32, k.bfloat16().float(), v.bfloat16().float(), slots, block_size)
+    assert torch.equal(cache.float(), cache32)  # rounded to nearest even, as torch's .bfloat16()
+    table, lens = torch.tensor([[1, 2, 3]], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+    got = kernel.paged_decode(q, cache, table, lens, block_size, head_size**-0.5, 0, 0.0)
+    want = kernel.paged_decode(q, cache32, table, lens, block_size, head_size**-0.5, 0, 0.0)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="bfloat16 under float32"):
+        kernel.paged_decode(q.bfloat16(), cache32, table, lens, block_size, head_size**-0.5, 0, 0.0)
 
 
 def test_declines_what_it_does_not_run():

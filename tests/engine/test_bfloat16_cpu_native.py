@@ -26,28 +26,53 @@ PROMPT_LENGTHS = [5, 16, 23, 40, 71]
 NEAR_TIE = 0.05
 
 
-def _greedy(path, prompts, **kwargs):
+def _greedy(path, prompts, dtype="bfloat16", **kwargs):
     from halserve import LLM, SamplingParams
 
     # A 64-token budget chunks the 71-token prompt: its second chunk reads cached context.
-    llm = LLM(path, platform="cpu", dtype="bfloat16", block_size=BLOCK, max_num_batched_tokens=64, **kwargs)
+    llm = LLM(path, platform="cpu", dtype=dtype, block_size=BLOCK, max_num_batched_tokens=64, **kwargs)
     backend = llm.llm_engine.core.executor.collective_rpc("attention_backend_name")[0]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return backend, [o.outputs[0] for o in outputs]
 
 
-def test_bfloat16_greedy_matches_torch_backend(checkpoint_factory):
+def _prompts(path):
     from transformers import AutoConfig
 
-    path = checkpoint_factory("llama")
     vocab = AutoConfig.from_pretrained(path).vocab_size
     rng = random.Random(7)
-    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def test_bfloat16_greedy_matches_torch_backend(checkpoint_factory):
+    path = checkpoint_factory("llama")
+    prompts = _prompts(path)
     backend, got = _greedy(path, prompts)
     assert backend == "cpu_native"
     ref_backend, want = _greedy(path, prompts, attention_backend="torch")
     assert ref_backend == "torch"
+    _assert_equal_up_to_near_ties(got, want)
+
+
+def test_bfloat16_kv_cache_under_float32_matches_torch_backend(checkpoint_factory, caplog):
+    """kv_cache_dtype="bfloat16" under a float32 model (the GGUF models' llama.cpp-like setting): the cache is
+    allocated in bfloat16, and cpu_native's greedy output equals the torch backend's on its own bfloat16 cache
+    (both store the same rounded K/V and compute in float32)."""
+    import logging
+
+    path = checkpoint_factory("llama")
+    prompts = _prompts(path)
+    with caplog.at_level(logging.INFO, logger="halserve"):
+        backend, got = _greedy(path, prompts, dtype="float32", kv_cache_dtype="bfloat16")
+    assert backend == "cpu_native"
+    assert any("KV cache" in r.getMessage() and "torch.bfloat16" in r.getMessage() for r in caplog.records)
+    ref_backend, want = _greedy(path, prompts, dtype="float32", kv_cache_dtype="bfloat16", attention_backend="torch")
+    assert ref_backend == "torch"
+    _assert_equal_up_to_near_ties(got, want)
+
+
+def _assert_equal_up_to_near_ties(got, want):
     num_equal = 0
     for i, (g, w) in enumerate(zip(got, want)):
         same = 0
@@ -60,4 +85,4 @@ def test_bfloat16_greedy_matches_torch_backend(checkpoint_factory):
             assert picked in top, f"prompt {i}: token {same} is {picked}, not in the reference's top 2 {top}"
             gap = top[w.token_ids[same]].logprob - top[picked].logprob
             assert gap < NEAR_TIE, f"prompt {i}: token {same} differs where the reference's margin is {gap:.3f}"
-    assert num_equal >= 0.75 * NEW_TOKENS * len(prompts), f"only {num_equal} tokens agree"
+    assert num_equal >= 0.75 * NEW_TOKENS * len(want), f"only {num_equal} tokens agree"

@@ -63,3 +63,17 @@ def test_changed_sources_build_in_their_own_directory(probe, tmp_path):
     same.parent.mkdir()
     same.write_text(SOURCE % 1)
     assert build.build_key([str(same)]) == first  # a clean clone of the same sources reuses the build
+
+
+def test_the_key_covers_the_headers_that_are_staged(probe, tmp_path):
+    """The cache key hashes exactly what ``stage_sources`` copies: the sources and the headers beside them
+    (a source in another folder than the bundled kernels brings its own headers)."""
+    header = tmp_path / "probe.h"
+    header.write_text("#define HALSERVE_PROBE 1\n")
+    first = build.build_key([probe])
+    header.write_text("#define HALSERVE_PROBE 2\n")
+    assert build.build_key([probe]) != first  # a header change is a new build
+    staged = build.stage_sources(str(tmp_path / "stage"), [probe])
+    assert staged == [str(tmp_path / "stage" / "src" / "probe.cpp")]
+    assert sorted(os.listdir(tmp_path / "stage" / "src")) == ["probe.cpp", "probe.h"]
+    assert (tmp_path / "stage" / "src" / "probe.h").read_text() == header.read_text()
