@@ -122,6 +122,11 @@ inline const C* block_ptr(const Task& k, const C* base, int64_t lb) {
   return base + blk * k.block_stride + k.head_off;
 }
 
+#ifndef HALSERVE_DECODE_PREFETCH_BLOCKS
+#define HALSERVE_DECODE_PREFETCH_BLOCKS 2
+#endif
+constexpr int64_t kPrefetchBlocks = HALSERVE_DECODE_PREFETCH_BLOCKS;  // cache blocks in flight per decode task
+
 // Fast path: B a multiple of 16, D a multiple of 16, G <= 8. Scores of whole blocks are
 // written in place (span is a whole number of blocks), the edges masked to -inf, then a
 // vectorised softmax (exp16) and the unnormalised p * V, divided by the sum at the end.
@@ -133,11 +138,17 @@ void decode_task_fast(const DecodeTask<T, C>& k, std::vector<float>& scores, std
   scores.resize(G * span);
   float* sc = scores.data();
   const float ninf = -std::numeric_limits<float>::infinity();
+  // Blocks are scattered, which hardware prefetchers cannot follow: keep kPrefetchBlocks blocks in flight,
+  // keys then (past the last key block) this task's first values.
+  const int64_t nblk = last_blk - first_blk + 1;
+  auto prefetch_block = [&](int64_t i) {  // i-th block of the keys then values sequence
+    if (i < nblk) prefetch_lines(block_ptr(k, k.kp, first_blk + i), B * D);
+    else if (i < 2 * nblk) prefetch_lines(block_ptr(k, k.vp, first_blk + i - nblk), B * D);
+  };
+  for (int64_t i = 1; i < kPrefetchBlocks; ++i) prefetch_block(i);  // (block 0: the previous task fetched it)
   for (int64_t lb = first_blk; lb <= last_blk; ++lb) {
     const C* kb = block_ptr(k, k.kp, lb);
-    // Blocks are scattered, which hardware prefetchers cannot follow: fetch the next
-    // block's keys (or this task's first values) while scoring this one.
-    prefetch_lines(lb < last_blk ? block_ptr(k, k.kp, lb + 1) : block_ptr(k, k.vp, first_blk), B * D);
+    prefetch_block(lb - first_blk + kPrefetchBlocks);
     const int64_t t0 = lb * B;
     for (int64_t j = 0; j < B; j += 16) score16<G, C>(k.qh, kb + j, D, B, k.scale, sc + (t0 - base) + j, span);
   }
@@ -168,7 +179,7 @@ void decode_task_fast(const DecodeTask<T, C>& k, std::vector<float>& scores, std
   acc.assign(G * D, 0.f);
   for (int64_t lb = first_blk; lb <= last_blk; ++lb) {
     const C* vb = block_ptr(k, k.vp, lb);
-    if (lb < last_blk) prefetch_lines(block_ptr(k, k.vp, lb + 1), B * D);
+    prefetch_block(nblk + lb - first_blk + kPrefetchBlocks);
     const int64_t t0 = lb * B;
     pv16<G, C>(vb, sc, span, base, std::max(k.start, t0), std::min(k.len, t0 + B), t0, D, acc.data());
   }

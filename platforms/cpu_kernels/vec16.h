@@ -212,10 +212,13 @@ inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 template <typename T>
 inline T from_float(float x) { return T(x); }  // float: the value itself; bf16: rounded
 
-// Prefetches n elements from p into all cache levels, one 64-byte line at a time.
+// Prefetches n elements from p into L2 (prefetcht1), one 64-byte line at a time. A whole cache block's lines
+// at once into L1 (prefetcht0) overran its few miss buffers: on a 2-core Zen 4 the decode attention of 64
+// requests x 192 tokens x 30 layers took 34.6 ms (float32) / 19.4 ms (bfloat16 cache) with T0 and 26.6 / 12.2 with
+// T1 (BENCHMARKS.md, "A bfloat16 KV cache").
 template <typename T>
 inline void prefetch_lines(const T* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(p + i, 0, 3);
+  for (int64_t i = 0; i < n; i += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(p + i, 0, 2);
 }
 
 
