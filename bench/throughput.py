@@ -53,6 +53,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="schedule the next step while this one runs (EngineConfig.async_scheduling)")
     parser.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                         help="largest decode batch captured as a graph (default: min(max-num-seqs, 512))")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="KV-cache storage dtype (auto: the model's; bfloat16; fp8, fp8_e4m3, fp8_e5m2)")
     parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
                         help="share of free memory the KV cache may take")
     parser.add_argument("--output-json", default=None, help="also write the figures to this file")
@@ -126,6 +128,7 @@ def _make_llm(llm_class: Any, args: argparse.Namespace) -> Any:
         async_scheduling=args.async_scheduling,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
