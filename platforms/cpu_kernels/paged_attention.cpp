@@ -16,7 +16,7 @@
 // Work is split over (request, kv head) pairs with at::parallel_for (torch's thread
 // pool); each task reads its head's blocks once and serves the G = Hq / Hk query heads
 // that share it. Blocks of 16k tokens with head sizes of 16k take the fast path: scores
-// written in place, a vectorised softmax (exp16), the next block software-prefetched
+// written in place, a vectorised softmax (exp16), blocks software-prefetched two ahead into L2
 // (scattered blocks defeat the hardware prefetchers). Measured on W1's shapes (64
 // requests x 192 tokens x 12/4 heads x 64, 300 MB of cache per step): 21 -> 11 ms per
 // step against the scalar-softmax version. One task per request (all its heads, each
@@ -122,10 +122,9 @@ inline const C* block_ptr(const Task& k, const C* base, int64_t lb) {
   return base + blk * k.block_stride + k.head_off;
 }
 
-#ifndef HALSERVE_DECODE_PREFETCH_BLOCKS
-#define HALSERVE_DECODE_PREFETCH_BLOCKS 2
-#endif
-constexpr int64_t kPrefetchBlocks = HALSERVE_DECODE_PREFETCH_BLOCKS;  // cache blocks in flight per decode task
+// Cache blocks in flight per decode task (into L2: vec16.h's prefetch_lines). 1, 2, 4 and 8 measured within
+// 10% of each other on a 2-core Zen 4 (BENCHMARKS.md, "A bfloat16 KV cache"); 2 was the best.
+constexpr int64_t kPrefetchBlocks = 2;
 
 // Fast path: B a multiple of 16, D a multiple of 16, G <= 8. Scores of whole blocks are
 // written in place (span is a whole number of blocks), the edges masked to -inf, then a
