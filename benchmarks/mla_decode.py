@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e5m2"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
