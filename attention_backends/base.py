@@ -33,6 +33,22 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 ``fp8`` is the platform's e4m3 flavour."""
 
 
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, fp8_e4m3: str | None = None) -> torch.dtype:
+    """The element type of the cache tensor for a ``kv_cache_dtype`` setting; ``fp8_e4m3`` names the platform's
+    e4m3 flavour for ``fp8``/``fp8_e4m3`` (``Platform.fp8_e4m3_dtype()``; default ``float8_e4m3fn``)."""
+    import torch
+
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "bfloat16":
+        return torch.bfloat16
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return getattr(torch, fp8_e4m3 or "float8_e4m3fn")
+    if kv_cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use one of {', '.join(KV_CACHE_DTYPES)}")
+
+
 @dataclass
 class AttentionMetadata:
     """What every backend gets for one step; built once per step by the model runner."""

@@ -52,18 +52,6 @@ _FP8_DTYPES = {
 }
 
 
-def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The element type of the cache tensor for a ``kv_cache_dtype`` setting."""
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype == "bfloat16":
-        return torch.bfloat16
-    if kv_cache_dtype not in _FP8_DTYPES:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use auto, bfloat16 or one of "
-                         f"{', '.join(_FP8_DTYPES)}")
-    return _FP8_DTYPES[kv_cache_dtype]
-
-
 @dataclass(slots=True)
 class PrefillSpan:
     """One request with query_len > 1."""

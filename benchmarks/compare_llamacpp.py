@@ -158,7 +158,7 @@ def halserve_modes(wanted: str) -> dict[str, str]:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(f"unknown --halserve-modes {unknown}; choose from {', '.join(MODES)} or auto")
-    for mode in ("gguf", "gguf-l1", "gguf-kv16", "gguf-l1-kv16"):
+    for mode in [m for m in MODES if MODES[m][:2] == ["--quantization", "gguf"]]:
         if mode in modes and "gguf" not in methods:
             log(f"this install has no gguf quant method (halserve dequantizes GGUF files at load): skipping mode {mode}")
             modes.remove(mode)

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from halserve.attention_backends.base import AttentionMetadata
-from halserve.attention_backends.torch_ref import TorchAttentionBackend, kv_cache_torch_dtype
+from halserve.attention_backends.base import AttentionMetadata, kv_cache_torch_dtype
+from halserve.attention_backends.torch_ref import TorchAttentionBackend
 
 
 def decode_metadata(batch: int, context: int, block_size: int) -> TorchAttentionBackend:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from halserve.attention_backends.base import kv_cache_torch_dtype
 from halserve.models.interfaces import (
     CLASSIFIER_SUFFIX,
     ModelModule,
@@ -198,12 +199,7 @@ def get_model_info(config: EngineConfig, platform: Platform) -> ModelInfo:
     id2label = getattr(hf_config, "id2label", None) or {}
     model_cls = _transformers_class(arch) if model_impl == "transformers" else model_class(arch, platform.name)
     multimodal = supports_multimodal(model_cls)
-    if config.kv_cache_dtype == "auto":
-        elem_size = torch.empty((), dtype=dtype).element_size()
-    elif config.kv_cache_dtype == "bfloat16":
-        elem_size = 2
-    else:
-        elem_size = 1  # every fp8 flavour
+    elem_size = kv_cache_torch_dtype(config.kv_cache_dtype, dtype).itemsize  # (every fp8 flavour: 1)
     return ModelInfo(
         architecture=arch,
         hf_config=hf_config,

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from halserve.attention_backends.base import kv_cache_torch_dtype
 from halserve.kv_cache.spec import MLASpec, group_layers, group_size, is_recurrent
 from halserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from halserve.spec_decode.verify import expand_rows
@@ -185,14 +186,8 @@ class ModelRunner:
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        kv = self.config.kv_cache_dtype
-        if kv == "auto":
-            return self.info.dtype
-        if kv == "bfloat16":
-            return torch.bfloat16
-        if kv in ("fp8", "fp8_e4m3"):  # the device's e4m3 flavour (e4m3fnuz on MI300)
-            return getattr(torch, self.platform.fp8_e4m3_dtype() or "float8_e4m3fn")
-        return torch.float8_e5m2  # "fp8_e5m2", the last of KV_CACHE_DTYPES
+        # (fp8: the device's e4m3 flavour, e4m3fnuz on MI300)
+        return kv_cache_torch_dtype(self.config.kv_cache_dtype, self.info.dtype, self.platform.fp8_e4m3_dtype())
 
     def bytes_per_block(self) -> int:
         shape = self._layer_cache_shape(1, self._local_kv_heads())
