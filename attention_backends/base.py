@@ -27,10 +27,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
-"""``auto`` stores K/V in the model dtype; ``bfloat16`` stores them in bfloat16 whatever the model computes in
-(vLLM's name; under a float32 model half the bytes a decode step reads, as llama.cpp's default f16 cache);
-``fp8`` is the platform's e4m3 flavour."""
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""``auto`` stores K/V in the model dtype (a GGUF checkpoint computed in float32: float16, as llama.cpp's default
+``-ctk f16``, where its attention backend takes it: ``models.loader.gguf_kv_cache_default``); ``float32``,
+``bfloat16`` and ``float16`` store them in that type whatever the model computes in (a 16-bit cache under a
+float32 model: half the bytes a decode step reads; float16 has 3 more mantissa bits than bfloat16 and a range
+to 65504); ``fp8`` is the platform's e4m3 flavour."""
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, fp8_e4m3: str | None = None) -> torch.dtype:
@@ -40,8 +42,8 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, fp8_e4m3
 
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype == "bfloat16":
-        return torch.bfloat16
+    if kv_cache_dtype in ("float32", "bfloat16", "float16"):
+        return getattr(torch, kv_cache_dtype)
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return getattr(torch, fp8_e4m3 or "float8_e4m3fn")
     if kv_cache_dtype == "fp8_e5m2":

@@ -15,9 +15,11 @@ step returns its output directly); prefills and chunks after cached context go t
 online softmax, all spans in one call). Configurations the prefill kernel does not take
 (block size or head size not a multiple of 16, more than 8 query heads per kv head) use
 SDPA per prompt, like the torch backend whose masks and metadata this backend reuses.
-float16 and fp8 caches use the torch backend (the platform's next preference). In bfloat16
+float16 models and fp8 caches use the torch backend (the platform's next preference). In bfloat16
 the cache holds bf16 (half the bytes a decode step streams: W1's decode attention measured
-0.70 ms per layer against 1.98 in float32). The kernels are compiled on first use.
+0.70 ms per layer against 1.98 in float32); a float32 model may keep a bfloat16 or float16 cache
+(``kv_cache_dtype``; float16 is what GGUF checkpoints get by default, as in llama.cpp), widened to
+float32 as it is read. The kernels are compiled on first use.
 
 MLA layers (DeepSeek-V2/V3, ``forward_mla``) keep the torch backend's latent pages
 ``[num_blocks, block_size, r + dr]`` (``halserve.kv_cache.spec.MLASpec``). Decodes take the absorbed
@@ -34,12 +36,15 @@ import torch
 
 from halserve.attention_backends.torch_ref import TorchAttentionBackend, TorchAttentionMetadata
 
+_HALF_CACHES = (torch.bfloat16, torch.float16)  # caches the kernels widen under a float32 model
+
 
 class CpuNativeAttentionBackend(TorchAttentionBackend):
     name = "cpu_native"
     platforms = ("cpu",)
     dtypes = ("float32", "bfloat16")
-    kv_cache_dtypes = ("auto", "bfloat16")  # bfloat16: under a float32 model too (the kernels widen it)
+    # the cache in the model's dtype, or a 16-bit one under a float32 model (the kernels widen it: _supports)
+    kv_cache_dtypes = ("auto", "float32", "bfloat16", "float16")
     description = ("native C++ paged decode and prefill (transposed-key cache layout); float32 and bfloat16; "
                    "built on first use")
 
@@ -47,6 +52,10 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
     def _supports(cls, **config) -> str | None:
         from halserve.platforms.cpu_kernels import toolchain_missing
 
+        dtype, cache = config.get("dtype"), config.get("kv_cache_dtype", "auto")
+        if cache not in ("auto", dtype) and dtype != "float32":
+            return (f"a {cache} KV cache under a {dtype} model (its kernels take the model's dtype, or a 16-bit "
+                    "cache under float32)")
         return toolchain_missing()
 
     @classmethod
@@ -85,9 +94,11 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: TorchAttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0):
         """q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D]."""
-        if q.dtype not in (torch.float32, torch.bfloat16) or kv_cache.dtype not in (q.dtype, torch.bfloat16):
-            raise ValueError(f"cpu_native runs float32 or bfloat16 with a cache of the same dtype (or bfloat16), got "
-                             f"q {q.dtype} and cache {kv_cache.dtype}; use the torch attention backend")
+        if q.dtype not in (torch.float32, torch.bfloat16) or not (
+                kv_cache.dtype == q.dtype or (q.dtype == torch.float32 and kv_cache.dtype in _HALF_CACHES)):
+            raise ValueError(f"cpu_native runs float32 or bfloat16 with a cache of the same dtype (or a bfloat16 or "
+                             f"float16 one under float32), got q {q.dtype} and cache {kv_cache.dtype}; use the torch "
+                             "attention backend")
         n = metadata.num_actual_tokens
         block_size = kv_cache.shape[3] // self.head_size
         self._kernel.write_kv(kv_cache, k[:n], v[:n], metadata.slot_mapping[:n], block_size)

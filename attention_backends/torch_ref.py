@@ -87,7 +87,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     platforms = ("*",)
     dtypes = ("float32", "float16", "bfloat16")
-    kv_cache_dtypes = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+    kv_cache_dtypes = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
     supports_sliding_window = True
     supports_logits_soft_cap = True
     description = "plain torch (SDPA over gathered blocks); the reference every backend is checked against"
@@ -123,7 +123,7 @@ class TorchAttentionBackend(AttentionBackend):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         self.fp8_dtype = _FP8_DTYPES.get(kv_cache_dtype)
-        if kv_cache_dtype not in ("auto", "bfloat16") and self.fp8_dtype is None:
+        if kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16") and self.fp8_dtype is None:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported by the torch backend")
 
     # -- cache I/O ----------------------------------------------------------------------
@@ -156,7 +156,7 @@ class TorchAttentionBackend(AttentionBackend):
             out = workspace[: rows.shape[1] * n].view(n, -1)
             if rows.dtype == out.dtype:
                 torch.index_select(rows, 0, block_ids, out=out)
-            else:  # a bfloat16 cache under a float32 model: widened as it is gathered
+            else:  # a 16-bit cache under a float32 model: widened as it is gathered
                 out.copy_(torch.index_select(rows, 0, block_ids))
             return out.view(out_shape)
         raw = torch.index_select(rows.view(torch.uint8), 0, block_ids)  # [n, B * Hk * D] fp8 bytes
@@ -301,7 +301,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _read_mla(self, cache: torch.Tensor, block_ids: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
         """cache [num_blocks, B, E], block_ids [n] -> [n * B, E] in ``dtype``."""
         rows = cache.view(cache.shape[0], -1)  # [num_blocks, B * E]
-        if self.fp8_dtype is None:  # (.to: a bfloat16 cache under a float32 model)
+        if self.fp8_dtype is None:  # (.to: a 16-bit cache under a float32 model)
             return torch.index_select(rows, 0, block_ids).view(-1, cache.shape[-1]).to(dtype)
         raw = torch.index_select(rows.view(torch.uint8), 0, block_ids)
         return (raw.view(self._cache_fp8(cache)).to(dtype) * scale).view(-1, cache.shape[-1])

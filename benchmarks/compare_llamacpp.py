@@ -29,8 +29,9 @@ halserve runs in each ``--halserve-modes`` that this install has: ``gguf`` (the 
 through the ``gguf_gemm`` kernel this platform resolves; the row names it), ``f32`` and ``bf16`` (the
 blocks dequantized at load, ``--quantization unquantized``); ``gguf-l1`` (not in ``auto``) is gguf with
 ``HALSERVE_GGUF_ACTIVATION_LEVELS=1``, llama.cpp's one int8 level for every GEMM's activations (the default
-takes two for prompts and the LM head); ``gguf-kv16`` and ``gguf-l1-kv16`` are those two with ``--kv-cache-dtype
-bfloat16`` (llama.cpp's own cache is f16 by default). Both engines get ``--threads`` threads.
+takes two for prompts and the LM head). The gguf modes keep halserve's default KV cache for a GGUF model, float16
+(llama.cpp's own default); ``gguf-kv32`` is gguf with ``--kv-cache-dtype float32`` (the default before), ``gguf-kv16``
+and ``gguf-l1-kv16`` gguf and gguf-l1 with ``--kv-cache-dtype bfloat16``. Both engines get ``--threads`` threads.
 Results go to ``bench_out/llamacpp.json`` and tables on stdout.
 """
 from __future__ import annotations
@@ -61,7 +62,8 @@ MODES = {
     "f32": ["--quantization", "unquantized", "--dtype", "float32"],
     "bf16": ["--quantization", "unquantized", "--dtype", "bfloat16"],
     "gguf-l1": ["--quantization", "gguf", "--dtype", "float32"],  # + MODE_ENV: llama.cpp's arithmetic
-    # the KV cache in bfloat16 (llama.cpp's default cache is f16): half the bytes a decode step's attention reads
+    # the gguf modes' KV cache is float16 by default (llama.cpp's default); float32 or bfloat16 instead:
+    "gguf-kv32": ["--quantization", "gguf", "--dtype", "float32", "--kv-cache-dtype", "float32"],
     "gguf-kv16": ["--quantization", "gguf", "--dtype", "float32", "--kv-cache-dtype", "bfloat16"],
     "gguf-l1-kv16": ["--quantization", "gguf", "--dtype", "float32", "--kv-cache-dtype", "bfloat16"],
 }
@@ -152,6 +154,7 @@ def halserve_modes(wanted: str) -> dict[str, str]:
     labels = {"gguf": f"halserve gguf ({kernels[0].name} gguf_gemm)" if kernels else "halserve gguf",
               "f32": "halserve f32 (dequantized)", "bf16": "halserve bf16 (dequantized)"}
     labels["gguf-l1"] = labels["gguf"].replace("halserve gguf", "halserve gguf, one int8 level")
+    labels["gguf-kv32"] = labels["gguf"].replace("halserve gguf", "halserve gguf, f32 KV cache")
     labels["gguf-kv16"] = labels["gguf"].replace("halserve gguf", "halserve gguf, bf16 KV cache")
     labels["gguf-l1-kv16"] = labels["gguf"].replace("halserve gguf", "halserve gguf, one int8 level, bf16 KV cache")
     modes = list(AUTO_MODES) if wanted == "auto" else wanted.split(",")

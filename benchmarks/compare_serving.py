@@ -6,8 +6,8 @@
 
 ``--halserve-configs`` runs halserve once per lever setting (``split``: the default two-process
 layout; ``inproc``: the engine core as a thread of the API server; ``async``: asynchronous
-scheduling; ``api2``: two API-server processes; ``kv16``: the KV cache in bfloat16), so that each lever's
-effect is a ratio measured in one run; the last table gives each halserve run's advantage over vLLM (>1 is better for halserve).
+scheduling; ``api2``: two API-server processes; ``kv16`` / ``kvf16``: the KV cache in bfloat16 /
+float16), so that each lever's effect is a ratio measured in one run; the last table gives each halserve run's advantage over vLLM (>1 is better for halserve).
 
 For each server (one at a time, same checkpoint, float32, prefix caching off): launch it,
 time launch -> first 200 from /health, run the bench at a fixed Poisson request rate and
@@ -50,6 +50,7 @@ HALSERVE_CONFIGS = {
     "async": ["--async-scheduling"],
     "api2": ["--api-server-count", "2"],
     "kv16": ["--kv-cache-dtype", "bfloat16"],  # the KV cache in bfloat16 under a float32 model
+    "kvf16": ["--kv-cache-dtype", "float16"],  # in float16 (llama.cpp's default cache type)
 }
 
 

@@ -267,7 +267,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
                    help="share of free memory the KV cache may take when sized automatically (default 0.9; "
                    "vLLM's --gpu-memory-utilization is a share of total memory instead)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES), help="KV-cache storage dtype")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV-cache storage dtype; auto: the model's dtype (a GGUF model kept quantized and computed "
+                        "in float32: float16, llama.cpp's default)")
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV cache of shared prompt prefixes",

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import logging
@@ -144,6 +145,38 @@ def resolve_dtype(requested: str, hf_config: Any, platform: Platform | type[Plat
     chosen, reason = platform.auto_dtype(name if name in _DTYPE_NAMES else None)
     logger.info("dtype auto -> %s on %s (%s)", chosen, platform.name, reason)
     return _DTYPE_NAMES[chosen]
+
+
+def gguf_kv_cache_default(config: EngineConfig, info: ModelInfo, platform: Platform) -> str | None:
+    """``"float16"`` where a GGUF checkpoint computed in float32 should keep a float16 KV cache, else None.
+
+    llama.cpp keeps its cache in f16 by default (``-ctk f16``), and halserve's GGUF path computes in float32: a
+    float32 cache doubles the bytes each decode step's attention reads (at 64 streams of SmolLM2 the largest part
+    of a step, BENCHMARKS.md "A bfloat16 KV cache"). So ``kv_cache_dtype="auto"`` means float16 for such a model
+    whose blocks stay quantized (its answers are already llama.cpp-like arithmetic; dequantized at load with
+    ``quantization="unquantized"`` it computes in floats throughout), where the attention backend it gets takes a
+    float16 cache; an explicit setting is kept (``float32`` keeps the float32 cache)."""
+    import copy
+
+    from halserve.worker.backend_selection import select_attention_backend
+
+    if (config.kv_cache_dtype != "auto" or info.gguf_file is None or info.dtype != torch.float32
+            or config.quantization == "unquantized"):
+        return None
+    trial = copy.copy(config)
+    trial.kv_cache_dtype = "float16"
+    try:  # (the same backend as with "auto", never a slower one picked for the cache's sake)
+        if select_attention_backend(trial, platform, info) is not select_attention_backend(config, platform, info):
+            return None
+    except ValueError:
+        return None
+    return "float16"
+
+
+def with_kv_cache_dtype(info: ModelInfo, old: str, new: str) -> ModelInfo:
+    """``info`` for a KV cache of ``new`` instead of ``old`` (its bytes per token rescaled)."""
+    before, after = (kv_cache_torch_dtype(name, info.dtype).itemsize for name in (old, new))
+    return dataclasses.replace(info, kv_cache_bytes_per_token=info.kv_cache_bytes_per_token * after // before)
 
 
 def supported_architectures() -> dict[str, str | type]:

@@ -5,8 +5,9 @@
 Each layer has its own cache (SmolLM2-135M's attention shape by default: 9 q / 3 kv heads of 64, blocks of
 16, blocks in random order), so a step reads every layer's K/V from memory as the engine's decode step does.
 Prints ms per step (all layers; the last of three timed passes after one warm-up) and the K/V bytes read per
-second, for a float32 cache and q, a bfloat16 cache and q, and float32 q over a bfloat16 cache
-(``--kv-cache-dtype bfloat16``); the last is checked equal to float32 attention over the same rounded values.
+second, for a float32 cache and q, a bfloat16 cache and q, and float32 q over a bfloat16 or float16 cache
+(``--kv-cache-dtype bfloat16`` / ``float16``, the second a GGUF model's default); the last two are checked equal to
+float32 attention over the same rounded values.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def main() -> None:
     print("| q / cache | ms per step | GB/s of K/V |\n|---|---|---|")
     for label, q_dtype, cache_dtype in (("float32 / float32", torch.float32, torch.float32),
                                         ("bfloat16 / bfloat16", torch.bfloat16, torch.bfloat16),
-                                        ("float32 / bfloat16", torch.float32, torch.bfloat16)):
+                                        ("float32 / bfloat16", torch.float32, torch.bfloat16),
+                                        ("float32 / float16", torch.float32, torch.float16)):
         layer_caches = [c.to(cache_dtype) for c in caches]
         qq = q.to(q_dtype)
         for _ in range(4):  # one warm-up, three timed; the last is printed
@@ -53,9 +55,9 @@ def main() -> None:
             for cache in layer_caches:
                 out = kernel.paged_decode(qq, cache, table, lens, b, scale, 0, 0.0)
             seconds = time.perf_counter() - start
-        if q_dtype == torch.float32 and cache_dtype == torch.bfloat16:
+        if q_dtype == torch.float32 and cache_dtype != torch.float32:
             want = kernel.paged_decode(q, layer_caches[-1].float(), table, lens, b, scale, 0, 0.0)
-            assert torch.equal(out, want), "float32 q over a bfloat16 cache differs from float32 over its values"
+            assert torch.equal(out, want), f"float32 q over a {cache_dtype} cache differs from float32 over its values"
         kv_bytes = args.layers * n * args.context * hk * d * 2 * layer_caches[0].element_size()
         print(f"| {label} | {seconds * 1e3:.1f} | {kv_bytes / seconds / 1e9:.1f} |")
         del layer_caches

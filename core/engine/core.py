@@ -29,7 +29,7 @@ class EngineCore:
     GRAMMAR_POLL_S = 0.05  # how long a step with nothing to run waits for a grammar (then new requests)
 
     def __init__(self, config: EngineConfig) -> None:
-        from halserve.models.loader import get_model_info
+        from halserve.models.loader import get_model_info, gguf_kv_cache_default, with_kv_cache_dtype
         from halserve.platforms import resolve_platform
         from halserve.plugins import get_plugin_manager
         from halserve.scheduler import Scheduler
@@ -43,6 +43,11 @@ class EngineCore:
         self.platform.check_and_update_config(config)
         self.config = config
         self.model_info = get_model_info(config, self.platform)
+        if (kv_default := gguf_kv_cache_default(config, self.model_info, self.platform)) is not None:
+            logger.info("KV cache dtype auto -> %s (a GGUF checkpoint computed in float32 keeps llama.cpp's default "
+                        "f16 cache; --kv-cache-dtype float32 keeps float32)", kv_default)
+            self.model_info = with_kv_cache_dtype(self.model_info, config.kv_cache_dtype, kv_default)
+            config.kv_cache_dtype = kv_default
         config.fit_unchunked_prefill(self.model_info.max_model_len)  # (before the workers size their buffers)
 
         from halserve.kv_connectors import check_kv_transfer

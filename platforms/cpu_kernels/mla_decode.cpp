@@ -2,7 +2,7 @@
 // cpu_native backend (attention_backends/cpu_native.py): the absorbed decode of
 // attention_backends/torch_ref.py's forward_mla, reading the cache in place.
 //
-//   mla_decode(q [N, H, E] float32, cache [NB, B, E] float32 | bfloat16 | float8_e4m3fn | float8_e5m2,
+//   mla_decode(q [N, H, E] float32, cache [NB, B, E] float32 | bfloat16 | float16 | float8_e4m3fn | float8_e5m2,
 //              block_table [N, max_blocks] int32, seq_lens [N] int32, rank r, scale, k_scale)
 //     -> o_lat [N, H, r] float32
 //
@@ -23,7 +23,7 @@
 // (kTile: 8 with AVX-512, where 8 accumulators and 8 row pointers stay in registers; 4 with AVX2, where
 // a v16 is two ymm): score the tile, online softmax (a running max and sum per head lane; oT rescaled
 // only when a max grows), then p . rows while the tile's rows are still in L1: one pass over the cache.
-// bfloat16 and fp8 rows are widened into a float tile first (16 values at a time), then the float path
+// bfloat16, float16 and fp8 rows are widened into a float tile first (16 values at a time), then the float path
 // runs. A tile past the end of the context repeats its last row with the score masked to -inf.
 //
 // Tasks are (request, group of 16 heads, split of the context). With fewer (request, group) pairs than
@@ -54,7 +54,7 @@ constexpr int kCols = 4;
 #endif
 constexpr int64_t kMinSplit = 256;  // positions: the shortest context split worth a task of its own
 
-enum class Rows { kFloat, kBFloat16, kE4M3, kE5M2 };
+enum class Rows { kFloat, kBFloat16, kHalf, kE4M3, kE5M2 };
 
 // fp8 -> float, exactly (every fp8 value is a float). The magnitude's exponent and mantissa bits move
 // to the float's (re-biased by kBias); a subnormal (exponent 0) is read as the normal with exponent 1
@@ -118,6 +118,10 @@ inline void widen_row(const uint8_t* src, float* dst, int64_t E, float k_scale) 
   int64_t i = 0;
   if constexpr (R == Rows::kBFloat16) {
     const auto* s = reinterpret_cast<const c10::BFloat16*>(src);
+    for (; i + 16 <= E; i += 16) store16(dst + i, load16(s + i));
+    for (; i < E; ++i) dst[i] = static_cast<float>(s[i]);
+  } else if constexpr (R == Rows::kHalf) {
+    const auto* s = reinterpret_cast<const c10::Half*>(src);
     for (; i + 16 <= E; i += 16) store16(dst + i, load16(s + i));
     for (; i < E; ++i) dst[i] = static_cast<float>(s[i]);
   } else {
@@ -329,9 +333,10 @@ torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor blo
   switch (cache.scalar_type()) {
     case torch::kFloat: rows = Rows::kFloat; break;
     case torch::kBFloat16: rows = Rows::kBFloat16; break;
+    case torch::kHalf: rows = Rows::kHalf; break;
     case torch::kFloat8_e4m3fn: rows = Rows::kE4M3; break;
     case torch::kFloat8_e5m2: rows = Rows::kE5M2; break;
-    default: TORCH_CHECK(false, "the MLA cache must be float32, bfloat16, float8_e4m3fn or float8_e5m2, got ",
+    default: TORCH_CHECK(false, "the MLA cache must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, got ",
                          cache.scalar_type());
   }
   auto bt = block_table.contiguous();
@@ -374,6 +379,7 @@ torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor blo
   switch (rows) {
     case Rows::kFloat: run<Rows::kFloat>(pb, op); break;
     case Rows::kBFloat16: run<Rows::kBFloat16>(pb, op); break;
+    case Rows::kHalf: run<Rows::kHalf>(pb, op); break;
     case Rows::kE4M3: run<Rows::kE4M3>(pb, op); break;
     case Rows::kE5M2: run<Rows::kE5M2>(pb, op); break;
   }

@@ -1,8 +1,8 @@
 // Paged attention for the CPU platform's `cpu_native` backend: float32, or bfloat16 q,
 // cache and output with float32 arithmetic (the kernels are templates over the storage
 // type T; the float32 instantiation does exactly what the float32-only kernels did), and
-// float32 q and output over a bfloat16 cache (kv_cache_dtype="bfloat16": the cache type C
-// apart from T; a decode step reads half the bytes, as llama.cpp's default f16 cache does).
+// float32 q and output over a bfloat16 or float16 cache (kv_cache_dtype="bfloat16" / "float16": the
+// cache type C apart from T; a decode step reads half the bytes; float16 is llama.cpp's default cache).
 //
 // Cache layout, one tensor per layer: kv_cache [2, num_blocks, Hk, B * D] where
 //   keys   kv_cache[0][blk][h] is [D, B]   (token-minor: B consecutive tokens per d)
@@ -99,8 +99,8 @@ inline void pv_generic(const T* vb, const float* p, int64_t p_stride, int64_t ba
   }
 }
 
-// Everything one (request, kv head) task needs; T is the output element type, C the cache's (T, or bfloat16
-// under a float32 model: kv_cache_dtype="bfloat16").
+// Everything one (request, kv head) task needs; T is the output element type, C the cache's (T, or bfloat16 /
+// float16 under a float32 model: kv_cache_dtype="bfloat16" / "float16").
 template <typename T, typename C>
 struct DecodeTask {
   const float* qh;        // [G, D] the query heads of this kv head (widened to float)
@@ -252,18 +252,20 @@ bool is_storage_dtype(const torch::Tensor& t) {
   return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
 }
 
-// The cache holds q's dtype, or bfloat16 under float32 q (kv_cache_dtype="bfloat16": half the bytes a decode
-// step reads; the arithmetic stays float32).
+// The cache holds q's dtype, or a 16-bit type under float32 q (kv_cache_dtype="bfloat16" or "float16": half the
+// bytes a decode step reads; the arithmetic stays float32).
 bool cache_dtype_ok(const torch::Tensor& q, const torch::Tensor& kv) {
   return kv.scalar_type() == q.scalar_type() ||
-         (q.scalar_type() == torch::kFloat && kv.scalar_type() == torch::kBFloat16);
+         (q.scalar_type() == torch::kFloat &&
+          (kv.scalar_type() == torch::kBFloat16 || kv.scalar_type() == torch::kHalf));
 }
 
 void check(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& bt, const torch::Tensor& sl) {
   TORCH_CHECK(q.dim() == 3 && is_storage_dtype(q) && q.is_contiguous(),
               "q must be contiguous float32 or bfloat16 [N, Hq, D]");
   TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && cache_dtype_ok(q, kv) && kv.is_contiguous(),
-              "kv_cache must be contiguous [2, num_blocks, Hk, B*D] of q's dtype (or bfloat16 under float32 q)");
+              "kv_cache must be contiguous [2, num_blocks, Hk, B*D] of q's dtype (or bfloat16 or float16 under "
+              "float32 q)");
   TORCH_CHECK(bt.scalar_type() == torch::kInt && sl.scalar_type() == torch::kInt, "block_table/seq_lens must be int32");
   TORCH_CHECK(bt.size(0) == q.size(0) && sl.size(0) == q.size(0), "one block-table row and seq_len per query");
 }
@@ -336,7 +338,7 @@ void run_write_kv(C* keys, const T* kp, const T* vp, const int64_t* sp, int64_t 
         if constexpr (std::is_same_v<T, C>) {
           for (int64_t d = 0; d < D; ++d) kt[d * B] = ks[d];
           std::copy(vs, vs + D, vt);
-        } else {  // float32 k/v into a bfloat16 cache: rounded to nearest even
+        } else {  // float32 k/v into a bfloat16 or float16 cache: rounded to nearest even
           for (int64_t d = 0; d < D; ++d) kt[d * B] = from_float<C>(ks[d]);
           for (int64_t d = 0; d < D; ++d) vt[d] = from_float<C>(vs[d]);
         }
@@ -364,6 +366,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
   if (q.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kBFloat16)
     run_decode<float, c10::BFloat16>(q.data_ptr<float>(), kv_cache.data_ptr<c10::BFloat16>(), out.data_ptr<float>(),
                                      btp, slp, N, Hq, Hk, D, NB, B, max_blocks, fscale, cap, sliding_window);
+  else if (q.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kHalf)
+    run_decode<float, c10::Half>(q.data_ptr<float>(), kv_cache.data_ptr<c10::Half>(), out.data_ptr<float>(), btp, slp,
+                                 N, Hq, Hk, D, NB, B, max_blocks, fscale, cap, sliding_window);
   else if (q.scalar_type() == torch::kFloat)
     run_decode<float, float>(q.data_ptr<float>(), kv_cache.data_ptr<float>(), out.data_ptr<float>(), btp, slp, N, Hq,
                              Hk, D, NB, B, max_blocks, fscale, cap, sliding_window);
@@ -378,13 +383,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
 // slot_mapping[t] = block * B + offset; its key column-wise into the block's [D, B] key
 // tile, its value as row `offset` of the [B, D] value tile. Negative slots (padding) are
 // skipped. Values are copied as they are when k, v and the cache share one dtype; float32 k/v into a
-// bfloat16 cache (kv_cache_dtype="bfloat16") are rounded to it.
+// bfloat16 or float16 cache (kv_cache_dtype="bfloat16" / "float16") are rounded to it.
 void write_kv(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping, int64_t block_size) {
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && is_storage_dtype(kv_cache) && kv_cache.is_contiguous(),
-              "kv_cache must be contiguous float32 or bfloat16 [2, num_blocks, Hk, B*D]");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 &&
+                  (is_storage_dtype(kv_cache) || kv_cache.scalar_type() == torch::kHalf) && kv_cache.is_contiguous(),
+              "kv_cache must be contiguous float32, bfloat16 or float16 [2, num_blocks, Hk, B*D]");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() &&
                   is_storage_dtype(k) && cache_dtype_ok(k, kv_cache),
-              "k and v must be [T, Hk, D] of one shape and the cache's dtype (or float32 into a bfloat16 cache)");
+              "k and v must be [T, Hk, D] of one shape and the cache's dtype (or float32 into a bfloat16 or float16 "
+              "cache)");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0), "one slot per token");
   const int64_t T = k.size(0), Hk = k.size(1), D = k.size(2), B = block_size, NB = kv_cache.size(1);
   TORCH_CHECK(kv_cache.size(2) == Hk && kv_cache.size(3) == B * D, "kv_cache does not match k/v heads, head size and block size");
@@ -396,6 +403,9 @@ void write_kv(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::T
   if (k.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kBFloat16)
     run_write_kv<float, c10::BFloat16>(kv_cache.data_ptr<c10::BFloat16>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
                                        sp, T, Hk, D, NB, B);
+  else if (k.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kHalf)
+    run_write_kv<float, c10::Half>(kv_cache.data_ptr<c10::Half>(), kc.data_ptr<float>(), vc.data_ptr<float>(), sp, T,
+                                   Hk, D, NB, B);
   else if (kv_cache.scalar_type() == torch::kFloat)
     run_write_kv<float, float>(kv_cache.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), sp, T, Hk, D,
                                NB, B);
@@ -444,14 +454,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary embedding of q and k (float32, neox or gpt-j pairs)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (float32)");
   m.def("write_kv", &write_kv,
-        "write new K/V into a [2, blocks, Hk, B*D] float32 or bfloat16 cache (keys stored [D, B] per block)");
+        "write new K/V into a [2, blocks, Hk, B*D] float32, bfloat16 or float16 cache (keys stored [D, B] per block)");
   m.def("rotary_write_decode", &rotary_write_decode,
         "a decode step's attention from the fused qkv rows: rotary, write_kv, paged_decode in one call");
   m.def("paged_prefill_supported", &paged_prefill_supported, "whether paged_prefill runs this head/block configuration");
   m.def("paged_prefill", &paged_prefill,
-        "flash-style prefill attention over the paged [2, blocks, Hk, B*D] float32/bfloat16 cache, all spans at once");
+        "flash-style prefill attention over the paged [2, blocks, Hk, B*D] float32/bfloat16/float16 cache, all spans "
+        "at once");
   m.def("shm_all_reduce", &shm_all_reduce, "sum x over the ranks mapping one shared buffer, in place");
   m.def("shm_all_gather", &shm_all_gather, "every rank's x, through one shared buffer");
   m.def("paged_decode", &paged_decode,
-        "paged attention decode over a [2, blocks, Hk, B*D] float32 or bfloat16 cache (keys stored [D, B] per block)");
+        "paged attention decode over a [2, blocks, Hk, B*D] float32, bfloat16 or float16 cache (keys stored [D, B] per "
+        "block)");
 }

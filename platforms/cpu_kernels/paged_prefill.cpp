@@ -35,7 +35,7 @@ struct PrefillTask {
   int64_t span, head, tile;
 };
 
-template <typename T, typename C>  // C: the cache's element type (T, or bfloat16 under float32 q)
+template <typename T, typename C>  // C: the cache's element type (T, or bfloat16 / float16 under float32 q)
 struct Problem {
   const T* q;
   T* out;
@@ -223,9 +223,11 @@ void paged_prefill(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous(),
               "out must be contiguous, shaped like q and of its dtype");
   const bool bf16_cache = q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && (kv_cache.scalar_type() == q.scalar_type() || bf16_cache) &&
-                  kv_cache.is_contiguous(),
-              "kv_cache must be contiguous [2, num_blocks, Hk, B*D] of q's dtype (or bfloat16 under float32 q)");
+  const bool f16_cache = q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 &&
+                  (kv_cache.scalar_type() == q.scalar_type() || bf16_cache || f16_cache) && kv_cache.is_contiguous(),
+              "kv_cache must be contiguous [2, num_blocks, Hk, B*D] of q's dtype (or bfloat16 or float16 under float32 "
+              "q)");
   TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
               "block_table must be contiguous int32 [R, max_blocks]");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hk = kv_cache.size(2), B = block_size;
@@ -247,6 +249,9 @@ void paged_prefill(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor
   if (bf16_cache)
     run_prefill<float, c10::BFloat16>(out, q, kv_cache, block_table, tsp, qlp, slp, rwp, S, B, scale, sliding_window,
                                       soft_cap);
+  else if (f16_cache)
+    run_prefill<float, c10::Half>(out, q, kv_cache, block_table, tsp, qlp, slp, rwp, S, B, scale, sliding_window,
+                                  soft_cap);
   else if (q.scalar_type() == at::kFloat)
     run_prefill<float, float>(out, q, kv_cache, block_table, tsp, qlp, slp, rwp, S, B, scale, sliding_window, soft_cap);
   else

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -207,10 +208,42 @@ inline void store16(c10::BFloat16* p, v16 v) {
 inline v16 round_bf16(v16 v) {
   return as_v16(bf16_bits16(v) << 16);
 }
+// float16 storage (kv_cache_dtype="float16", llama.cpp's default cache type): widened on load, rounded to
+// nearest even on store, as c10::Half's constructor (F16C's vcvtph2ps / vcvtps2ph: past 65504 a value becomes
+// inf, as torch's .to(float16) makes it). Without F16C, lane by lane through c10::Half.
+#if defined(__AVX512F__)
+inline v16 load16(const c10::Half* p) {
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void store16(c10::Half* p, v16 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
+}
+#elif defined(__F16C__)
+inline v16 load16(const c10::Half* p) {
+  return {(v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline void store16(c10::Half* p, v16 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph((__m256)v.lo, _MM_FROUND_TO_NEAREST_INT));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph((__m256)v.hi, _MM_FROUND_TO_NEAREST_INT));
+}
+#else
+inline v16 load16(const c10::Half* p) {
+  float f[16];
+  for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(p[i]);
+  return load16(f);
+}
+inline void store16(c10::Half* p, v16 v) {
+  float f[16];
+  store16(f, v);
+  for (int i = 0; i < 16; ++i) p[i] = c10::Half(f[i]);
+}
+#endif
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
 template <typename T>
-inline T from_float(float x) { return T(x); }  // float: the value itself; bf16: rounded
+inline T from_float(float x) { return T(x); }  // float: the value itself; bf16, f16: rounded
 
 // Prefetches n elements from p into L2 (prefetcht1), one 64-byte line at a time. A whole cache block's lines
 // at once into L1 (prefetcht0) overran its few miss buffers: on a 2-core Zen 4 the decode attention of 64

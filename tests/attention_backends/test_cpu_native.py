@@ -121,15 +121,17 @@ def test_bfloat16_matches_float32_reference(num_heads, num_kv_heads, head_size, 
                             gen_seed=num_heads * 5 + block_size, run_seed=17, spare_blocks=2, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_size,block_size,window,soft_cap",
     [(9, 3, 64, 16, None, None), (8, 2, 80, 16, 9, None), (6, 1, 32, 4, None, None), (20, 2, 32, 16, None, 10.0)],
 )
-def test_a_bfloat16_cache_under_float32(num_heads, num_kv_heads, head_size, block_size, window, soft_cap):
-    """kv_cache_dtype="bfloat16" under a float32 model: float32 q/k/v and output, the cache in bfloat16 (written
-    rounded, read widened) through the fast and generic decode, native prefill and the SDPA fallback (block 4,
-    group 10). With k/v already bf16-exact the rounding is exact, so the result is the float32 one: against the
-    torch backend on a float32 cache, and against the torch backend on its own bfloat16 cache."""
+def test_a_16_bit_cache_under_float32(num_heads, num_kv_heads, head_size, block_size, window, soft_cap, cache_dtype):
+    """kv_cache_dtype="bfloat16" / "float16" under a float32 model: float32 q/k/v and output, the cache in the
+    16-bit type (written rounded, read widened) through the fast and generic decode, native prefill and the SDPA
+    fallback (block 4, group 10). With k/v already exact in that type the rounding is exact, so the result is the
+    float32 one: against the torch backend on a float32 cache, and against the torch backend on its own 16-bit
+    cache."""
     history = [37, 1, 36, 15, 2, 69]
     query_lens = [20, 1, 1, 9, 17, 1]
     gen = torch.Generator().manual_seed(num_heads * 7 + head_size)
@@ -139,37 +141,45 @@ def test_a_bfloat16_cache_under_float32(num_heads, num_kv_heads, head_size, bloc
     step1 = _history_step(history, step2.block_table, block_size)
     kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
     args = (num_heads, num_kv_heads, head_size, block_size, num_blocks, kwargs, 23)
-    want = _run(TorchAttentionBackend, [step1, step2], *args, rounded_to=torch.bfloat16)
-    torch_bf16 = _run(TorchAttentionBackend, [step1, step2], *args[:5], {**kwargs, "kv_cache_dtype": "bfloat16"},
-                      23, rounded_to=torch.bfloat16, cache_dtype=torch.bfloat16)
-    got = _run(CpuNativeAttentionBackend, [step1, step2], *args[:5], {**kwargs, "kv_cache_dtype": "bfloat16"},
-               23, rounded_to=torch.bfloat16, cache_dtype=torch.bfloat16)
-    for w, t, g in zip(want, torch_bf16, got):
+    setting = str(cache_dtype).removeprefix("torch.")
+    want = _run(TorchAttentionBackend, [step1, step2], *args, rounded_to=cache_dtype)
+    torch_16 = _run(TorchAttentionBackend, [step1, step2], *args[:5], {**kwargs, "kv_cache_dtype": setting},
+                    23, rounded_to=cache_dtype, cache_dtype=cache_dtype)
+    got = _run(CpuNativeAttentionBackend, [step1, step2], *args[:5], {**kwargs, "kv_cache_dtype": setting},
+               23, rounded_to=cache_dtype, cache_dtype=cache_dtype)
+    for w, t, g in zip(want, torch_16, got):
         assert g.dtype == t.dtype == torch.float32
         torch.testing.assert_close(t, w, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
-def test_a_bfloat16_cache_rounds_what_it_stores():
-    """Float32 keys and values that bfloat16 cannot hold are stored rounded to nearest (write_kv), and decode
-    reads exactly those values: the output equals float32 attention over the rounded keys and values."""
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_a_16_bit_cache_rounds_what_it_stores(cache_dtype):
+    """Float32 keys and values that the 16-bit type cannot hold are stored rounded to nearest even, exactly as
+    torch's conversion rounds them (write_kv; float16 past its range: inf, as torch), and decode reads exactly
+    those values: the output equals float32 attention over the rounded keys and values."""
     kernel = cpu_kernels.load()
     gen = torch.Generator().manual_seed(5)
     num_heads, num_kv_heads, head_size, block_size, tokens = 4, 2, 64, 16, 40
     k = torch.randn(tokens, num_kv_heads, head_size, generator=gen)
     v = torch.randn(tokens, num_kv_heads, head_size, generator=gen)
+    # values at the type's edges: halfway cases, float16's subnormals and its overflow
+    v[0, 0, :6] = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 3e-6, -6e-8, 7e4, -1e5])
     q = torch.randn(1, num_heads, head_size, generator=gen)
     shape = CpuNativeAttentionBackend.kv_cache_shape(4, block_size, num_kv_heads, head_size)
-    cache, cache32 = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape)
+    cache, cache32 = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape)
     slots = torch.arange(block_size, block_size + tokens)  # blocks 1-3
     kernel.write_kv(cache, k, v, slots, block_size)
-    kernel.write_kv(cache32, k.bfloat16().float(), v.bfloat16().float(), slots, block_size)
-    assert torch.equal(cache.float(), cache32)  # rounded to nearest even, as torch's .bfloat16()
+    kernel.write_kv(cache32, k.to(cache_dtype).float(), v.to(cache_dtype).float(), slots, block_size)
+    assert torch.equal(cache.float(), cache32)  # rounded as torch rounds
     table, lens = torch.tensor([[1, 2, 3]], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+    v[0, 0, 4:6] = 0  # (decode over finite values)
+    kernel.write_kv(cache, k, v, slots, block_size)
+    kernel.write_kv(cache32, k.to(cache_dtype).float(), v.to(cache_dtype).float(), slots, block_size)
     got = kernel.paged_decode(q, cache, table, lens, block_size, head_size**-0.5, 0, 0.0)
     want = kernel.paged_decode(q, cache32, table, lens, block_size, head_size**-0.5, 0, 0.0)
     assert got.dtype == torch.float32 and torch.equal(got, want)
-    with pytest.raises(RuntimeError, match="bfloat16 under float32"):
+    with pytest.raises(RuntimeError, match="float16 under float32"):
         kernel.paged_decode(q.bfloat16(), cache32, table, lens, block_size, head_size**-0.5, 0, 0.0)
 
 
@@ -178,6 +188,15 @@ def test_declines_what_it_does_not_run():
     assert CpuNativeAttentionBackend.supports(dtype="bfloat16", head_size=64, block_size=16) is None
     assert CpuNativeAttentionBackend.supports(dtype="float32", head_size=64, block_size=16, kv_cache_dtype="fp8")
     assert CpuNativeAttentionBackend.supports(dtype="float32", head_size=64, block_size=16) is None
+    for cache in ("float32", "bfloat16", "float16"):  # a 16-bit (or float32) cache under a float32 model
+        assert CpuNativeAttentionBackend.supports(dtype="float32", head_size=64, block_size=16,
+                                                  kv_cache_dtype=cache) is None
+    # under a bfloat16 model only its own dtype: the kernels take the cache in q's dtype or 16-bit under float32
+    assert CpuNativeAttentionBackend.supports(dtype="bfloat16", head_size=64, block_size=16,
+                                              kv_cache_dtype="bfloat16") is None
+    for cache in ("float32", "float16"):
+        assert "under a bfloat16 model" in CpuNativeAttentionBackend.supports(
+            dtype="bfloat16", head_size=64, block_size=16, kv_cache_dtype=cache)
 
 
 @pytest.mark.parametrize(

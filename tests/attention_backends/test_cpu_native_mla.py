@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
-                "fp8_e5m2": torch.float8_e5m2}
+CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +91,8 @@ def test_kernel_refuses_bad_inputs(mla_decode):
         mla_decode(q, cache, table, torch.tensor([3], dtype=torch.int32), 16, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="seq_len 5 of request 0 is out of range"):
         mla_decode(q, cache, table, torch.tensor([5], dtype=torch.int32), 16, 1.0, 1.0)
-    with pytest.raises(RuntimeError, match="float32, bfloat16, float8_e4m3fn or float8_e5m2"):
-        mla_decode(q, cache.half(), table, torch.tensor([2], dtype=torch.int32), 16, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="float32, bfloat16, float16, float8_e4m3fn or float8_e5m2"):
+        mla_decode(q, cache.double(), table, torch.tensor([2], dtype=torch.int32), 16, 1.0, 1.0)
 
 
 def _metadata(query_lens: list[int], seq_lens: list[int], table: torch.Tensor, block_size: int):

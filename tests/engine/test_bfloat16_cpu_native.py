@@ -55,19 +55,20 @@ def test_bfloat16_greedy_matches_torch_backend(checkpoint_factory):
     _assert_equal_up_to_near_ties(got, want)
 
 
-def test_bfloat16_kv_cache_under_float32_matches_torch_backend(checkpoint_factory, caplog):
-    """kv_cache_dtype="bfloat16" under a float32 model (the GGUF models' llama.cpp-like setting): the cache is
-    allocated in bfloat16, and cpu_native's greedy output equals the torch backend's on its own bfloat16 cache
-    (both store the same rounded K/V and compute in float32)."""
+@pytest.mark.parametrize("cache", ["bfloat16", "float16"])
+def test_a_16_bit_kv_cache_under_float32_matches_torch_backend(checkpoint_factory, caplog, cache):
+    """kv_cache_dtype="bfloat16" / "float16" under a float32 model (float16: llama.cpp's default cache, and the
+    GGUF models' default): the cache is allocated in that type, and cpu_native's greedy output equals the torch
+    backend's on its own cache of that type (both store the same rounded K/V and compute in float32)."""
     import logging
 
     path = checkpoint_factory("llama")
     prompts = _prompts(path)
     with caplog.at_level(logging.INFO, logger="halserve"):
-        backend, got = _greedy(path, prompts, dtype="float32", kv_cache_dtype="bfloat16")
+        backend, got = _greedy(path, prompts, dtype="float32", kv_cache_dtype=cache)
     assert backend == "cpu_native"
-    assert any("KV cache" in r.getMessage() and "torch.bfloat16" in r.getMessage() for r in caplog.records)
-    ref_backend, want = _greedy(path, prompts, dtype="float32", kv_cache_dtype="bfloat16", attention_backend="torch")
+    assert any("KV cache" in r.getMessage() and f"torch.{cache}" in r.getMessage() for r in caplog.records)
+    ref_backend, want = _greedy(path, prompts, dtype="float32", kv_cache_dtype=cache, attention_backend="torch")
     assert ref_backend == "torch"
     _assert_equal_up_to_near_ties(got, want)
 

@@ -120,7 +120,7 @@ def _metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]
     return TorchAttentionBackend.build_metadata(common)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "bfloat16", "float16"])
 def test_absorbed_decode_and_naive_prefill_equal_attention_over_expanded_kv(kv_cache_dtype):
     """One step mixing decodes and a chunked prefill after cached context, against softmax(q k^T) v
     over per-head keys/values expanded from the latents the cache holds (so fp8 or bfloat16 rounding is
@@ -131,7 +131,8 @@ def test_absorbed_decode_and_naive_prefill_equal_attention_over_expanded_kv(kv_c
     backend = TorchAttentionBackend(heads, NOPE + ROPE, scale, 1, kv_cache_dtype=kv_cache_dtype)
     w_uk = torch.randn(heads, NOPE, RANK, generator=gen) / math.sqrt(RANK)
     w_uv = torch.randn(heads, V_DIM, RANK, generator=gen) / math.sqrt(RANK)
-    cache_dtype = {"auto": torch.float32, "bfloat16": torch.bfloat16}.get(kv_cache_dtype, torch.float8_e4m3fn)
+    cache_dtype = {"auto": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(kv_cache_dtype,
+                                                                                          torch.float8_e4m3fn)
     cache = torch.zeros(MLASpec(RANK, ROPE).cache_shape(num_blocks, block_size), dtype=cache_dtype)
     tables = [[3, 9, 1], [7, 2], [12, 5, 14, 0]]
     seq_lens, query_lens = [9, 6, 13], [1, 1, 5]  # two decodes, a 5-token chunk after 8 cached positions

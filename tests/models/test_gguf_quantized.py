@@ -98,7 +98,49 @@ def test_float_reference_kernel_is_token_identical_to_transformers(case, tmp_pat
     path = helpers.write_gguf(str(tmp_path / f"{case}.gguf"), arch, qtype=qtype, tied=tied)
     batch = helpers.prompts()
     monkeypatch.setenv("HALSERVE_KERNELS", "gguf_gemm=torch")
-    assert helpers.halserve_greedy(path, batch, quantization="gguf") == helpers.hf_greedy_gguf(path, batch), case
+    # (floats throughout: the float32 KV cache, not the float16 one a GGUF model gets by default)
+    assert helpers.halserve_greedy(path, batch, quantization="gguf", kv_cache_dtype="float32") == \
+        helpers.hf_greedy_gguf(path, batch), case
+
+
+def test_kept_blocks_get_llama_cpps_float16_kv_cache_by_default(tmp_path, caplog):
+    """A GGUF model whose blocks stay quantized, computed in float32, keeps a float16 KV cache by default (as
+    llama.cpp does); an explicit setting, a model dequantized at load, a safetensors checkpoint and a backend
+    without a float16 cache keep what they had."""
+    import logging
+
+    from halserve.config import EngineConfig
+    from halserve.models.loader import get_model_info, gguf_kv_cache_default
+    from halserve.platforms.cpu import CpuPlatform
+
+    path = helpers.write_gguf(str(tmp_path / "q80.gguf"), "llama", qtype=T.Q8_0)
+    platform = CpuPlatform()
+
+    def default(model=path, **kwargs):
+        config = EngineConfig(model=model, dtype=kwargs.pop("dtype", "float32"), **kwargs)
+        return gguf_kv_cache_default(config, get_model_info(config, platform), platform)
+
+    assert default() == "float16"
+    assert default(attention_backend="torch") == "float16"  # (the torch backend takes it too)
+    assert default(kv_cache_dtype="float32") is None and default(kv_cache_dtype="bfloat16") is None
+    assert default(quantization="unquantized") is None  # floats throughout
+    assert default(dtype="bfloat16") is None  # (a bfloat16 model's cache is 16-bit already)
+    assert default(attention_backend="ipex") is None  # a backend that does not take it (here: not even present)
+    from model_factory import make_checkpoint
+
+    assert default(model=make_checkpoint(str(tmp_path / "st"), "llama")) is None
+
+    batch = helpers.prompts()[:2]
+    with caplog.at_level(logging.INFO, logger="halserve"):
+        helpers.halserve_greedy(path, batch, max_new_tokens=2, quantization="gguf")
+    cache_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache")]
+    assert any("auto -> float16" in m for m in cache_lines) and any("torch.float16" in m for m in cache_lines)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="halserve"):
+        helpers.halserve_greedy(path, batch, max_new_tokens=2, quantization="gguf", kv_cache_dtype="float32")
+    cache_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache")]
+    assert cache_lines and all("float16" not in m for m in cache_lines) and any("torch.float32" in m
+                                                                               for m in cache_lines)
 
 
 def test_native_kernel_agrees_with_the_dequantized_model(tmp_path):

@@ -79,10 +79,11 @@ def test_float32_checkpoint_flat_equals_module_path(llama_checkpoint, streams):
     _assert_same(llama_checkpoint, PROMPTS[streams], fused=True)
 
 
-def test_a_bfloat16_kv_cache_takes_the_one_call_attention(llama_checkpoint):
-    """kv_cache_dtype="bfloat16" under float32: the fused decode attention takes the bfloat16 cache, and gives
-    the module path's (cpu_native forward's write_kv + paged_decode) tokens and log-probs bit for bit."""
-    _assert_same(llama_checkpoint, PROMPTS["4 streams"], fused=True, kv_cache_dtype="bfloat16")
+@pytest.mark.parametrize("cache", ["bfloat16", "float16"])
+def test_a_16_bit_kv_cache_takes_the_one_call_attention(llama_checkpoint, cache):
+    """kv_cache_dtype="bfloat16" / "float16" under float32: the fused decode attention takes the 16-bit cache,
+    and gives the module path's (cpu_native forward's write_kv + paged_decode) tokens and log-probs bit for bit."""
+    _assert_same(llama_checkpoint, PROMPTS["4 streams"], fused=True, kv_cache_dtype=cache)
 
 
 def test_torch_attention_backend_goes_through_backend_forward(llama_checkpoint):
