@@ -39,6 +39,12 @@ from halserve.attention_backends.torch_ref import TorchAttentionBackend, TorchAt
 _HALF_CACHES = (torch.bfloat16, torch.float16)  # caches the kernels widen under a float32 model
 
 
+def kernels_take_cache(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the native kernels run q (and k, v, out) of ``q_dtype`` over a cache of ``cache_dtype``: the same
+    dtype, or a 16-bit cache under float32 (the C++ ``cache_dtype_ok``)."""
+    return cache_dtype == q_dtype or (q_dtype == torch.float32 and cache_dtype in _HALF_CACHES)
+
+
 class CpuNativeAttentionBackend(TorchAttentionBackend):
     name = "cpu_native"
     platforms = ("cpu",)
@@ -94,8 +100,7 @@ class CpuNativeAttentionBackend(TorchAttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: TorchAttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0):
         """q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D]."""
-        if q.dtype not in (torch.float32, torch.bfloat16) or not (
-                kv_cache.dtype == q.dtype or (q.dtype == torch.float32 and kv_cache.dtype in _HALF_CACHES)):
+        if q.dtype not in (torch.float32, torch.bfloat16) or not kernels_take_cache(q.dtype, kv_cache.dtype):
             raise ValueError(f"cpu_native runs float32 or bfloat16 with a cache of the same dtype (or a bfloat16 or "
                              f"float16 one under float32), got q {q.dtype} and cache {kv_cache.dtype}; use the torch "
                              "attention backend")

@@ -123,7 +123,7 @@ class TorchAttentionBackend(AttentionBackend):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         self.fp8_dtype = _FP8_DTYPES.get(kv_cache_dtype)
-        if kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16") and self.fp8_dtype is None:
+        if kv_cache_dtype not in TorchAttentionBackend.kv_cache_dtypes:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported by the torch backend")
 
     # -- cache I/O ----------------------------------------------------------------------

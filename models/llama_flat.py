@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from halserve.attention_backends.cpu_native import kernels_take_cache
 from halserve.forward_context import get_forward_context
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -266,7 +267,6 @@ class LlamaFlatForward:
         # views), for float32 rows on the native rotary whose head size is the layers'
         fused = plain[0].rotary_write_decode if plain is not None and native_rotary is not None else None
 
-        half_caches = (torch.bfloat16, torch.float16)
         hidden = self.embed.forward(input_ids)  # [T, H]
         residual = None
         for rec in self.layers:
@@ -282,9 +282,8 @@ class LlamaFlatForward:
             kv_cache = attn.kv_cache
             if kv_cache.numel() == 0:
                 raise RuntimeError(f"attention layer {attn.prefix!r} has no kv_cache; the model runner must set it")
-            # (the kernels take the cache in the rows' dtype or in a 16-bit type: kv_cache_dtype="bfloat16"/"float16")
             if (fused is not None and rec.qk_norm is None and rope_head == head
-                    and (kv_cache.dtype == qkv.dtype or kv_cache.dtype in half_caches)):
+                    and kernels_take_cache(qkv.dtype, kv_cache.dtype)):
                 _, slots, block_table, seq_lens = plain
                 out = fused(qkv, positions, cos_sin, rec.num_heads, rec.num_kv_heads, head, is_neox, kv_cache, slots,
                             block_table, seq_lens, kv_cache.shape[3] // head, *rec.native_decode)  # [T, Hq D]
@@ -319,7 +318,7 @@ class LlamaFlatForward:
         k3 = k.view(num_tokens, rec.num_kv_heads, head)
         v3 = v.view(num_tokens, rec.num_kv_heads, head)
         if (plain is not None and rec.native_decode is not None and q3.is_contiguous()
-                and kv_cache.dtype in (q3.dtype, torch.bfloat16, torch.float16)):
+                and kernels_take_cache(q3.dtype, kv_cache.dtype)):
             kernel, slots, block_table, seq_lens = plain
             block_size = kv_cache.shape[3] // head
             kernel.write_kv(kv_cache, k3, v3, slots, block_size)
