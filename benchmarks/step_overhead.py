@@ -112,7 +112,9 @@ def timed_engine(timer: PhaseTimer):
         timer.unwrap()
 
 
-def model_path(name: str, root: str) -> str:
+def model_path(name: str, root: str, gguf: str | None = None) -> str:
+    if name == "smollm2" and gguf:
+        return gguf
     if name == "smollm2":
         script = os.path.join(os.path.dirname(HERE), "scripts", "get_smollm2.sh")
         return subprocess.run(["bash", script], check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
@@ -129,7 +131,7 @@ def run_workload(name: str, args: argparse.Namespace) -> dict[str, float]:
     num_prompts, input_len, output_len = SHAPES[name]
     if args.num_prompts:
         num_prompts = args.num_prompts
-    path = model_path(name, args.root)
+    path = model_path(name, args.root, args.gguf)
     llm = LLM(path, platform="cpu", dtype=args.dtype, enable_prefix_caching=False)
     vocab = llm.get_tokenizer().vocab_size
     rng = random.Random(0)
@@ -169,6 +171,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--root", default="bench_out/models", help="where W1/W2 checkpoints are written (once)")
     ap.add_argument("--num-prompts", type=int, default=None, help="override the workload's prompt count (smoke runs)")
+    ap.add_argument("--gguf", default=None, help="smollm2: this GGUF file instead of scripts/get_smollm2.sh's Q4_1")
     args = ap.parse_args()
     import platform as _platform
 

@@ -55,6 +55,11 @@ if TYPE_CHECKING:  # pragma: no cover
 FLAT_FORWARD_ENV = "HALSERVE_FLAT_FORWARD"
 
 
+def decode_plan_enabled() -> bool:
+    """``HALSERVE_FLAT_FORWARD=python`` keeps the flat loop in Python on every step (no ``DecodePlan``)."""
+    return os.environ.get(FLAT_FORWARD_ENV, "").strip().lower() != "python"
+
+
 def flat_forward_enabled() -> bool:
     """False when ``HALSERVE_FLAT_FORWARD`` is 0 / false / off / no."""
     return os.environ.get(FLAT_FORWARD_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
@@ -102,12 +107,30 @@ def _linear_call(layer: nn.Module, checks: list[tuple[dict, str, Any]]):
     return call
 
 
+def _native_gguf_linear(layer: nn.Module):
+    """``(kernel, qweight, qtype, bias)`` when ``layer`` runs one GGUF block type on the cpu_native kernel (the
+    calls a ``DecodePlan`` can make itself), else None."""
+    from halserve.platforms.cpu_kernels.native_gguf import NativeGgufGemm
+    from halserve.quant_methods.gguf import GgufLinearMethod
+
+    runs = getattr(layer, "gguf_runs", None)
+    if type(layer.quant_method) is not GgufLinearMethod or runs is None or len(runs) != 1:
+        return None
+    kernel, qweight, qtype = runs[0]
+    if type(kernel) is not NativeGgufGemm or qweight.dim() != 2:
+        return None
+    bias = layer.bias
+    if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1):
+        return None
+    return kernel, qweight, qtype, bias
+
+
 class _Layer:
     """One decoder layer's bound pieces (``__slots__``: plain attribute reads in the step loop)."""
 
     __slots__ = ("norm_in", "w_in", "eps_in", "norm_post", "w_post", "eps_post", "qkv", "o", "gate_up", "down",
                  "act", "q_size", "kv_size", "head_size", "num_heads", "num_kv_heads", "qk_norm", "attn",
-                 "backend", "native_decode")
+                 "backend", "native_decode", "gguf")
 
 
 class LlamaFlatForward:
@@ -148,6 +171,8 @@ class LlamaFlatForward:
                                                  decoder.input_layernorm.eps)
             post = decoder.post_attention_layernorm
             rec.norm_post, rec.w_post, rec.eps_post = post.kernel, post.weight, post.eps
+            rec.gguf = [_native_gguf_linear(linear) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                   mlp.down_proj)]
             rec.qkv, rec.o = _linear_call(attn.qkv_proj, checks), _linear_call(attn.o_proj, checks)
             rec.gate_up, rec.down = _linear_call(mlp.gate_up_proj, checks), _linear_call(mlp.down_proj, checks)
             rec.act = mlp.act_fn.kernel
@@ -171,6 +196,12 @@ class LlamaFlatForward:
         self._check_keys = [(modules, name) for modules, name, _ in checks]
         self._bound = [bound for _, _, bound in checks]  # (held: their ids cannot go to other objects)
         self._bound_ids = [id(bound) for bound in self._bound]
+        # The C++ decode plan (decode_plan.cpp): built at the first plain decode step it can serve, made again when a
+        # layer's KV cache is another tensor or a GGUF weight was written (its run says so); None until then, False
+        # where it cannot serve this model
+        self._plan: Any = None if decode_plan_enabled() and self._plan_applies() else False
+        self._plan_cache_ids: list[int] = []
+        self._plan_max_rows = 0  # rows from which the GGUF kernel takes its float panel path (not the plan's call)
 
     # -- applicability --------------------------------------------------------------------
     @classmethod
@@ -243,6 +274,65 @@ class LlamaFlatForward:
         # `is` tests took ~100)
         return [id(modules[name]) for modules, name in self._check_keys] == self._bound_ids and not _global_hooks()
 
+    # -- the C++ decode plan -----------------------------------------------------------------
+    def _plan_applies(self) -> bool:
+        """Every layer is what ``DecodePlan.run`` does: GGUF linears on the cpu_native kernel (one kernel setting for
+        the int8 levels), the native fused norm and rotary, no q/k norms, the cpu_native backend."""
+        if self.add_rms_norm is None or self.native_rotary is None or not self.layers:
+            return False
+        kernels = set()
+        for rec in self.layers:
+            if rec.qk_norm is not None or rec.native_decode is None or any(g is None for g in rec.gguf):
+                return False
+            if rec.head_size != self.rotary.head_size:
+                return False
+            kernels.update((g[0].forced_levels, g[0].min_activation_levels, g[0].isa) for g in rec.gguf)
+        return len(kernels) == 1
+
+    def _build_plan(self, native: Any) -> Any:
+        """A ``DecodePlan`` of this model's layers as they are now (their repacked weights, KV caches), or False: a
+        layer's KV cache is one the native kernels do not take under float32 activations."""
+        from halserve.kernels.gguf_blocks import check_qtype
+        from halserve.platforms.cpu_kernels.native_gguf import PANEL_MIN_ROWS, QTYPE_CODES
+
+        if not all(rec.attn.kv_cache.numel() and kernels_take_cache(torch.float32, rec.attn.kv_cache.dtype)
+                   for rec in self.layers):
+            return False
+        self._plan_max_rows = PANEL_MIN_ROWS[self.layers[0].gguf[0][0].isa]
+
+        final_weight = self.w_final
+        plan = native.DecodePlan(self.rotary.cos_sin_cache.float(), self.rotary.is_neox, final_weight, self.eps_final)
+        for rec in self.layers:
+            linears = []
+            for kernel, qweight, qtype, bias in rec.gguf:
+                block, size = check_qtype(qtype)
+                k = qweight.shape[1] // size * block  # (the row's values: whole blocks)
+                linears.append(native.GgufLinear(kernel.packed(qweight, qtype, k), QTYPE_CODES[qtype], qweight.shape[0],
+                                                 k, kernel.isa_code, qweight, bias))
+            kv_cache = rec.attn.kv_cache
+            plan.add_layer(rec.w_in, rec.eps_in, rec.w_post, rec.eps_post, *linears, rec.num_heads, rec.num_kv_heads,
+                           rec.head_size, kv_cache, kv_cache.shape[3] // rec.head_size, *rec.native_decode)
+        self._plan_cache_ids = [id(rec.attn.kv_cache) for rec in self.layers]  # (held by the plan: ids stay theirs)
+        return plan
+
+    def _run_plan(self, hidden: torch.Tensor, positions: torch.Tensor, plain: tuple) -> torch.Tensor | None:
+        """The decoder layers through the C++ plan on a plain decode step, or None: the Python loop runs them."""
+        kernel0 = self.layers[0].gguf[0][0]
+        if self._plan is None or [id(rec.attn.kv_cache) for rec in self.layers] != self._plan_cache_ids:
+            self._plan = self._build_plan(plain[0])
+            if self._plan is False:
+                return None
+        num_tokens = hidden.shape[0]
+        if num_tokens >= self._plan_max_rows:
+            return None  # (the kernel's float panel path, where PANEL_MIN_ROWS is set)
+        _, slots, block_table, seq_lens = plain
+        levels = kernel0.activation_levels(num_tokens)
+        out = self._plan.run(hidden, positions, slots, block_table, seq_lens, levels)
+        if out is None:  # a GGUF weight was written since: repack and plan again
+            self._plan = self._build_plan(plain[0])
+            out = self._plan.run(hidden, positions, slots, block_table, seq_lens, levels)
+        return out
+
     # -- a step ---------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """``input_ids``/``positions`` [T] -> hidden [T, H], or None: this step takes the module path."""
@@ -268,6 +358,10 @@ class LlamaFlatForward:
         fused = plain[0].rotary_write_decode if plain is not None and native_rotary is not None else None
 
         hidden = self.embed.forward(input_ids)  # [T, H]
+        if fused is not None and self._plan is not False:
+            out = self._run_plan(hidden, positions, plain)
+            if out is not None:
+                return out
         residual = None
         for rec in self.layers:
             if residual is None:

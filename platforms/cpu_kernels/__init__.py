@@ -38,8 +38,10 @@ class KernelLibrary:
 # the panel GEMM that the int4 and fp8 GEMMs share) registers its ISA query under a name per library.
 LIBRARIES: dict[str, KernelLibrary] = {
     "core": KernelLibrary(
-        "halserve_cpu_core", ("paged_attention.cpp", "paged_prefill.cpp", "elementwise.cpp", "shm_comm.cpp"),
-        "paged attention, fused norm/rotary/activation, int8 activation quant, shared-memory collectives",
+        "halserve_cpu_core", ("paged_attention.cpp", "paged_prefill.cpp", "elementwise.cpp", "shm_comm.cpp",
+                              "decode_plan.cpp"),
+        "paged attention, fused norm/rotary/activation, int8 activation quant, shared-memory collectives, the "
+        "Llama decode plan",
         is_python_module=True, estimate_s=35.0),
     "int4": KernelLibrary(
         "halserve_cpu_int4", ("panel_gemm.cpp", "int4_gemm.cpp", "int4_gemv.cpp"),

@@ -444,12 +444,15 @@ torch::Tensor rotary_write_decode(torch::Tensor qkv, torch::Tensor positions, to
   return out.view({T, q_size});
 }
 
+void register_decode_plan(pybind11::module& m);  // decode_plan.cpp
+
 int64_t shm_all_reduce(torch::Tensor buffer, torch::Tensor x, int64_t rank, int64_t world, int64_t slot_bytes,
                        int64_t seq);
 int64_t shm_all_gather(torch::Tensor buffer, torch::Tensor x, torch::Tensor out, int64_t rank, int64_t world,
                        int64_t slot_bytes, int64_t seq);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_decode_plan(m);
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm (float32)");
   m.def("rotary", &rotary, "rotary embedding of q and k (float32, neox or gpt-j pairs)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (float32)");
