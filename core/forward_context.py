@@ -61,4 +61,30 @@ def in_decode_step() -> bool:
     return _current is not None and _current.decode_only
 
 
-__all__ = ["ForwardContext", "get_forward_context", "in_decode_step", "set_forward_context"]
+# Which rows of the logits being computed only feed an argmax (set by the model runner around its compute_logits
+# call for the rows it samples); None: no such knowledge, every logit must be the model's.
+_argmax_rows: list[bool] | None = None
+
+
+@contextmanager
+def set_argmax_rows(rows: list[bool] | None) -> Iterator[None]:
+    """Around one ``compute_logits`` call: ``rows[i]`` True says row i's logits feed nothing but an argmax (greedy
+    sampling, no logprobs, penalties, biases, masks or drafts: ``halserve.sampling.takes_argmax_only``), so a
+    head may compute them more cheaply as long as each such row's first maximum is the token, and logit, it would
+    have given (the cpu GGUF head: one int8 level with the near ties recomputed). Nesting restores the outer value."""
+    global _argmax_rows
+    previous = _argmax_rows
+    _argmax_rows = rows
+    try:
+        yield
+    finally:
+        _argmax_rows = previous
+
+
+def argmax_only_rows() -> list[bool] | None:
+    """The rows of the ``compute_logits`` call in progress that only feed an argmax (``set_argmax_rows``), or None."""
+    return _argmax_rows
+
+
+__all__ = ["ForwardContext", "argmax_only_rows", "get_forward_context", "in_decode_step", "set_argmax_rows",
+           "set_forward_context"]

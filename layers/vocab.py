@@ -129,11 +129,30 @@ class ParallelLMHead(VocabParallelEmbedding):
         weight = getattr(self, "prepared_weight", None)
         weight = self.weight if weight is None else weight
         if self.gguf_qtype is not None:
-            logits = self.gemm(hidden, weight, self.gguf_qtype)  # [N, rows_per_rank]
+            logits = self._gguf_logits(hidden, weight)  # [N, rows_per_rank]
         else:
             logits = self.gemm(hidden, weight, None)  # [N, rows_per_rank]
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.num_embeddings].float()
+
+    def _gguf_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The GGUF head's logits; rows whose logits only feed an argmax (``forward_context.set_argmax_rows``)
+        through the kernel's ``argmax_logits`` where it has one (same first maximum, cheaper elsewhere)."""
+        from halserve.forward_context import argmax_only_rows
+
+        rows = argmax_only_rows()
+        argmax_logits = getattr(self.gemm, "argmax_logits", None)
+        if rows is None or argmax_logits is None or len(rows) != hidden.shape[0] or not any(rows):
+            return self.gemm(hidden, weight, self.gguf_qtype)
+        if all(rows):
+            return argmax_logits(hidden, weight, self.gguf_qtype)
+        picked = torch.tensor([i for i, r in enumerate(rows) if r], device=hidden.device)
+        others = torch.tensor([i for i, r in enumerate(rows) if not r], device=hidden.device)
+        first = argmax_logits(hidden.index_select(0, picked), weight, self.gguf_qtype)
+        logits = torch.empty(hidden.shape[0], first.shape[1], dtype=first.dtype, device=first.device)
+        logits.index_copy_(0, picked, first)
+        logits.index_copy_(0, others, self.gemm(hidden.index_select(0, others), weight, self.gguf_qtype).to(first.dtype))
+        return logits
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not an embedding lookup; call compute_logits(hidden)")

@@ -300,3 +300,14 @@ def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: t
     index = torch.where((index >= 0) & (index < vocab_size), index, vocab_size)
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+def takes_argmax_only(params: SamplingParams, num_output_tokens: int) -> bool:
+    """A request whose next token is the argmax of its raw logits and whose logits nothing else reads this step:
+    greedy, no logprobs, no penalties, logit bias, allowed tokens, bad words or structured output, and min_tokens
+    already met (``num_output_tokens`` generated so far, or fewer). What ``Sampler.sample`` does to such a row is
+    one ``max``; the model runner tells the LM head so (``forward_context.set_argmax_rows``)."""
+    p = params
+    return (p.temperature < SAMPLING_EPS and p.logprobs is None and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 and not p.logit_bias
+            and p.allowed_token_ids is None and not p.bad_words_token_ids and p.structured_outputs is None
+            and p.min_tokens <= num_output_tokens)

@@ -434,7 +434,22 @@ class ModelRunner:
         pool_step(step, hidden, self.model)  # pooling requests (embed, classify)
         if not step.sample_rows:
             return None
-        return self.model.compute_logits(hidden.index_select(0, step.logits_indices.to(dev)))
+        from halserve.forward_context import set_argmax_rows
+
+        with set_argmax_rows(self._argmax_rows(step)):
+            return self.model.compute_logits(hidden.index_select(0, step.logits_indices.to(dev)))
+
+    @staticmethod
+    def _argmax_rows(step: StepInputs) -> list[bool] | None:
+        """Per logits row of the step, whether only an argmax reads it (``sampling.takes_argmax_only``); None
+        when none does or drafts are verified (their rows are the rejection sampler's)."""
+        if step.sample_drafts and any(step.sample_drafts):
+            return None
+        from halserve.sampling import takes_argmax_only
+
+        rows = [takes_argmax_only(state.sampling_params, len(state.output_token_ids))
+                for state in (step.states[r] for r in step.sample_rows)]
+        return rows if any(rows) else None
 
     def _intermediate_tensors(self, num_tokens: int, receive: bool):
         """What this pipeline stage gets from the one before: None on the first stage, else the

@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #define HS_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -916,6 +917,143 @@ at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, in
   return out;
 }
 
+// R rows' outputs n0 .. n0 + len - 1 (l1 = their one-level logits, row stride ldl; a = absw's groups from n0 / 16
+// on, each [KB][16], read once for the R rows; e = the rows' e[R][KB]): the widened bound w = 1.001 sum_b e_b a[b]
+// + 1e-5 |l1| + 1e-30 per output; best_out[r] = max (l1 - w), and each group of 16's max (l1 + w) to gmax (row
+// stride ldg).
+HS_AVX2 inline float hmax8_avx2(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+template <int R>
+HS_AVX2 void argmax_bounds_avx2(const float* l1, int64_t ldl, const float* a, const float* e, int64_t KB, int64_t len,
+                                float* gmax, int64_t ldg, float* best_out) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m256 slack = _mm256_set1_ps(1.001f), rel = _mm256_set1_ps(1e-5f), tiny = _mm256_set1_ps(1e-30f);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 best[R];
+  for (int r = 0; r < R; ++r) best[r] = _mm256_set1_ps(neg_inf);
+  int64_t g0 = 0;
+  for (; g0 + kGroup <= len; g0 += kGroup) {
+    __m256 b0[R], b1[R];
+    for (int r = 0; r < R; ++r) b0[r] = b1[r] = _mm256_setzero_ps();
+    const float* ag = a + g0 * KB;  // this group's [KB][16]
+    for (int64_t b = 0; b < KB; ++b) {
+      const __m256 a0 = _mm256_loadu_ps(ag + b * kGroup), a1 = _mm256_loadu_ps(ag + b * kGroup + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 eb = _mm256_set1_ps(e[r * KB + b]);
+        b0[r] = _mm256_fmadd_ps(eb, a0, b0[r]);
+        b1[r] = _mm256_fmadd_ps(eb, a1, b1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* lr = l1 + r * ldl + g0;
+      const __m256 v0 = _mm256_loadu_ps(lr), v1 = _mm256_loadu_ps(lr + 8);
+      const __m256 w0 = _mm256_add_ps(_mm256_fmadd_ps(rel, _mm256_andnot_ps(sign, v0), _mm256_mul_ps(b0[r], slack)), tiny);
+      const __m256 w1 = _mm256_add_ps(_mm256_fmadd_ps(rel, _mm256_andnot_ps(sign, v1), _mm256_mul_ps(b1[r], slack)), tiny);
+      best[r] = _mm256_max_ps(best[r], _mm256_max_ps(_mm256_sub_ps(v0, w0), _mm256_sub_ps(v1, w1)));
+      gmax[r * ldg + g0 / kGroup] = hmax8_avx2(_mm256_max_ps(_mm256_add_ps(v0, w0), _mm256_add_ps(v1, w1)));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float best_s = hmax8_avx2(best[r]);
+    if (g0 < len) {  // the last, partial group
+      float top = neg_inf;
+      for (int64_t n = g0; n < len; ++n) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < KB; ++b) acc = std::fma(e[r * KB + b], a[g0 * KB + b * kGroup + (n - g0)], acc);
+        const float v = l1[r * ldl + n], wide = std::fma(1e-5f, std::fabs(v), acc * 1.001f) + 1e-30f;
+        top = std::max(top, v + wide);
+        best_s = std::max(best_s, v - wide);
+      }
+      gmax[r * ldg + g0 / kGroup] = top;
+    }
+    best_out[r] = best_s;
+  }
+}
+
+// ---- Logits that only feed an argmax (greedy sampling): one int8 level, the near ties recomputed at two ----------
+//
+// A greedy row's token is the argmax of its logits. gguf_gemm_packed_argmax gives logits whose argmax (first
+// maximum) is exactly the two-level call's, for the cost of one level plus the few groups that can hold it:
+//   1. L1 = the one-level logits (the rows' int8 blocks q1, d1: the first level of the two-level call);
+//   2. the second level changes logit n by at most B_n = sum_b e_b A[b, n], e_b = amax of block b's residual
+//      r = x - d1 q1 (= 127 d2, the second level's scale) and A[b, n] = sum of |w| over row n's block b (absw:
+//      per group of 16 outputs its [K / 32][16], so a group's bound reads 16 consecutive floats a block), since
+//      the second level adds sum_i w_i d2 q2_i with |d2 q2_i| <= 127 d2 = e_b; B is taken a little wider (slack
+//      for float rounding: relative 1e-3 and 1e-5 |L1|);
+//   3. thr = max_n (L1_n - B_n) is at most the two-level maximum, so any n with L1_n + B_n < thr is below it;
+//      every group of 16 outputs holding an n with L1_n + B_n >= thr (the candidates: a few per row) is
+//      recomputed with the two-level tile, whose per-row arithmetic is the two-level call's (bit-identical).
+// So the two-level argmax is a candidate with its exact two-level logit, every other logit is below it, and the
+// row's first maximum is the same token with the same logit. The other logits are one level's (llama.cpp's).
+//   gguf_gemm_packed_argmax(x [M, K] f32, packed, qtype, N, K, isa, absw [ceil(N / 16), K / 32, 16] f32) -> [M, N] f32
+at::Tensor gguf_gemm_packed_argmax(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype, int64_t N,
+                                   int64_t K, int64_t isa, const at::Tensor& absw) {
+  at::Tensor out = gguf_gemm_packed(x_in, packed, qtype, N, K, isa, 1);  // [M, N]: L1 (checks the arguments)
+  const int64_t KB = K / kBlock, NG = (N + kGroup - 1) / kGroup, PB = packed_block_bytes(qtype), M = out.size(0);
+  TORCH_CHECK(absw.scalar_type() == at::kFloat && absw.dim() == 3 && absw.size(0) == NG && absw.size(1) == KB &&
+                  absw.size(2) == kGroup && absw.is_contiguous(),
+              "gguf_gemm_packed_argmax: absw must be float32 [ceil(N / 16) = ", NG, ", K / 32 = ", KB,
+              ", 16] (NativeGgufGemm.abs_block_sums)");
+  if (M == 0 || N == 0) return out;
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  QuantX xq;  // both levels: rows 2m (the first level, as L1's) and 2m + 1 (the residual's)
+  quantize_x(x.data_ptr<float>(), M, K, 2, xq);
+  if (scale_kind(qtype) == kScaleF16Implicit) {
+    const float off = implicit_offset(qtype, isa);
+    for (float& f : xq.fsum) f *= off;
+  }
+  float* op = out.data_ptr<float>();
+  const float* ap = absw.data_ptr<float>();
+  std::vector<float> e(M * KB);  // e[m, b] = 127 d2 (the residual's amax)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < KB; ++b) e[m * KB + b] = 127.0f * xq.d[(2 * m + 1) * KB + b];
+  // Pass 1, per chunk of outputs (its A slice stays in L2 over the rows): thr[m] = max_n (L1 - B), and each group's
+  // max of L1 + B (gmax [M, NG]) for pass 2
+  const int64_t chunk = 2048;  // (a multiple of kGroup)
+  const int64_t chunks = (N + chunk - 1) / chunk;
+  std::vector<float> chunk_max(M * chunks), gmax(M * NG);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * chunk, len = std::min(N, n0 + chunk) - n0;
+      for (int64_t m = 0; m < M; m += 4) {
+        float best[4];
+        const int rows = static_cast<int>(std::min<int64_t>(4, M - m));
+        using BoundsFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, float*, int64_t,
+                                  float*);
+        const BoundsFn fn = rows == 4 ? argmax_bounds_avx2<4> : rows == 3 ? argmax_bounds_avx2<3>
+                            : rows == 2 ? argmax_bounds_avx2<2> : argmax_bounds_avx2<1>;
+        fn(op + m * N + n0, N, ap + n0 * KB, e.data() + m * KB, KB, len, gmax.data() + m * NG + n0 / kGroup, NG, best);
+        for (int r = 0; r < rows; ++r) chunk_max[(m + r) * chunks + c] = best[r];
+      }
+    }
+  });
+  std::vector<float> thr(M, -std::numeric_limits<float>::infinity());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < chunks; ++c) thr[m] = std::max(thr[m], chunk_max[m * chunks + c]);
+  // Pass 2: the (row, group) pairs holding a candidate, recomputed at two levels in place
+  std::vector<int64_t> pairs;  // m * NG + g
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < NG; ++g)
+      if (gmax[m * NG + g] >= thr[m]) pairs.push_back(m * NG + g);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, static_cast<int64_t>(pairs.size()), 16, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t m = pairs[p] / NG, g = pairs[p] % NG;
+      if (isa == 2) {
+        pick512_for(qtype, 2)(xq, KB, pp + g * KB * PB, 2 * m, 2, op, N, g * kGroup);
+      } else {
+        for (int h = 0; h < 2 && g * kGroup + 8 * h < N; ++h)
+          pick2_for(qtype, 2)(xq, KB, pp + g * KB * PB, h, 2 * m, 2, op, N, g * kGroup + 8 * h);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(halserve_cpu_gguf, m) {
@@ -924,6 +1062,7 @@ TORCH_LIBRARY(halserve_cpu_gguf, m) {
   m.def("gguf_isa_supported(int isa) -> bool", &isa_supported);
   m.def("gguf_repack(Tensor w, int qtype, int k, int isa) -> Tensor");
   m.def("gguf_gemm_packed(Tensor x, Tensor packed, int qtype, int n, int k, int isa, int levels=1) -> Tensor");
+  m.def("gguf_gemm_packed_argmax(Tensor x, Tensor packed, int qtype, int n, int k, int isa, Tensor absw) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(halserve_cpu_gguf, CPU, m) {
@@ -931,4 +1070,5 @@ TORCH_LIBRARY_IMPL(halserve_cpu_gguf, CPU, m) {
   m.impl("gguf_dequantize", gguf_dequantize);
   m.impl("gguf_repack", gguf_repack);
   m.impl("gguf_gemm_packed", gguf_gemm_packed);
+  m.impl("gguf_gemm_packed_argmax", gguf_gemm_packed_argmax);
 }

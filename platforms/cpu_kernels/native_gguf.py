@@ -71,7 +71,12 @@ TWO_LEVEL_MIN_ROWS = 16  # from this many activation rows on, two int8 levels (p
 # SmolLM2's GEMMs, benchmarks/kernels/cpu_gguf_gemm.py: the VNNI integer path beats the panel at 512 rows)
 PANEL_MIN_ROWS = {"avx2": 1 << 30, "avx512_vnni": 1 << 30}  # never by default: the packed path won at every M
 _PACKED_ATTR = "_halserve_gguf_packed"  # the repacked copy's attribute on the GGUF weight tensor
+_ABS_ATTR = "_halserve_gguf_abs_block_sums"  # its |w| per block of 32 (argmax_logits' bound), likewise
 PANEL_BYTES = 8 << 20  # float32 panel size (output rows x K) per GEMM call
+# argmax_logits' path from this many rows: below, the two-level head is one memory pass over the weight as the
+# one-level one is (1 row: 0.65 ms two levels, 0.83 through the argmax path; 16 rows 5.0 -> 3.8 ms, 64: 15.8 -> 11.7;
+# SmolLM2's 49152 x 576 Q8_0 head, this file's machine)
+ARGMAX_MIN_ROWS = 8
 
 _lock = threading.Lock()
 _loaded = False
@@ -205,6 +210,39 @@ class NativeGgufGemm(Kernel):
             cached = (key, self.ops.gguf_repack(qweight, QTYPE_CODES[qtype], k, self.isa_code))
             setattr(qweight, _PACKED_ATTR, cached)
         return cached[1]
+
+    def abs_block_sums(self, qweight: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+        """float32 ``[ceil(N / 16), k / 32, 16]``: the sum of |w| over each block of 32 of each row
+        (``argmax_logits``' bound), grouped 16 rows at a time as the repacked copy is (zero past N); made once
+        (dequantized a slice of rows at a time) and kept on the tensor as the repacked copy is."""
+        key = (qtype, k, qweight.data_ptr(), tuple(qweight.shape), qweight._version)
+        cached = getattr(qweight, _ABS_ATTR, None)
+        if cached is None or cached[0] != key:
+            n = qweight.shape[0]
+            groups = (n + 15) // 16
+            sums = torch.zeros(groups * 16, k // 32, dtype=torch.float32)
+            rows = max(16, PANEL_BYTES // (4 * k)) // 16 * 16
+            for n0 in range(0, n, rows):
+                w = self.dequantize(qweight[n0:n0 + rows], qtype, k)  # [rows, k]
+                sums[n0:n0 + w.shape[0]] = w.abs_().view(w.shape[0], k // 32, 32).sum(-1)
+            cached = (key, sums.view(groups, 16, k // 32).transpose(1, 2).contiguous())
+            setattr(qweight, _ABS_ATTR, cached)
+        return cached[1]
+
+    def argmax_logits(self, x: torch.Tensor, qweight: torch.Tensor, qtype: str) -> torch.Tensor:
+        """``self(x, qweight, qtype)`` for rows whose logits only feed an argmax (greedy sampling without
+        logprobs, penalties or masks; ``halserve.layers.vocab``): one int8 level, and the groups of outputs that
+        could hold the row's maximum recomputed at two (``gguf_gemm_packed_argmax``), so each row's first
+        maximum is the two-level call's token with its exact logit; the other logits are one level's. Fewer
+        than ``ARGMAX_MIN_ROWS`` rows, rows that would take the float panel, or one level anyway
+        (``HALSERVE_GGUF_ACTIVATION_LEVELS=1``) take ``__call__``."""
+        m, k = x.shape
+        if (m < ARGMAX_MIN_ROWS or m >= PANEL_MIN_ROWS[self.isa] or x.dtype != torch.float32
+                or self.activation_levels(m) == 1):
+            return self(x, qweight, qtype)
+        return self.ops.gguf_gemm_packed_argmax(x, self.packed(qweight, qtype, k), QTYPE_CODES[qtype],
+                                                qweight.shape[0], k, self.isa_code,
+                                                self.abs_block_sums(qweight, qtype, k))
 
     def activation_levels(self, m: int) -> int:
         """int8 levels for ``m`` activation rows on the packed path: one below ``TWO_LEVEL_MIN_ROWS`` rows or in a

@@ -279,3 +279,20 @@ def test_token_lists_ignore_ids_past_the_logits():
     assert meta.bias_rows is None and meta.disallowed is None
     logits = rand_logits(1)
     assert sampler(logits, meta)[0] == logits[0].argmax()
+
+
+def test_takes_argmax_only_names_the_rows_whose_logits_only_feed_an_argmax():
+    from halserve.sampling import takes_argmax_only
+
+    assert takes_argmax_only(SamplingParams(temperature=0.0), 0)
+    assert takes_argmax_only(SamplingParams(temperature=0.0, min_tokens=3), 3)  # (min_tokens met: no masking)
+    for changed in (dict(temperature=0.7), dict(temperature=0.0, logprobs=0), dict(temperature=0.0, presence_penalty=0.5),
+                    dict(temperature=0.0, frequency_penalty=0.1), dict(temperature=0.0, repetition_penalty=1.1),
+                    dict(temperature=0.0, logit_bias={5: 1.0}), dict(temperature=0.0, allowed_token_ids=[1, 2]),
+                    dict(temperature=0.0, min_tokens=3)):
+        assert not takes_argmax_only(SamplingParams(**changed), 0), changed
+    bad = SamplingParams(temperature=0.0)
+    bad.bad_words_token_ids = [[7]]
+    assert not takes_argmax_only(bad, 0)
+    structured = SamplingParams(temperature=0.0, structured_outputs={"choice": ["a", "b"]})
+    assert not takes_argmax_only(structured, 0)

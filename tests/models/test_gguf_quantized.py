@@ -153,3 +153,43 @@ def test_native_kernel_agrees_with_the_dequantized_model(tmp_path):
     # the first token of each prompt: no earlier divergence to inherit
     assert sum(x[0] == y[0] for x, y in zip(native, dequantized)) >= len(batch) - 1
     assert same >= 0.5 * total, (same, total)
+
+
+def test_greedy_rows_take_the_argmax_head_with_the_same_tokens(tmp_path, monkeypatch):
+    """Greedy rows without logprobs reach the LM head as argmax-only (``ModelRunner._argmax_rows``), where the cpu
+    GGUF head computes one int8 level and recomputes the near ties: the same tokens as the two-level head for 12
+    streams (>= ARGMAX_MIN_ROWS rows a step), a partial group of outputs (vocabulary 308); a request that asks for
+    logprobs in the same batch keeps the full head for its row and gets the same tokens and log-probs."""
+    from halserve import LLM, SamplingParams
+    from halserve.platforms.cpu_kernels.native_gguf import NativeGgufGemm
+    from halserve.worker.model_runner import ModelRunner
+
+    path = helpers.write_gguf(str(tmp_path / "q80.gguf"), "llama", qtype=T.Q8_0)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 290 + 3 for j in range(3 + i % 5)]} for i in range(12)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    params = [with_logprobs if i == 5 else greedy for i in range(len(prompts))]
+    argmax_rows = []
+    original = NativeGgufGemm.argmax_logits
+
+    def counted(self, x, *args):
+        argmax_rows.append(x.shape[0])
+        return original(self, x, *args)
+
+    monkeypatch.setattr(NativeGgufGemm, "argmax_logits", counted)
+    results = {}
+    for mode in ("argmax", "full"):
+        if mode == "full":
+            monkeypatch.setattr(ModelRunner, "_argmax_rows", staticmethod(lambda step: None))
+        llm = LLM(path, platform="cpu", dtype="float32", max_model_len=128)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.llm_engine.shutdown()
+        results[mode] = ([o.outputs[0].token_ids for o in outs],
+                         [[sorted((t, lp.logprob) for t, lp in step.items()) for step in outs[5].outputs[0].logprobs]])
+        if mode == "argmax":
+            assert argmax_rows and max(argmax_rows) == len(prompts) - 1  # (every greedy row; not the logprobs one)
+            argmax_rows.clear()
+    assert not argmax_rows  # (the full head only)
+    assert results["argmax"] == results["full"]

@@ -365,3 +365,82 @@ def test_activation_levels_can_be_forced_for_every_gemm(monkeypatch):
     monkeypatch.setenv(LEVELS_ENV, "3")
     with pytest.raises(ValueError, match="HALSERVE_GGUF_ACTIVATION_LEVELS='3'"):
         NativeGgufGemm()
+
+
+# -- logits that only feed an argmax (argmax_logits, gguf_gemm_packed_argmax) --------------------------------------
+def _near_tie_case(qtype: str, n: int, k: int, m: int, g: torch.Generator):
+    """Weights whose rows 3 and n - 5 (other groups) are one value apart, and rows that point at row 3 with a
+    little noise: each row's top two logits are a near tie, the case one int8 level gets wrong."""
+    w = random_blocks(qtype, n, k, g)
+    w[n - 5] = w[3]
+    w[n - 5, -1] ^= 1  # (the last byte: a value or a scale's low bit)
+    target = dequantize(w[3:4], qtype, k)
+    x = target + 0.3 * target.abs().mean() * torch.randn(m, k, generator=g)
+    return w, x
+
+
+@pytest.mark.parametrize("isa", list(ISA_CODES))
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_argmax_logits_keep_the_two_level_argmax_and_its_logit(qtype, isa):
+    """Each row's first maximum is the two-level call's token with its bit-identical logit; every logit is either
+    the two-level value (the groups recomputed) or the one-level one; few groups are recomputed. Random rows and
+    constructed near ties, N not a multiple of 16 (a partial last group), M across the row tiles."""
+    _isa_or_skip(isa)
+    kernel = NativeGgufGemm(isa)
+    kernel.min_activation_levels = 2  # (as the LM head sets it)
+    code, isa_code = QTYPE_CODES[qtype], ISA_CODES[isa]
+    g = torch.Generator().manual_seed(70 + code)
+    k = 512 if qtype in K_TYPES else 576
+    for case in ("random", "near tie"):
+        for n, m in ((1000, 8), (3001, 13), (4099, 33)):
+            if case == "random":
+                w = random_blocks(qtype, n, k, g)
+                x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 4
+            else:
+                w, x = _near_tie_case(qtype, n, k, m, g)
+            two = kernel(x, w, qtype)
+            one = kernel.ops.gguf_gemm_packed(x, kernel.packed(w, qtype, k), code, n, k, isa_code, 1)
+            got = kernel.argmax_logits(x, w, qtype)
+            assert got.shape == (m, n)
+            best_two, at_two = two.max(-1)
+            best_got, at_got = got.max(-1)
+            assert torch.equal(at_got, at_two), (qtype, isa, case, n, m)
+            assert torch.equal(best_got, best_two)
+            assert bool(((got == two) | (got == one)).all())
+            recomputed = (got != one).float().mean().item()
+            assert recomputed < 0.25, recomputed  # (a few groups of 16 per row)
+            if case == "near tie" and qtype not in K_TYPES:  # the constructed pair is the top two (a K type's
+                # super-block rows are not dominated by one row's match)
+                assert set(two.topk(2, -1).indices[0].tolist()) == {3, n - 5}
+
+
+def test_argmax_logits_take_the_plain_call_for_few_rows():
+    from halserve.platforms.cpu_kernels.native_gguf import ARGMAX_MIN_ROWS
+
+    kernel = NativeGgufGemm()
+    kernel.min_activation_levels = 2
+    w = random_blocks("Q8_0", 300, 64, torch.Generator().manual_seed(3))
+    x = torch.randn(ARGMAX_MIN_ROWS - 1, 64)
+    assert torch.equal(kernel.argmax_logits(x, w, "Q8_0"), kernel(x, w, "Q8_0"))  # (below it: the two-level call)
+
+
+def test_abs_block_sums_are_grouped_and_follow_the_weight():
+    kernel = NativeGgufGemm()
+    w = random_blocks("Q4_1", 37, 96, torch.Generator().manual_seed(5))
+    sums = kernel.abs_block_sums(w, "Q4_1", 96)
+    assert sums.shape == (3, 3, 16)  # [ceil(37 / 16), 96 / 32, 16]
+    want = dequantize(w, "Q4_1", 96).abs().view(37, 3, 32).sum(-1)  # [37, 3]
+    flat = sums.transpose(1, 2).reshape(48, 3)
+    assert torch.allclose(flat[:37], want) and not flat[37:].any()
+    assert kernel.abs_block_sums(w, "Q4_1", 96) is sums  # kept
+    w[0, 1] ^= 0x04  # (block 0's scale d, in place): made again
+    assert not torch.equal(kernel.abs_block_sums(w, "Q4_1", 96), sums)
+
+
+def test_bad_abs_block_sums_are_a_clear_error():
+    kernel = NativeGgufGemm()
+    w = random_blocks("Q8_0", 40, 64, torch.Generator().manual_seed(6))
+    x = torch.randn(9, 64)
+    with pytest.raises(RuntimeError, match=r"absw must be float32 \[ceil\(N / 16\) = 3, K / 32 = 2, 16\]"):
+        kernel.ops.gguf_gemm_packed_argmax(x, kernel.packed(w, "Q8_0", 64), 2, 40, 64, kernel.isa_code,
+                                           torch.zeros(2, 40))
