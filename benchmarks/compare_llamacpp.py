@@ -66,10 +66,16 @@ MODES = {
     "gguf-kv32": ["--quantization", "gguf", "--dtype", "float32", "--kv-cache-dtype", "float32"],
     "gguf-kv16": ["--quantization", "gguf", "--dtype", "float32", "--kv-cache-dtype", "bfloat16"],
     "gguf-l1-kv16": ["--quantization", "gguf", "--dtype", "float32", "--kv-cache-dtype", "bfloat16"],
+    # the default gguf mode without one of its levers (MODE_ENV): decode steps' layers in Python instead of the C++
+    # decode plan; greedy rows through the two-level LM head instead of the argmax head
+    "gguf-python": ["--quantization", "gguf", "--dtype", "float32"],
+    "gguf-fullhead": ["--quantization", "gguf", "--dtype", "float32"],
 }
 # environment per mode: gguf-l1 rounds every GEMM's activations to one int8 level, as llama.cpp does (the default
 # gguf mode takes two for prompts and the LM head; platforms/cpu_kernels/native_gguf.py)
 MODE_ENV = {mode: {"HALSERVE_GGUF_ACTIVATION_LEVELS": "1"} for mode in ("gguf-l1", "gguf-l1-kv16")}
+MODE_ENV["gguf-python"] = {"HALSERVE_FLAT_FORWARD": "python"}
+MODE_ENV["gguf-fullhead"] = {"HALSERVE_GGUF_ARGMAX_HEAD": "0"}
 AUTO_MODES = ("gguf", "f32", "bf16")
 
 
@@ -157,6 +163,8 @@ def halserve_modes(wanted: str) -> dict[str, str]:
     labels["gguf-kv32"] = labels["gguf"].replace("halserve gguf", "halserve gguf, f32 KV cache")
     labels["gguf-kv16"] = labels["gguf"].replace("halserve gguf", "halserve gguf, bf16 KV cache")
     labels["gguf-l1-kv16"] = labels["gguf"].replace("halserve gguf", "halserve gguf, one int8 level, bf16 KV cache")
+    labels["gguf-python"] = labels["gguf"].replace("halserve gguf", "halserve gguf, layers in Python (no decode plan)")
+    labels["gguf-fullhead"] = labels["gguf"].replace("halserve gguf", "halserve gguf, two-level head for greedy rows")
     modes = list(AUTO_MODES) if wanted == "auto" else wanted.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:

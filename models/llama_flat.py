@@ -34,8 +34,16 @@ the linear modules are still the ones bound); forward hooks on any module. Per s
 dummy run (no attention metadata), a KV connector, a hybrid model's per-group metadata, ``inputs_embeds``
 and intermediate tensors.
 
+A float32 GGUF model (every linear GGUF blocks on the cpu_native kernel, the native norm and rotary, no q/k
+norms, the cpu_native backend) runs a plain decode step's decoder layers in one C++ call instead of this loop:
+``DecodePlan`` (platforms/cpu_kernels/decode_plan.cpp), the same kernels with the same arguments in the same
+order, so bit-identical, with no Python between them (a single stream's step was ~2 ms of Python and dispatch
+around ~4 ms of kernels; the plan holds the repacked weights and KV caches and is made again when a cache is
+another tensor or a weight is written).
+
 ``HALSERVE_FLAT_FORWARD=0`` turns it off (the module path for every step: to compare the two, or to rule
-it out); read when the model first runs.
+it out); ``HALSERVE_FLAT_FORWARD=python`` keeps the loop in Python (no decode plan); read when the model first
+runs.
 """
 from __future__ import annotations
 

@@ -77,6 +77,7 @@ PANEL_BYTES = 8 << 20  # float32 panel size (output rows x K) per GEMM call
 # one-level one is (1 row: 0.65 ms two levels, 0.83 through the argmax path; 16 rows 5.0 -> 3.8 ms, 64: 15.8 -> 11.7;
 # SmolLM2's 49152 x 576 Q8_0 head, this file's machine)
 ARGMAX_MIN_ROWS = 8
+ARGMAX_HEAD_ENV = "HALSERVE_GGUF_ARGMAX_HEAD"  # 0: argmax-only rows take the plain (two-level) head too
 
 _lock = threading.Lock()
 _loaded = False
@@ -190,6 +191,7 @@ class NativeGgufGemm(Kernel):
         self.isa_code = ISA_CODES[self.isa]
         self.ops = torch.ops.halserve_cpu_gguf
         self.forced_levels = forced_levels()
+        self.argmax_head = os.environ.get(ARGMAX_HEAD_ENV, "").strip() != "0"
 
     def dequantize(self, qweight: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
         """``uint8 [N, row bytes]`` -> float32 ``[N, k]`` (the panel path's first half, also for tests)."""
@@ -235,9 +237,10 @@ class NativeGgufGemm(Kernel):
         could hold the row's maximum recomputed at two (``gguf_gemm_packed_argmax``), so each row's first
         maximum is the two-level call's token with its exact logit; the other logits are one level's. Fewer
         than ``ARGMAX_MIN_ROWS`` rows, rows that would take the float panel, or one level anyway
-        (``HALSERVE_GGUF_ACTIVATION_LEVELS=1``) take ``__call__``."""
+        (``HALSERVE_GGUF_ACTIVATION_LEVELS=1``) take ``__call__``; so does everything under
+        ``HALSERVE_GGUF_ARGMAX_HEAD=0`` (to compare; read when the kernel is made)."""
         m, k = x.shape
-        if (m < ARGMAX_MIN_ROWS or m >= PANEL_MIN_ROWS[self.isa] or x.dtype != torch.float32
+        if (not self.argmax_head or m < ARGMAX_MIN_ROWS or m >= PANEL_MIN_ROWS[self.isa] or x.dtype != torch.float32
                 or self.activation_levels(m) == 1):
             return self(x, qweight, qtype)
         return self.ops.gguf_gemm_packed_argmax(x, self.packed(qweight, qtype, k), QTYPE_CODES[qtype],
