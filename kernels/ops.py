@@ -76,7 +76,9 @@ OPS: dict[str, OpSpec] = {
         OpSpec(
             "gguf_gemm",
             "gguf_gemm(x[M,K], qweight[N,K/B*S] uint8, qtype, bias[N] | None) -> [M,N] (x @ W.T + bias, W the "
-            "GGUF blocks of type qtype (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) dequantized; kernels/gguf_blocks.py)",
+            "GGUF blocks of type qtype (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) dequantized; kernels/gguf_blocks.py). "
+            "(optional) kernel.argmax_logits(x, qweight, qtype) -> [M,N] whose every row's first maximum is the "
+            "call's, token and value (the LM head's greedy rows; the cpu kernel's: one int8 level, near ties at two)",
             ("n", "k", "qtype"),
         ),
         OpSpec(
