@@ -10,7 +10,7 @@ dummy run (memory profiling, warm-up): attention layers skip the cache and retur
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,19 +62,22 @@ def in_decode_step() -> bool:
 
 
 # Which rows of the logits being computed only feed an argmax (set by the model runner around its compute_logits
-# call for the rows it samples); None: no such knowledge, every logit must be the model's.
-_argmax_rows: list[bool] | None = None
+# call for the rows it samples): a function giving them, asked only by a head that can use the answer; its answer
+# is kept for the call. None: no such knowledge, every logit must be the model's.
+_argmax_rows: list = [None, None]  # [the function, or None; its answer once asked]
+_NOT_ASKED = object()
 
 
 @contextmanager
-def set_argmax_rows(rows: list[bool] | None) -> Iterator[None]:
-    """Around one ``compute_logits`` call: ``rows[i]`` True says row i's logits feed nothing but an argmax (greedy
-    sampling, no logprobs, penalties, biases, masks or drafts: ``halserve.sampling.takes_argmax_only``), so a
-    head may compute them more cheaply as long as each such row's first maximum is the token, and logit, it would
-    have given (the cpu GGUF head: one int8 level with the near ties recomputed). Nesting restores the outer value."""
+def set_argmax_rows(rows: Callable[[], list[bool] | None] | None) -> Iterator[None]:
+    """Around one ``compute_logits`` call: ``rows()[i]`` True says row i's logits feed nothing but an argmax
+    (greedy sampling, no logprobs, penalties, biases, masks or drafts: ``halserve.sampling.takes_argmax_only``), so
+    a head may compute them more cheaply as long as each such row's first maximum is the token, and logit, it would
+    have given (the cpu GGUF head: one int8 level with the near ties recomputed). ``rows`` is called at most once,
+    and only by a head that asks (so other heads' steps do not pay for it). Nesting restores the outer value."""
     global _argmax_rows
     previous = _argmax_rows
-    _argmax_rows = rows
+    _argmax_rows = [rows, _NOT_ASKED]
     try:
         yield
     finally:
@@ -83,7 +86,12 @@ def set_argmax_rows(rows: list[bool] | None) -> Iterator[None]:
 
 def argmax_only_rows() -> list[bool] | None:
     """The rows of the ``compute_logits`` call in progress that only feed an argmax (``set_argmax_rows``), or None."""
-    return _argmax_rows
+    rows_fn, answer = _argmax_rows
+    if rows_fn is None:
+        return None
+    if answer is _NOT_ASKED:
+        answer = _argmax_rows[1] = rows_fn()
+    return answer
 
 
 __all__ = ["ForwardContext", "argmax_only_rows", "get_forward_context", "in_decode_step", "set_argmax_rows",

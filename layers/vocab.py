@@ -140,14 +140,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         through the kernel's ``argmax_logits`` where it has one (same first maximum, cheaper elsewhere)."""
         from halserve.forward_context import argmax_only_rows
 
-        rows = argmax_only_rows()
         argmax_logits = getattr(self.gemm, "argmax_logits", None)
-        if rows is None or argmax_logits is None or len(rows) != hidden.shape[0] or not any(rows):
+        rows = None if argmax_logits is None else argmax_only_rows()
+        if rows is None or len(rows) != hidden.shape[0] or not any(rows):
             return self.gemm(hidden, weight, self.gguf_qtype)
         if all(rows):
             return argmax_logits(hidden, weight, self.gguf_qtype)
-        picked = torch.tensor([i for i, r in enumerate(rows) if r], device=hidden.device)
-        others = torch.tensor([i for i, r in enumerate(rows) if not r], device=hidden.device)
+        mask = torch.tensor(rows, device=hidden.device)
+        picked, others = mask.nonzero().squeeze(1), (~mask).nonzero().squeeze(1)
         first = argmax_logits(hidden.index_select(0, picked), weight, self.gguf_qtype)
         logits = torch.empty(hidden.shape[0], first.shape[1], dtype=first.dtype, device=first.device)
         logits.index_copy_(0, picked, first)

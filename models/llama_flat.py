@@ -91,14 +91,11 @@ def _linear_call(layer: nn.Module, checks: list[tuple[dict, str, Any]]):
     does for one run); ``checks`` gets the layer's ``gguf_runs`` list, so a reload that rebinds them is seen.
     A kernel that offers ``bind`` (the cpu_native one) hands back its call with the per-call bookkeeping done
     once; the dispatch by row count stays the kernel's business."""
-    method = layer.quant_method
     bias = layer.bias
-    from halserve.quant_methods.gguf import GgufLinearMethod
-
-    runs = getattr(layer, "gguf_runs", None)
-    if type(method) is GgufLinearMethod and runs is not None and len(runs) == 1:
-        checks.append((layer.__dict__, "gguf_runs", runs))
-        kernel, qweight, qtype = runs[0]
+    run = _single_gguf_run(layer)
+    if run is not None:
+        checks.append((layer.__dict__, "gguf_runs", layer.gguf_runs))
+        kernel, qweight, qtype = run
         bind = getattr(kernel, "bind", None)
         if bind is not None:
             return bind(qweight, qtype, bias)
@@ -107,7 +104,7 @@ def _linear_call(layer: nn.Module, checks: list[tuple[dict, str, Any]]):
             return kernel(x, qweight, qtype, bias)
 
         return gguf_call
-    apply = method.apply
+    apply = layer.quant_method.apply
 
     def call(x: torch.Tensor) -> torch.Tensor:
         return apply(layer, x, bias)
@@ -115,16 +112,25 @@ def _linear_call(layer: nn.Module, checks: list[tuple[dict, str, Any]]):
     return call
 
 
-def _native_gguf_linear(layer: nn.Module):
-    """``(kernel, qweight, qtype, bias)`` when ``layer`` runs one GGUF block type on the cpu_native kernel (the
-    calls a ``DecodePlan`` can make itself), else None."""
-    from halserve.platforms.cpu_kernels.native_gguf import NativeGgufGemm
+def _single_gguf_run(layer: nn.Module) -> tuple | None:
+    """``(kernel, qweight, qtype)`` of a GGUF layer of one block type (``GgufLinearMethod``'s one run), else None."""
     from halserve.quant_methods.gguf import GgufLinearMethod
 
     runs = getattr(layer, "gguf_runs", None)
     if type(layer.quant_method) is not GgufLinearMethod or runs is None or len(runs) != 1:
         return None
-    kernel, qweight, qtype = runs[0]
+    return runs[0]
+
+
+def _native_gguf_linear(layer: nn.Module):
+    """``(kernel, qweight, qtype, bias)`` when ``layer`` runs one GGUF block type on the cpu_native kernel (the
+    calls a ``DecodePlan`` can make itself), else None."""
+    from halserve.platforms.cpu_kernels.native_gguf import NativeGgufGemm
+
+    run = _single_gguf_run(layer)
+    if run is None:
+        return None
+    kernel, qweight, qtype = run
     if type(kernel) is not NativeGgufGemm or qweight.dim() != 2:
         return None
     bias = layer.bias
@@ -209,7 +215,6 @@ class LlamaFlatForward:
         # where it cannot serve this model
         self._plan: Any = None if decode_plan_enabled() and self._plan_applies() else False
         self._plan_cache_ids: list[int] = []
-        self._plan_max_rows = 0  # rows from which the GGUF kernel takes its float panel path (not the plan's call)
 
     # -- applicability --------------------------------------------------------------------
     @classmethod
@@ -301,12 +306,11 @@ class LlamaFlatForward:
         """A ``DecodePlan`` of this model's layers as they are now (their repacked weights, KV caches), or False: a
         layer's KV cache is one the native kernels do not take under float32 activations."""
         from halserve.kernels.gguf_blocks import check_qtype
-        from halserve.platforms.cpu_kernels.native_gguf import PANEL_MIN_ROWS, QTYPE_CODES
+        from halserve.platforms.cpu_kernels.native_gguf import QTYPE_CODES
 
         if not all(rec.attn.kv_cache.numel() and kernels_take_cache(torch.float32, rec.attn.kv_cache.dtype)
                    for rec in self.layers):
             return False
-        self._plan_max_rows = PANEL_MIN_ROWS[self.layers[0].gguf[0][0].isa]
 
         final_weight = self.w_final
         plan = native.DecodePlan(self.rotary.cos_sin_cache.float(), self.rotary.is_neox, final_weight, self.eps_final)
@@ -330,8 +334,10 @@ class LlamaFlatForward:
             self._plan = self._build_plan(plain[0])
             if self._plan is False:
                 return None
+        from halserve.platforms.cpu_kernels.native_gguf import PANEL_MIN_ROWS
+
         num_tokens = hidden.shape[0]
-        if num_tokens >= self._plan_max_rows:
+        if num_tokens >= PANEL_MIN_ROWS[kernel0.isa]:
             return None  # (the kernel's float panel path, where PANEL_MIN_ROWS is set)
         _, slots, block_table, seq_lens = plain
         levels = kernel0.activation_levels(num_tokens)

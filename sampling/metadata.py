@@ -120,11 +120,11 @@ class SamplingMetadata:
             num_logprobs.append(p.logprobs)
             if not is_greedy and (p.top_k != 0 or p.top_p < 1.0 or p.min_p > 0.0):
                 uses_filter = True
-            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0:
+            if _uses_penalty(p):
                 uses_penalty = True
-            if p.min_tokens > len(out):
+            if _masks_min_tokens(p, len(out)):
                 uses_min_tokens = True
-            if p.logit_bias or p.allowed_token_ids is not None:
+            if _uses_token_lists(p):
                 uses_token_lists = True
             if p.bad_words_token_ids:
                 uses_bad_words = True
@@ -301,13 +301,26 @@ def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: t
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
     return counts[:, :vocab_size]
 
+
+# What changes a row's logits before its token is picked (SamplingMetadata.build and takes_argmax_only)
+def _uses_penalty(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _masks_min_tokens(p: SamplingParams, num_output_tokens: int) -> bool:
+    return p.min_tokens > num_output_tokens
+
+
+def _uses_token_lists(p: SamplingParams) -> bool:
+    return bool(p.logit_bias) or p.allowed_token_ids is not None
+
+
 def takes_argmax_only(params: SamplingParams, num_output_tokens: int) -> bool:
     """A request whose next token is the argmax of its raw logits and whose logits nothing else reads this step:
     greedy, no logprobs, no penalties, logit bias, allowed tokens, bad words or structured output, and min_tokens
     already met (``num_output_tokens`` generated so far, or fewer). What ``Sampler.sample`` does to such a row is
     one ``max``; the model runner tells the LM head so (``forward_context.set_argmax_rows``)."""
     p = params
-    return (p.temperature < SAMPLING_EPS and p.logprobs is None and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 and not p.logit_bias
-            and p.allowed_token_ids is None and not p.bad_words_token_ids and p.structured_outputs is None
-            and p.min_tokens <= num_output_tokens)
+    return (p.temperature < SAMPLING_EPS and p.logprobs is None and not _uses_penalty(p)
+            and not _masks_min_tokens(p, num_output_tokens) and not _uses_token_lists(p)
+            and not p.bad_words_token_ids and p.structured_outputs is None)

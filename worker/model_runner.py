@@ -436,7 +436,7 @@ class ModelRunner:
             return None
         from halserve.forward_context import set_argmax_rows
 
-        with set_argmax_rows(self._argmax_rows(step)):
+        with set_argmax_rows(lambda: self._argmax_rows(step)):  # (asked only by a head that can use it)
             return self.model.compute_logits(hidden.index_select(0, step.logits_indices.to(dev)))
 
     @staticmethod

@@ -140,6 +140,19 @@ def cpu_isa() -> str | None:
     return None
 
 
+def _kept_on(qweight: torch.Tensor, attr: str, key: tuple, make) -> torch.Tensor:
+    """What ``make()`` derives from ``qweight``, kept on the tensor under ``attr`` with ``key`` (its data, shape,
+    version and the derivation's settings) and made again when the key changes; the old copy goes before the new
+    one is made (peak memory)."""
+    cached = getattr(qweight, attr, None)
+    if cached is None or cached[0] != key:
+        if cached is not None:
+            setattr(qweight, attr, None)
+        cached = (key, make())
+        setattr(qweight, attr, cached)
+    return cached[1]
+
+
 class NativeGgufGemm(Kernel):
     op = "gguf_gemm"
     name = "cpu_native"
@@ -205,21 +218,14 @@ class NativeGgufGemm(Kernel):
         """The repacked copy of ``qweight`` for this instruction path, made once and kept on the tensor (it goes
         with it); made again when the blocks change (written in place) or another path asks."""
         key = (self.isa_code, qtype, k, qweight.data_ptr(), tuple(qweight.shape), qweight._version)
-        cached = getattr(qweight, _PACKED_ATTR, None)
-        if cached is None or cached[0] != key:
-            if cached is not None:
-                setattr(qweight, _PACKED_ATTR, None)  # the old copy goes before the new one is made (peak memory)
-            cached = (key, self.ops.gguf_repack(qweight, QTYPE_CODES[qtype], k, self.isa_code))
-            setattr(qweight, _PACKED_ATTR, cached)
-        return cached[1]
+        return _kept_on(qweight, _PACKED_ATTR, key,
+                        lambda: self.ops.gguf_repack(qweight, QTYPE_CODES[qtype], k, self.isa_code))
 
     def abs_block_sums(self, qweight: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
         """float32 ``[ceil(N / 16), k / 32, 16]``: the sum of |w| over each block of 32 of each row
         (``argmax_logits``' bound), grouped 16 rows at a time as the repacked copy is (zero past N); made once
         (dequantized a slice of rows at a time) and kept on the tensor as the repacked copy is."""
-        key = (qtype, k, qweight.data_ptr(), tuple(qweight.shape), qweight._version)
-        cached = getattr(qweight, _ABS_ATTR, None)
-        if cached is None or cached[0] != key:
+        def make() -> torch.Tensor:
             n = qweight.shape[0]
             groups = (n + 15) // 16
             sums = torch.zeros(groups * 16, k // 32, dtype=torch.float32)
@@ -227,9 +233,10 @@ class NativeGgufGemm(Kernel):
             for n0 in range(0, n, rows):
                 w = self.dequantize(qweight[n0:n0 + rows], qtype, k)  # [rows, k]
                 sums[n0:n0 + w.shape[0]] = w.abs_().view(w.shape[0], k // 32, 32).sum(-1)
-            cached = (key, sums.view(groups, 16, k // 32).transpose(1, 2).contiguous())
-            setattr(qweight, _ABS_ATTR, cached)
-        return cached[1]
+            return sums.view(groups, 16, k // 32).transpose(1, 2).contiguous()
+
+        key = (qtype, k, qweight.data_ptr(), tuple(qweight.shape), qweight._version)
+        return _kept_on(qweight, _ABS_ATTR, key, make)
 
     def argmax_logits(self, x: torch.Tensor, qweight: torch.Tensor, qtype: str) -> torch.Tensor:
         """``self(x, qweight, qtype)`` for rows whose logits only feed an argmax (greedy sampling without
