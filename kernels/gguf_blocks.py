@@ -124,6 +124,24 @@ def quantize_activations_q8(x: torch.Tensor, block: int = 32) -> tuple[torch.Ten
     return q.reshape(m, k), d
 
 
+TWO_LEVEL_RATIO = 255  # the second int8 level's scale is the first's / 255 (gguf_gemm.cpp's kTwoLevelRatio)
+
+
+def two_level_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the native kernels do to the activations at two int8 levels: the first level as
+    ``quantize_activations_q8``, then its rounding error r = x - d q at the fixed scale d2 = d / 255 (q2 = round(r /
+    d2) clamped to +-127: |r| <= d / 2 keeps it within 1/2 of r / d2). ``x [M, K]`` -> (the first level as floats
+    ``d q``, the second ``d2 q2``, ``d2`` per value), all float32 ``[M, K]``; x = d q + d2 q2 to within d2 / 2."""
+    m, k = x.shape
+    q, d = quantize_activations_q8(x, block)
+    d = d.repeat_interleave(block, dim=1)
+    x1 = q.float() * d
+    d2 = d / TWO_LEVEL_RATIO
+    inv = torch.where(d2 > 0, 1.0 / d2, torch.zeros_like(d2))
+    q2 = torch.round((x.float() - x1) * inv).clamp(-127, 127)
+    return x1, q2 * d2, d2
+
+
 # the size of one stored value q times its scale fields, so random blocks give weights of about 1 / sqrt(K)
 _SCALE_OF = {"Q4_0": 1 / 8, "Q4_1": 1 / 8, "Q8_0": 1 / 128, "Q4_K": 1 / 512, "Q5_K": 1 / 1024, "Q6_K": 1 / 4096}
 

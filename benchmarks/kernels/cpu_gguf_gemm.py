@@ -5,6 +5,7 @@ GEMM the dequantized model runs, on SmolLM2-135M's linear shapes; and single-str
     python benchmarks/kernels/cpu_gguf_gemm.py decode --model ~/.cache/halserve/models/SmolLM2-135M-Instruct.Q4_1.gguf
     python benchmarks/kernels/cpu_gguf_gemm.py paths --rows 1,4,16,32,64,512 --qtype Q4_0 [--isa avx2]
     python benchmarks/kernels/cpu_gguf_gemm.py model --rows 1,16,64 --qtype Q4_0 [--head-qtype Q8_0] [--isa avx2]
+        [--levels 1|2] [--no-head]
 
 ``paths``: one layer's four GEMMs (microseconds, summed) at each row count M, the previous paths (``gguf_gemv``
 on the GGUF rows below 32 rows, one int8 level below 16 and two from 16; the float32 panel dequantized per call
@@ -138,15 +139,19 @@ def bench_paths(rows: list[int], qtype: str, isa: str | None, copies: int, head:
         print(f"{m:5d} {old:10.0f} {new:10.0f} {old / new:7.2f}x {new / m:11.1f}", flush=True)
 
 
-def bench_model(rows: list[int], qtype: str, head_qtype: str, isa: str | None, layers: int = 30) -> None:
+def bench_model(rows: list[int], qtype: str, head_qtype: str, isa: str | None, layers: int = 30,
+                levels: int | None = None, head: bool = True) -> None:
     from halserve.kernels.gguf_blocks import random_blocks
     from halserve.platforms.cpu_kernels.native_gguf import _PACKED_ATTR, NativeGgufGemm
 
     kernel, head_kernel = NativeGgufGemm(isa), NativeGgufGemm(isa)
     head_kernel.min_activation_levels = 2
+    if levels is not None:  # the layers' levels at every M (default: one below TWO_LEVEL_MIN_ROWS rows, else two)
+        kernel.forced_levels = levels
     g = torch.Generator().manual_seed(0)
     weights = [(kernel, random_blocks(qtype, n, k, g), qtype, k) for _ in range(layers) for _name, n, k in SHAPES]
-    weights.append((head_kernel, random_blocks(head_qtype, 49152, 576, g), head_qtype, 576))
+    if head:
+        weights.append((head_kernel, random_blocks(head_qtype, 49152, 576, g), head_qtype, 576))
     for kern, w, qt, k in weights:
         kern(torch.randn(1, k, generator=g), w, qt)  # the repacked copies made before timing
     packed = sum(getattr(w, _PACKED_ATTR)[1].numel() for _k, w, _q, _kk in weights)
@@ -157,7 +162,7 @@ def bench_model(rows: list[int], qtype: str, head_qtype: str, isa: str | None, l
     for _ in range(5):
         big.sum()
     read_gbs = 5 * big.numel() * 4 / (time.perf_counter() - start) / 1e9
-    print(f"{layers} layers {qtype} + head {head_qtype}, {kernel.isa}, {torch.get_num_threads()} threads; GGUF bytes "
+    print(f"{layers} layers {qtype}" + (f" + head {head_qtype}" if head else "") + f", levels {levels or 'auto'}, {kernel.isa}, {torch.get_num_threads()} threads; GGUF bytes "
           f"{gguf / 1e6:.1f} MB, repacked {packed / 1e6:.1f} MB; torch.sum reads {read_gbs:.1f} GB/s")
     print(f"{'M':>5} {'ms/pass':>8} {'repacked GB/s':>14} {'ms/pass/row':>12}")
     for m in rows:
@@ -204,6 +209,9 @@ def main() -> None:
     parser.add_argument("--head", action="store_true", help="paths: SmolLM2's 49152 x 576 LM head instead")
     parser.add_argument("--qtype", default="Q4_1", help="GGUF type (kernels)")
     parser.add_argument("--head-qtype", default="Q8_0", help="the LM head's GGUF type (model)")
+    parser.add_argument("--levels", type=int, choices=(1, 2), default=None,
+                        help="model: the layers' int8 levels at every M (default: the kernel's rule)")
+    parser.add_argument("--no-head", action="store_true", help="model: the 30 layers only")
     parser.add_argument("--copies", type=int, default=8, help="weights cycled per shape (kernels)")
     parser.add_argument("--model", help="the .gguf (decode)")
     parser.add_argument("--modes", default="gguf/float32,unquantized/float32,unquantized/bfloat16")
@@ -213,7 +221,8 @@ def main() -> None:
     elif args.what == "paths":
         bench_paths([int(r) for r in args.rows.split(",")], args.qtype, args.isa, args.copies, args.head)
     elif args.what == "model":
-        bench_model([int(r) for r in args.rows.split(",")], args.qtype, args.head_qtype, args.isa)
+        bench_model([int(r) for r in args.rows.split(",")], args.qtype, args.head_qtype, args.isa,
+                    levels=args.levels, head=not args.no_head)
     else:
         bench_decode(args.model, args.modes.split(","))
 

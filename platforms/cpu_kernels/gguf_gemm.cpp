@@ -36,6 +36,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #define HS_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -45,6 +47,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int kMaxRows = 4;  // activation rows per pass over a weight row
+constexpr int kTwoLevelRatio = 255;  // the second int8 level's scale is the first's / 255 (quantize_x)
 
 enum QType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5 };
 
@@ -61,13 +64,30 @@ inline float half_to_float(const uint8_t* p) {
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 }
 
+// A buffer that quantize_x fills whole: resize does not zero it (a 2048-row prompt's int8 blocks are 2.4 MB).
+template <typename T>
+struct Buf {
+  std::unique_ptr<T[]> p;
+  size_t n = 0;
+  void resize(size_t k) {
+    if (k != n) p.reset(new T[k]);
+    n = k;
+  }
+  T* data() { return p.get(); }
+  const T* data() const { return p.get(); }
+  T& operator[](size_t i) { return p[i]; }
+  const T& operator[](size_t i) const { return p[i]; }
+  T* begin() { return p.get(); }
+  T* end() { return p.get() + n; }
+};
+
 // The activations, quantized: per row and block, q int8 [32], d, and sum(q) as int and as d * sum(q).
 struct QuantX {
-  std::vector<int8_t> q;     // [M, K]
-  std::vector<float> d;      // [M, KB]
-  std::vector<int32_t> isum;  // [M, KB]
-  std::vector<float> fsum;   // [M, KB]  d * isum
-  std::vector<int32_t> isum16;  // [M, 2 KB]  sum(q) per half block of 16 (Q6_K's sub-blocks)
+  Buf<int8_t> q;     // [M, K]
+  Buf<float> d;      // [M, KB]
+  Buf<int32_t> isum;  // [M, KB]
+  Buf<float> fsum;   // [M, KB]  d * isum
+  Buf<int32_t> isum16;  // [M, 2 KB]  sum(q) per half block of 16 (Q6_K's sub-blocks)
 };
 
 HS_AVX2 inline int32_t hsum_epi32_avx2(__m256i a) {
@@ -77,24 +97,14 @@ HS_AVX2 inline int32_t hsum_epi32_avx2(__m256i a) {
   return _mm_cvtsi128_si32(s);
 }
 
-// One block of 32 to int8: d = amax / 127, q = round(x * (1 / d)) to nearest even (as torch.round), clamped to
-// +-127 (kernels/gguf_blocks.quantize_activations_q8); also the sum of q and of its first 16.
-HS_AVX2 inline float quantize_block_avx2(const float* xb, int8_t* q, int32_t& isum, int32_t& isum16) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4];
-  __m256 amax = _mm256_setzero_ps();
-  for (int j = 0; j < 4; ++j) {
-    v[j] = _mm256_loadu_ps(xb + 8 * j);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-  }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float d = _mm_cvtss_f32(m) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+// One block of 32 to int8 at scale d: q = round(x * (1 / d)) to nearest even (as torch.round), clamped to +-127
+// (0 where d is 0); also the sum of q and of its first 16.
+HS_AVX2 inline void quantize_block_at_avx2(const float* xb, float d, int8_t* q, int32_t& isum, int32_t& isum16) {
+  const float id = d > 0.0f ? 1.0f / d : 0.0f;
   const __m256 idv = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
   __m256i qi[4];
   for (int j = 0; j < 4; ++j) {
-    __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     qi[j] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
   }
   const __m256i s01 = _mm256_add_epi32(qi[0], qi[1]), s23 = _mm256_add_epi32(qi[2], qi[3]);
@@ -105,14 +115,76 @@ HS_AVX2 inline float quantize_block_avx2(const float* xb, int8_t* q, int32_t& is
   __m256i p = _mm256_packs_epi16(p01, p23);
   p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p);
+}
+
+// One block of 32 to int8: d = amax / 127 (kernels/gguf_blocks.quantize_activations_q8), q as above; returns d.
+HS_AVX2 inline float quantize_block_avx2(const float* xb, int8_t* q, int32_t& isum, int32_t& isum16) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * j)));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float d = _mm_cvtss_f32(m) / 127.0f;
+  quantize_block_at_avx2(xb, d, q, isum, isum16);
   return d;
 }
 
 // levels 1: row m of x is quantized row m (llama.cpp's Q8_0/Q8_1: ~0.7% relative error per GEMM on SmolLM2's
 // activations). levels 2: quantized rows 2m and 2m + 1 are x's int8 blocks and the int8 blocks of what they
-// leave, r = x - d q (|r| <= d / 2), so x = d q + d2 q2 to within d2 / 2 = amax / 64516: ~260x less error
-// for twice the integer work, and the two rows' outputs are summed. AVX2 (every caller has checked the CPU).
-HS_AVX2 void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out) {
+// leave, r = x - d q (|r| <= d / 2), at the fixed scale d2 = d / 255 (kTwoLevelRatio): |r| / d2 <= 127.5, so
+// q2 = round(r / d2) clamped to +-127 is within 1/2 of r / d2 and x = d q + d2 q2 to within d2 / 2 = amax /
+// 64770: ~255x less error for twice the integer work. A fixed ratio lets the packed tile sum the two levels'
+// integer dot products as 255 dot1 + dot2 (exact in int32) and scale them once (packed_tile_avx512); the other
+// paths sum the two rows' float outputs. AVX2 (every caller has checked the CPU).
+// quantize_x's block, AVX-512: the same numbers as quantize_block_avx2 (and its residual), two blocks of 16.
+HS_AVX512 inline void quantize_at_avx512(__m512 v0, __m512 v1, float d, int8_t* q, int32_t& isum, int32_t& isum16,
+                                         __m512& q0, __m512& q1) {
+  const float id = d > 0.0f ? 1.0f / d : 0.0f;
+  const __m512 idv = _mm512_set1_ps(id), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  q0 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v0, idv), kRound)));
+  q1 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v1, idv), kRound)));
+  const __m512i i0 = _mm512_cvttps_epi32(q0), i1 = _mm512_cvttps_epi32(q1);
+  isum16 = _mm512_reduce_add_epi32(i0);
+  isum = isum16 + _mm512_reduce_add_epi32(i1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(i0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(i1));
+}
+
+HS_AVX512 void quantize_rows_avx512(const float* x, int64_t m0, int64_t m1, int64_t K, int levels, QuantX& out) {
+  const int64_t KB = K / kBlock;
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t b = 0; b < KB; ++b) {
+      const float* xb = x + m * K + b * kBlock;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+      const float d = amax / 127.0f;
+      const int64_t i = m * levels * KB + b;  // quantized row m * levels, block b
+      __m512 q0, q1;
+      quantize_at_avx512(v0, v1, d, out.q.data() + i * kBlock, out.isum[i], out.isum16[2 * i], q0, q1);
+      out.isum16[2 * i + 1] = out.isum[i] - out.isum16[2 * i];
+      out.d[i] = d;
+      out.fsum[i] = d * static_cast<float>(out.isum[i]);
+      if (levels == 2) {
+        const __m512 dv = _mm512_set1_ps(d);
+        const __m512 r0 = _mm512_fnmadd_ps(dv, q0, v0), r1 = _mm512_fnmadd_ps(dv, q1, v1);  // x - d q
+        const int64_t i2 = i + KB;
+        const float d2 = d / static_cast<float>(kTwoLevelRatio);
+        quantize_at_avx512(r0, r1, d2, out.q.data() + i2 * kBlock, out.isum[i2], out.isum16[2 * i2], q0, q1);
+        out.isum16[2 * i2 + 1] = out.isum[i2] - out.isum16[2 * i2];
+        out.d[i2] = d2;
+        out.fsum[i2] = d2 * static_cast<float>(out.isum[i2]);
+      }
+    }
+  }
+}
+
+HS_AVX2 void quantize_rows_avx2(const float* x, int64_t m0, int64_t m1, int64_t K, int levels, QuantX& out);
+
+// isa 2 (AVX-512) or 1 (AVX2): the same numbers either way (a residual's fused multiply-add apart, at a tie).
+void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out, int64_t isa) {
   const int64_t KB = K / kBlock, rows = M * levels;
   out.q.resize(rows * K);
   out.d.resize(rows * KB);
@@ -120,6 +192,14 @@ HS_AVX2 void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX
   out.fsum.resize(rows * KB);
   out.isum16.resize(rows * KB * 2);
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    if (isa == 2) quantize_rows_avx512(x, m0, m1, K, levels, out);
+    else quantize_rows_avx2(x, m0, m1, K, levels, out);
+  });
+}
+
+HS_AVX2 void quantize_rows_avx2(const float* x, int64_t m0, int64_t m1, int64_t K, int levels, QuantX& out) {
+  const int64_t KB = K / kBlock;
+  {
     alignas(32) float r[kBlock];
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t b = 0; b < KB; ++b) {
@@ -133,14 +213,15 @@ HS_AVX2 void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX
         if (levels == 2) {
           for (int j = 0; j < kBlock; ++j) r[j] = xb[j] - d * static_cast<float>(q[j]);
           const int64_t i2 = i + KB;  // the next quantized row, same block
-          const float d2 = quantize_block_avx2(r, out.q.data() + i2 * kBlock, out.isum[i2], out.isum16[2 * i2]);
+          const float d2 = d / static_cast<float>(kTwoLevelRatio);
+          quantize_block_at_avx2(r, d2, out.q.data() + i2 * kBlock, out.isum[i2], out.isum16[2 * i2]);
           out.isum16[2 * i2 + 1] = out.isum[i2] - out.isum16[2 * i2];
           out.d[i2] = d2;
           out.fsum[i2] = d2 * static_cast<float>(out.isum[i2]);
         }
       }
     }
-  });
+  }
 }
 
 // ---- AVX2 ---------------------------------------------------------------------------------------------
@@ -483,7 +564,7 @@ at::Tensor gguf_gemv(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype,
   at::Tensor out = at::empty({M, N}, x.options());
   at::Tensor outq = levels == 1 ? out : at::empty({MQ, N}, x.options());  // [M * levels, N]
   QuantX xq;
-  quantize_x(x.data_ptr<float>(), M, K, static_cast<int>(levels), xq);
+  quantize_x(x.data_ptr<float>(), M, K, static_cast<int>(levels), xq, isa);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = outq.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
@@ -669,17 +750,61 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
-// Rows m0 .. m0 + R - 1 of the quantized activations (levels of one output row adjacent) against group g.
-// SC: the ScaleKind (for kScaleF16Implicit, xq.fsum comes multiplied by implicit_offset's factor).
-template <bool NIB, bool HALVES, int SC, int R>
-HS_AVX512 void packed_tile_avx512(const QuantX& xq, int64_t KB, const uint8_t* gp, int64_t m0, int levels,
+// Per activation row and block, what the AVX-512 tile needs to scale its integer dot products once per level
+// set (prepare_row_terms): dc the scale of the combined dot (d at one level; d2 = d / 255 at two, where the
+// combined dot is 255 dot1 + dot2), and the offset term's factor: ioff = off (isum1 255 + isum2) as an integer
+// for the computed offsets (Q4_0 -8, Q8_0 -128: added to the dot in int32, exact), fc = d1 isum1 + d2 isum2 for
+// a stored offset per block (Q4_1, Q4_K, Q5_K), fc16 the same per half block (Q6_K).
+struct RowTerms {
+  std::vector<float> dc;        // [M, KB]
+  std::vector<int32_t> ioff;    // [M, KB]
+  std::vector<float> fc;        // [M, KB]
+  std::vector<float> fc16;      // [M, 2 KB]
+};
+
+void prepare_row_terms(const QuantX& xq, int64_t M, int64_t KB, int levels, int64_t qtype, int64_t isa,
+                       RowTerms& t) {
+  const int kind = scale_kind(qtype);
+  const int32_t off = static_cast<int32_t>(implicit_offset(qtype, isa));
+  t.dc.resize(M * KB);
+  if (kind == kScaleF16Implicit) t.ioff.resize(M * KB);
+  else if (packed_halves(qtype)) t.fc16.resize(M * KB * 2);
+  else t.fc.resize(M * KB);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < KB; ++b) {
+      const int64_t i = m * KB + b, i1 = m * levels * KB + b, i2 = i1 + KB;  // real row; its quantized rows
+      t.dc[i] = xq.d[levels == 2 ? i2 : i1];
+      if (kind == kScaleF16Implicit) {
+        t.ioff[i] = off * (levels == 2 ? kTwoLevelRatio * xq.isum[i1] + xq.isum[i2] : xq.isum[i1]);
+      } else if (packed_halves(qtype)) {
+        for (int h = 0; h < 2; ++h)
+          t.fc16[2 * i + h] = xq.d[i1] * static_cast<float>(xq.isum16[2 * i1 + h]) +
+                              (levels == 2 ? xq.d[i2] * static_cast<float>(xq.isum16[2 * i2 + h]) : 0.0f);
+      } else {
+        t.fc[i] = xq.fsum[i1] + (levels == 2 ? xq.fsum[i2] : 0.0f);
+      }
+    }
+}
+
+// 255 a1 + a2 (int32, exact: a dot of 32 u8 x s8 products is at most 255 * 127 * 32)
+HS_AVX512 inline __m512i combine_levels(__m512i a1, __m512i a2) {
+  return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(a1, 8), a1), a2);
+}
+
+// Real activation rows m0 .. m0 + RR - 1 (LV int8 levels each: quantized rows m LV .. m LV + LV - 1) against group
+// g. SC: the ScaleKind. Per block and row, the levels' int32 dots are combined (255 dot1 + dot2) and the computed
+// offset added in int32, so the float work is one conversion, one scale product and one FMA (+ one FMA for a stored
+// offset): the FMA unit is the one _mm512_dpbusd_epi32 issues on (Zen 4), integer adds and conversions are not.
+template <bool NIB, bool HALVES, int SC, int LV, int RR>
+HS_AVX512 void packed_tile_avx512(const QuantX& xq, const RowTerms& rt, int64_t KB, const uint8_t* gp, int64_t m0,
                                   float* out, int64_t N, int64_t n0) {
+  constexpr int R = RR * LV;  // quantized rows
   constexpr int64_t QB = NIB ? 256 : 512;
   constexpr int64_t PB = QB + (SC == kScaleF32 ? (HALVES ? 256 : 128) : SC == kScaleF16 ? 64 : 32);
   const __m512i m4 = _mm512_set1_epi8(0xF);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int8_t* xqp = xq.q.data();
+  __m512 acc[RR];
+  for (int r = 0; r < RR; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* xqp = xq.q.data() + m0 * LV * KB * kBlock;
   for (int64_t c = 0; c < KB; ++c) {
     const uint8_t* pb = gp + c * PB;
     __m512i ia[R], ib[R];
@@ -694,7 +819,7 @@ HS_AVX512 void packed_tile_avx512(const QuantX& xq, int64_t KB, const uint8_t* g
         wv = _mm512_loadu_si512(pb + 64 * j);
       }
       for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_set1_epi32(load_i32(xqp + ((m0 + r) * KB + c) * kBlock + 4 * j));
+        const __m512i xv = _mm512_set1_epi32(load_i32(xqp + (r * KB + c) * kBlock + 4 * j));
         if (HALVES && j >= 4) ib[r] = _mm512_dpbusd_epi32(ib[r], wv, xv);
         else ia[r] = _mm512_dpbusd_epi32(ia[r], wv, xv);
       }
@@ -709,47 +834,51 @@ HS_AVX512 void packed_tile_avx512(const QuantX& xq, int64_t KB, const uint8_t* g
       s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc16)));
       o = SC == kScaleF16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc16 + 16))) : s;
     }
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < RR; ++r) {
       const int64_t i = (m0 + r) * KB + c;
-      const float dx = xq.d[i];
-      if constexpr (SC == kScaleF16Implicit) {  // o fsum = s (off fsum), off a power of two: the same numbers
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), _mm512_mul_ps(s, _mm512_set1_ps(dx)), acc[r]);
-        acc[r] = _mm512_fmadd_ps(s, _mm512_set1_ps(xq.fsum[i]), acc[r]);  // (fsum already times off)
+      __m512i a = LV == 2 ? combine_levels(ia[2 * r], ia[2 * r + 1]) : ia[r];
+      const __m512 dc = _mm512_set1_ps(rt.dc[i]);
+      if constexpr (SC == kScaleF16Implicit) {  // o = off s: off (sum q) joins the integer dot
+        a = _mm512_add_epi32(a, _mm512_set1_epi32(rt.ioff[i]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(s, dc), acc[r]);
       } else if constexpr (HALVES) {
+        const __m512i b = LV == 2 ? combine_levels(ib[2 * r], ib[2 * r + 1]) : ib[r];
         const __m512 s2 = _mm512_loadu_ps(sc + 32), o2 = _mm512_loadu_ps(sc + 48);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), _mm512_mul_ps(s, _mm512_set1_ps(dx)), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib[r]), _mm512_mul_ps(s2, _mm512_set1_ps(dx)), acc[r]);
-        acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(dx * static_cast<float>(xq.isum16[2 * i])), acc[r]);
-        acc[r] = _mm512_fmadd_ps(o2, _mm512_set1_ps(dx * static_cast<float>(xq.isum16[2 * i + 1])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(s, dc), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(s2, dc), acc[r]);
+        acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(rt.fc16[2 * i]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(o2, _mm512_set1_ps(rt.fc16[2 * i + 1]), acc[r]);
       } else {
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), _mm512_mul_ps(s, _mm512_set1_ps(dx)), acc[r]);
-        acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(xq.fsum[i]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(s, dc), acc[r]);
+        acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(rt.fc[i]), acc[r]);
       }
     }
   }
   const int64_t cols = std::min<int64_t>(kGroup, N - n0);
   const __mmask16 mask = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
-  for (int r = 0; r < R; r += levels) {
-    __m512 v = acc[r];
-    if (levels == 2) v = _mm512_add_ps(v, acc[r + 1]);
-    _mm512_mask_storeu_ps(out + ((m0 + r) / levels) * N + n0, mask, v);
-  }
+  for (int r = 0; r < RR; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * N + n0, mask, acc[r]);
 }
 
-// AVX2: half h of group g (8 output rows), maddubs, its int16 pair sums added in int16 while they fit (J16);
-// SIGNED (Q8_0): |w| times x with w's sign.
-template <bool NIB, bool HALVES, bool SIGNED, int SC, int R>
-HS_AVX2 void packed_tile_avx2(const QuantX& xq, int64_t KB, const uint8_t* gp, int h, int64_t m0, int levels,
+HS_AVX2 inline __m256i combine_levels_avx2(__m256i a1, __m256i a2) {  // 255 a1 + a2, as combine_levels
+  return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(a1, 8), a1), a2);
+}
+
+// AVX2: half h of group g (8 output rows) against real rows m0 .. m0 + RR - 1 (LV levels each), maddubs, its int16
+// pair sums added in int16 while they fit (J16); SIGNED (Q8_0): |w| times x with w's sign. The levels' int32 dots
+// are combined and scaled once per block as in packed_tile_avx512.
+template <bool NIB, bool HALVES, bool SIGNED, int SC, int LV, int RR>
+HS_AVX2 void packed_tile_avx2(const QuantX& xq, const RowTerms& rt, int64_t KB, const uint8_t* gp, int h, int64_t m0,
                               float* out, int64_t N, int64_t n0) {
+  constexpr int R = RR * LV;  // quantized rows
   constexpr int64_t QB = NIB ? 256 : 512;
   constexpr int64_t PB = QB + (SC == kScaleF32 ? (HALVES ? 256 : 128) : SC == kScaleF16 ? 64 : 32);
   // j steps summed in int16 before widening: a maddubs pair sum is at most 2 * 127 * max u, so 8 of them fit
   // for 4-bit values (30480), 4 for Q5_K's 5 bits (31496), 2 for Q6_K's 6 (32004, within a half), 1 for Q8_0
   constexpr int J16 = SIGNED ? 1 : NIB ? 8 : HALVES ? 2 : 4;
   const __m256i m4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const int8_t* xqp = xq.q.data();
+  __m256 acc[RR];
+  for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps();
+  const int8_t* xqp = xq.q.data() + m0 * LV * KB * kBlock;
   for (int64_t c = 0; c < KB; ++c) {
     const uint8_t* pb = gp + c * PB + 32 * h;
     __m256i ia[R], ib[R], s16[R];
@@ -765,7 +894,7 @@ HS_AVX2 void packed_tile_avx2(const QuantX& xq, int64_t KB, const uint8_t* gp, i
       }
       const __m256i aw = SIGNED ? _mm256_sign_epi8(wv, wv) : wv;
       for (int r = 0; r < R; ++r) {
-        __m256i xv = _mm256_set1_epi32(load_i32(xqp + ((m0 + r) * KB + c) * kBlock + 4 * j));
+        __m256i xv = _mm256_set1_epi32(load_i32(xqp + (r * KB + c) * kBlock + 4 * j));
         if constexpr (SIGNED) xv = _mm256_sign_epi8(xv, wv);
         const __m256i p = _mm256_maddubs_epi16(aw, xv);  // 16 int16 pair sums
         s16[r] = j % J16 == 0 ? p : _mm256_add_epi16(s16[r], p);
@@ -787,34 +916,34 @@ HS_AVX2 void packed_tile_avx2(const QuantX& xq, int64_t KB, const uint8_t* gp, i
       s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc16)));
       o = SC == kScaleF16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc16 + 16))) : s;
     }
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < RR; ++r) {
       const int64_t i = (m0 + r) * KB + c;
-      const float dx = xq.d[i];
-      if constexpr (SC == kScaleF16Implicit) {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), _mm256_mul_ps(s, _mm256_set1_ps(dx)), acc[r]);
-        if constexpr (!SIGNED) acc[r] = _mm256_fmadd_ps(s, _mm256_set1_ps(xq.fsum[i]), acc[r]);  // (times off)
+      __m256i a = LV == 2 ? combine_levels_avx2(ia[2 * r], ia[2 * r + 1]) : ia[r];
+      const __m256 dc = _mm256_set1_ps(rt.dc[i]);
+      if constexpr (SC == kScaleF16Implicit) {  // Q4_0's o = -8 s joins the integer dot; Q8_0 (SIGNED) has none
+        if constexpr (!SIGNED) a = _mm256_add_epi32(a, _mm256_set1_epi32(rt.ioff[i]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(s, dc), acc[r]);
       } else if constexpr (HALVES) {
+        const __m256i b = LV == 2 ? combine_levels_avx2(ib[2 * r], ib[2 * r + 1]) : ib[r];
         const __m256 s2 = _mm256_loadu_ps(sc + 32), o2 = _mm256_loadu_ps(sc + 48);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), _mm256_mul_ps(s, _mm256_set1_ps(dx)), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib[r]), _mm256_mul_ps(s2, _mm256_set1_ps(dx)), acc[r]);
-        acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(dx * static_cast<float>(xq.isum16[2 * i])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(o2, _mm256_set1_ps(dx * static_cast<float>(xq.isum16[2 * i + 1])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(s, dc), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), _mm256_mul_ps(s2, dc), acc[r]);
+        acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(rt.fc16[2 * i]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(o2, _mm256_set1_ps(rt.fc16[2 * i + 1]), acc[r]);
       } else {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), _mm256_mul_ps(s, _mm256_set1_ps(dx)), acc[r]);
-        if constexpr (!SIGNED) acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(xq.fsum[i]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(s, dc), acc[r]);
+        acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(rt.fc[i]), acc[r]);
       }
     }
   }
   const int64_t cols = std::min<int64_t>(8, N - n0);
-  for (int r = 0; r < R; r += levels) {
-    __m256 v = acc[r];
-    if (levels == 2) v = _mm256_add_ps(v, acc[r + 1]);
-    float* o = out + ((m0 + r) / levels) * N + n0;
+  for (int r = 0; r < RR; ++r) {
+    float* o = out + (m0 + r) * N + n0;
     if (cols == 8) {
-      _mm256_storeu_ps(o, v);
+      _mm256_storeu_ps(o, acc[r]);
     } else {
       float tmp[8];
-      _mm256_storeu_ps(tmp, v);
+      _mm256_storeu_ps(tmp, acc[r]);
       for (int64_t l = 0; l < cols; ++l) o[l] = tmp[l];
     }
   }
@@ -822,53 +951,66 @@ HS_AVX2 void packed_tile_avx2(const QuantX& xq, int64_t KB, const uint8_t* gp, i
 
 constexpr int kTile512 = 8, kTile2 = 4;  // quantized activation rows per tile (even: a row's two levels together)
 
-using Tile512Fn = void (*)(const QuantX&, int64_t, const uint8_t*, int64_t, int, float*, int64_t, int64_t);
-using Tile2Fn = void (*)(const QuantX&, int64_t, const uint8_t*, int, int64_t, int, float*, int64_t, int64_t);
+using Tile512Fn = void (*)(const QuantX&, const RowTerms&, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t);
+using Tile2Fn = void (*)(const QuantX&, const RowTerms&, int64_t, const uint8_t*, int, int64_t, float*, int64_t,
+                         int64_t);
+
+template <bool NIB, bool HALVES, int SC, int LV, int... Rows>
+Tile512Fn pick512_of(int rows, std::integer_sequence<int, Rows...>) {
+  Tile512Fn fn = nullptr;
+  ((rows == Rows + 1 ? (fn = packed_tile_avx512<NIB, HALVES, SC, LV, Rows + 1>, 0) : 0), ...);
+  return fn;
+}
+
+template <bool NIB, bool HALVES, int SC, int LV>
+Tile512Fn pick512(int rows) {  // rows: real rows, 1 .. kTile512 / LV
+  return pick512_of<NIB, HALVES, SC, LV>(rows, std::make_integer_sequence<int, kTile512 / LV>{});
+}
 
 template <bool NIB, bool HALVES, int SC>
-Tile512Fn pick512(int rows) {
-  switch (rows) {
-    case 1: return packed_tile_avx512<NIB, HALVES, SC, 1>;
-    case 2: return packed_tile_avx512<NIB, HALVES, SC, 2>;
-    case 3: return packed_tile_avx512<NIB, HALVES, SC, 3>;
-    case 4: return packed_tile_avx512<NIB, HALVES, SC, 4>;
-    case 5: return packed_tile_avx512<NIB, HALVES, SC, 5>;
-    case 6: return packed_tile_avx512<NIB, HALVES, SC, 6>;
-    case 7: return packed_tile_avx512<NIB, HALVES, SC, 7>;
-    default: return packed_tile_avx512<NIB, HALVES, SC, 8>;
+Tile512Fn pick512_levels(int levels, int rows) {
+  return levels == 2 ? pick512<NIB, HALVES, SC, 2>(rows) : pick512<NIB, HALVES, SC, 1>(rows);
+}
+
+// The tile for qtype (its value layout and ScaleKind), this many int8 levels and this many real rows.
+Tile512Fn pick512_for(int64_t qt, int levels, int rows) {
+  switch (qt) {
+    case kQ4_0: return pick512_levels<true, false, kScaleF16Implicit>(levels, rows);
+    case kQ4_1: return pick512_levels<true, false, kScaleF16>(levels, rows);
+    case kQ8_0: return pick512_levels<false, false, kScaleF16Implicit>(levels, rows);
+    case kQ4_K: return pick512_levels<true, false, kScaleF32>(levels, rows);
+    case kQ5_K: return pick512_levels<false, false, kScaleF32>(levels, rows);
+    default: return pick512_levels<false, true, kScaleF32>(levels, rows);  // Q6_K
   }
 }
 
-// The tile for qtype (its value layout and ScaleKind) and this many rows.
-Tile512Fn pick512_for(int64_t qt, int rows) {
-  switch (qt) {
-    case kQ4_0: return pick512<true, false, kScaleF16Implicit>(rows);
-    case kQ4_1: return pick512<true, false, kScaleF16>(rows);
-    case kQ8_0: return pick512<false, false, kScaleF16Implicit>(rows);
-    case kQ4_K: return pick512<true, false, kScaleF32>(rows);
-    case kQ5_K: return pick512<false, false, kScaleF32>(rows);
-    default: return pick512<false, true, kScaleF32>(rows);  // Q6_K
+template <bool NIB, bool HALVES, bool SIGNED, int SC, int LV>
+Tile2Fn pick2(int rows) {  // rows: real rows, up to kTile2 / LV
+  if constexpr (LV == 2) {
+    return rows == 1 ? packed_tile_avx2<NIB, HALVES, SIGNED, SC, 2, 1> : packed_tile_avx2<NIB, HALVES, SIGNED, SC, 2, 2>;
+  } else {
+    switch (rows) {
+      case 1: return packed_tile_avx2<NIB, HALVES, SIGNED, SC, 1, 1>;
+      case 2: return packed_tile_avx2<NIB, HALVES, SIGNED, SC, 1, 2>;
+      case 3: return packed_tile_avx2<NIB, HALVES, SIGNED, SC, 1, 3>;
+      default: return packed_tile_avx2<NIB, HALVES, SIGNED, SC, 1, 4>;
+    }
   }
 }
 
 template <bool NIB, bool HALVES, bool SIGNED, int SC>
-Tile2Fn pick2(int rows) {
-  switch (rows) {
-    case 1: return packed_tile_avx2<NIB, HALVES, SIGNED, SC, 1>;
-    case 2: return packed_tile_avx2<NIB, HALVES, SIGNED, SC, 2>;
-    case 3: return packed_tile_avx2<NIB, HALVES, SIGNED, SC, 3>;
-    default: return packed_tile_avx2<NIB, HALVES, SIGNED, SC, 4>;
-  }
+Tile2Fn pick2_levels(int levels, int rows) {
+  return levels == 2 ? pick2<NIB, HALVES, SIGNED, SC, 2>(rows) : pick2<NIB, HALVES, SIGNED, SC, 1>(rows);
 }
 
-Tile2Fn pick2_for(int64_t qt, int rows) {
+Tile2Fn pick2_for(int64_t qt, int levels, int rows) {
   switch (qt) {
-    case kQ4_0: return pick2<true, false, false, kScaleF16Implicit>(rows);
-    case kQ4_1: return pick2<true, false, false, kScaleF16>(rows);
-    case kQ8_0: return pick2<false, false, true, kScaleF16Implicit>(rows);  // q kept signed: the sign trick
-    case kQ4_K: return pick2<true, false, false, kScaleF32>(rows);
-    case kQ5_K: return pick2<false, false, false, kScaleF32>(rows);
-    default: return pick2<false, true, false, kScaleF32>(rows);  // Q6_K
+    case kQ4_0: return pick2_levels<true, false, false, kScaleF16Implicit>(levels, rows);
+    case kQ4_1: return pick2_levels<true, false, false, kScaleF16>(levels, rows);
+    case kQ8_0: return pick2_levels<false, false, true, kScaleF16Implicit>(levels, rows);  // q signed: the sign trick
+    case kQ4_K: return pick2_levels<true, false, false, kScaleF32>(levels, rows);
+    case kQ5_K: return pick2_levels<false, false, false, kScaleF32>(levels, rows);
+    default: return pick2_levels<false, true, false, kScaleF32>(levels, rows);  // Q6_K
   }
 }
 
@@ -883,34 +1025,32 @@ at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, in
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == NG * KB * PB,
               "gguf_gemm_packed: packed must be gguf_repack's uint8 [", NG * KB * PB, "] for N = ", N, ", K = ", K);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), MQ = M * levels;
+  const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   QuantX xq;
-  quantize_x(x.data_ptr<float>(), M, K, static_cast<int>(levels), xq);
-  if (scale_kind(qtype) == kScaleF16Implicit) {  // the computed offset o = off s: its term is s (off d sum(q))
-    const float off = implicit_offset(qtype, isa);
-    for (float& f : xq.fsum) f *= off;  // (a power of two: exact)
-  }
+  quantize_x(x.data_ptr<float>(), M, K, static_cast<int>(levels), xq, isa);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int lv = static_cast<int>(levels);
+  RowTerms rt;
+  prepare_row_terms(xq, M, KB, lv, qtype, isa, rt);
   if (isa == 2) {
-    const int64_t tiles = (MQ + kTile512 - 1) / kTile512;
+    const int64_t tile = kTile512 / lv, tiles = (M + tile - 1) / tile;  // real rows per tile
     at::parallel_for(0, NG * tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {  // group-major: a group's weights stay in cache over its row tiles
-        const int64_t g = t / tiles, m0 = (t % tiles) * kTile512;
-        const int rows = static_cast<int>(std::min<int64_t>(kTile512, MQ - m0));
-        pick512_for(qtype, rows)(xq, KB, pp + g * KB * PB, m0, lv, op, N, g * kGroup);
+        const int64_t g = t / tiles, m0 = (t % tiles) * tile;
+        const int rows = static_cast<int>(std::min<int64_t>(tile, M - m0));
+        pick512_for(qtype, lv, rows)(xq, rt, KB, pp + g * KB * PB, m0, op, N, g * kGroup);
       }
     });
   } else {
-    const int64_t halves_n = (N + 7) / 8, tiles = (MQ + kTile2 - 1) / kTile2;
+    const int64_t tile = kTile2 / lv, halves_n = (N + 7) / 8, tiles = (M + tile - 1) / tile;
     at::parallel_for(0, halves_n * tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t hg = t / tiles, m0 = (t % tiles) * kTile2;
-        const int rows = static_cast<int>(std::min<int64_t>(kTile2, MQ - m0));
-        pick2_for(qtype, rows)(xq, KB, pp + (hg / 2) * KB * PB, static_cast<int>(hg % 2), m0, lv, op, N, hg * 8);
+        const int64_t hg = t / tiles, m0 = (t % tiles) * tile;
+        const int rows = static_cast<int>(std::min<int64_t>(tile, M - m0));
+        pick2_for(qtype, lv, rows)(xq, rt, KB, pp + (hg / 2) * KB * PB, static_cast<int>(hg % 2), m0, op, N, hg * 8);
       }
     });
   }
@@ -979,8 +1119,8 @@ HS_AVX2 void argmax_bounds_avx2(const float* l1, int64_t ldl, const float* a, co
 // A greedy row's token is the argmax of its logits. gguf_gemm_packed_argmax gives logits whose argmax (first
 // maximum) is exactly the two-level call's, for the cost of one level plus the few groups that can hold it:
 //   1. L1 = the one-level logits (the rows' int8 blocks q1, d1: the first level of the two-level call);
-//   2. the second level changes logit n by at most B_n = sum_b e_b A[b, n], e_b = amax of block b's residual
-//      r = x - d1 q1 (= 127 d2, the second level's scale) and A[b, n] = sum of |w| over row n's block b (absw:
+//   2. the second level changes logit n by at most B_n = sum_b e_b A[b, n], e_b = 127 d2 (d2 = d1 / 255, the
+//      second level's scale in block b) and A[b, n] = sum of |w| over row n's block b (absw:
 //      per group of 16 outputs its [K / 32][16], so a group's bound reads 16 consecutive floats a block), since
 //      the second level adds sum_i w_i d2 q2_i with |d2 q2_i| <= 127 d2 = e_b; B is taken a little wider (slack
 //      for float rounding: relative 1e-3 and 1e-5 |L1|);
@@ -1001,14 +1141,12 @@ at::Tensor gguf_gemm_packed_argmax(const at::Tensor& x_in, const at::Tensor& pac
   if (M == 0 || N == 0) return out;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   QuantX xq;  // both levels: rows 2m (the first level, as L1's) and 2m + 1 (the residual's)
-  quantize_x(x.data_ptr<float>(), M, K, 2, xq);
-  if (scale_kind(qtype) == kScaleF16Implicit) {
-    const float off = implicit_offset(qtype, isa);
-    for (float& f : xq.fsum) f *= off;
-  }
+  quantize_x(x.data_ptr<float>(), M, K, 2, xq, isa);
+  RowTerms rt;
+  prepare_row_terms(xq, M, KB, 2, qtype, isa, rt);
   float* op = out.data_ptr<float>();
   const float* ap = absw.data_ptr<float>();
-  std::vector<float> e(M * KB);  // e[m, b] = 127 d2 (the residual's amax)
+  std::vector<float> e(M * KB);  // e[m, b] = 127 d2 (the most a second-level value |d2 q2| can be)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < KB; ++b) e[m * KB + b] = 127.0f * xq.d[(2 * m + 1) * KB + b];
   // Pass 1, per chunk of outputs (its A slice stays in L2 over the rows): thr[m] = max_n (L1 - B), and each group's
@@ -1044,10 +1182,10 @@ at::Tensor gguf_gemm_packed_argmax(const at::Tensor& x_in, const at::Tensor& pac
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t m = pairs[p] / NG, g = pairs[p] % NG;
       if (isa == 2) {
-        pick512_for(qtype, 2)(xq, KB, pp + g * KB * PB, 2 * m, 2, op, N, g * kGroup);
+        pick512_for(qtype, 2, 1)(xq, rt, KB, pp + g * KB * PB, m, op, N, g * kGroup);
       } else {
         for (int h = 0; h < 2 && g * kGroup + 8 * h < N; ++h)
-          pick2_for(qtype, 2)(xq, KB, pp + g * KB * PB, h, 2 * m, 2, op, N, g * kGroup + 8 * h);
+          pick2_for(qtype, 2, 1)(xq, rt, KB, pp + g * KB * PB, h, m, op, N, g * kGroup + 8 * h);
       }
     }
   });

@@ -15,7 +15,9 @@ step's memory traffic (float32 scales had cost 1.3x the bytes and ~1.3x the time
     M < TWO_LEVEL_MIN_ROWS, or any M       gguf_gemm_packed, one int8 level: AVX-512 VNNI (_mm512_dpbusd_epi32)
     in a decode step (one token each)      or AVX2 (_mm256_maddubs_epi16)
     TWO_LEVEL_MIN_ROWS <= M < panel rows   gguf_gemm_packed, two int8 levels: x ~ d q + d2 q2 (q2 the int8
-                                           blocks of x's rounding error), twice the integer work, ~260x less error
+                                           blocks of x's rounding error at d2 = d / 255), twice the integer work,
+                                           ~255x less error; the tile sums the levels' integer dots as 255 dot1 +
+                                           dot2 and scales once (gguf_blocks.two_level_activations: the reference)
     M >= PANEL_MIN_ROWS[isa]               the blocks dequantized to a float32 panel of PANEL_BYTES at a time,
                                            then the float GEMM (torch's, oneDNN/MKL); off by default: on this
                                            2-core Zen 4 the packed two-level path beat the panel at every M up

@@ -5,8 +5,8 @@ Tolerances. Few rows (M < TWO_LEVEL_MIN_ROWS) quantize the activations to int8 p
 checked against the reference that does the same (``quantize_activations_q8``, then dequantize and matmul
 in float32): max error 1e-5 of max |ref| (float summation order only), and loosely against the float
 reference: within the bound the 8-bit rounding gives, sum_k d_k / 2 |w[n, k]|. From TWO_LEVEL_MIN_ROWS rows the
-activations and their rounding error are each int8 (x ~ d q + d2 q2): checked against the same two-level
-rounding in torch to 1e-4 of max |ref| (a fused multiply-add may round the residual differently at a tie), and
+activations and their rounding error are each int8 (x ~ d q + d2 q2, d2 = d / 255): checked against the same
+two-level rounding in torch (``two_level_activations``) to 1e-4 of max |ref| (a fused multiply-add may round the residual differently at a tie), and
 against the float reference within sum_k d2_k / 2 |w[n, k]|, at least 50x closer than one level. Many rows (the dequantized float
 panel, where PANEL_MIN_ROWS sends them; off by default) match the float reference to 1e-5. The integer path runs on the
 repacked weight (gguf_repack, gguf_gemm_packed): checked against the GGUF rows' own integer op (gguf_gemv, the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from halserve.kernels.gguf_blocks import dequantize, quantize_activations_q8, random_blocks
+from halserve.kernels.gguf_blocks import dequantize, quantize_activations_q8, random_blocks, two_level_activations
 from halserve.platforms.cpu_kernels.native_gguf import (
     ISA_CODES,
     K_TYPES,
@@ -69,11 +69,28 @@ def test_few_rows_match_the_int8_activation_reference(qtype, isa):
             assert ((got - x @ dense.t()).abs() <= bound + 1e-5 * scale).all(), (qtype, isa, m, n, k)
 
 
-def _dequantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x rounded to int8 blocks as floats, the blocks' d repeated per value)."""
-    q, d = quantize_activations_q8(x)
-    d = d.repeat_interleave(32, dim=1)
-    return q.float() * d, d
+@pytest.mark.parametrize("isa", list(ISA_CODES))
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_two_levels_at_the_integer_extremes(qtype, isa):
+    """The packed tile sums a row's two levels as 255 dot1 + dot2 (plus Q4_0's and Q8_0's offset times sum q) in
+    int32 per block: with every weight value at its extreme and the activations at +-127 with the largest
+    residuals, the result still matches the two-level reference (no wrap-around)."""
+    _isa_or_skip(isa)
+    kernel = NativeGgufGemm(isa)
+    n, k = 16, 576
+    w = random_blocks(qtype, n, k, torch.Generator().manual_seed(3))
+    size = 34 if qtype == "Q8_0" else 18
+    blocks = w.view(n, k // 32, size)
+    blocks[..., 2:] = 127 if qtype == "Q8_0" else 0xFF  # q8 = 127 / q4 = 15 (w = 7 d) everywhere
+    blocks[1::2, :, 2:] = 128 if qtype == "Q8_0" else 0x00  # every other row q8 = -128 / q4 = 0 (w = -8 d)
+    g = torch.Generator().manual_seed(4)
+    sign = torch.where(torch.rand(8, k, generator=g) < 0.5, -1.0, 1.0)
+    x = sign * (1.0 - torch.rand(8, k, generator=g) * (0.5 / 127))  # x / d within half a step of 127: large residuals
+    x[::2] = x[::2].abs()  # rows whose every product has one sign
+    got = kernel.ops.gguf_gemm_packed(x, kernel.packed(w, qtype, k), QTYPE_CODES[qtype], n, k, ISA_CODES[isa], 2)
+    x1, x2, _ = two_level_activations(x)
+    want = (x1 + x2) @ dequantize(w, qtype, k).t()
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("isa", list(ISA_CODES))
@@ -93,8 +110,7 @@ def test_two_int8_levels_match_their_reference_and_are_near_exact(qtype, isa):
                                                      ISA_CODES[isa], 2)
                 assert torch.equal(kernel(x, w, qtype), packed)
                 assert (packed - got).abs().max().item() <= 1e-5 * got.abs().max().item()
-            x1, _ = _dequantize_q8(x)
-            x2, d2 = _dequantize_q8(x - x1)
+            x1, x2, d2 = two_level_activations(x)
             want = (x1 + x2) @ dense.t()
             scale = want.abs().max().item()
             assert (got - want).abs().max().item() <= 1e-4 * scale, (qtype, isa, m, n, k)
@@ -257,8 +273,7 @@ def test_prefill_rows_stay_integer_on_vnni_and_match_two_levels(isa):
     dense = dequantize(w, "Q4_0", 576)
     got = NativeGgufGemm(isa)(x, w, "Q4_0")
     exact = x @ dense.t()
-    x1, _ = _dequantize_q8(x)
-    _, d2 = _dequantize_q8(x - x1)
+    _, _, d2 = two_level_activations(x)
     scale = exact.abs().max().item()
     assert ((got - exact).abs() <= (d2 / 2) @ dense.abs().t() + 1e-4 * scale).all()
     kernel = NativeGgufGemm(isa)
