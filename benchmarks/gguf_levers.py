@@ -96,7 +96,8 @@ def cmd_streams(args: argparse.Namespace) -> None:
 
 
 def cmd_phases(args: argparse.Namespace) -> None:
-    """ms a token of the model runner's forward, the layers (the flat forward), the LM head, inputs and sampling."""
+    """ms a step (one token per stream) of the model runner's forward, the layers (the flat forward), the LM head,
+    inputs and sampling."""
     import collections
 
     from halserve import LLM, SamplingParams
@@ -125,7 +126,7 @@ def cmd_phases(args: argparse.Namespace) -> None:
         wrap(model_runner.ModelRunner, name, name)
     llm = LLM(model_file(args.quant), platform="cpu", max_model_len=512, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
-    prompt = [{"prompt_token_ids": list(range(1000, 1003))}]
+    prompt = [{"prompt_token_ids": list(range(1000 + 7 * i, 1003 + 7 * i))} for i in range(args.streams)]
     llm.generate(prompt, params, use_tqdm=False)
     for _ in range(3):
         seconds.clear()
@@ -133,7 +134,7 @@ def cmd_phases(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         llm.generate(prompt, params, use_tqdm=False)
         wall = time.perf_counter() - start
-        print(f"{1e3 * wall / 128:.3f} ms a token: " + ", ".join(
+        print(f"{args.streams} stream(s): {1e3 * wall / 128:.3f} ms a step: " + ", ".join(
             f"{k} {1e3 * seconds[k] / calls[k]:.3f}" for k in seconds), flush=True)
 
 
@@ -239,6 +240,8 @@ def main() -> None:
             p.add_argument("--streams", type=int, nargs="+", default=[16, 64])
         if name == "head-kernel":
             p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+        if name == "phases":
+            p.add_argument("--streams", type=int, default=1, help="greedy streams decoding together (3-token prompts)")
         if name == "paris":
             p.add_argument("--one-level-prompts", choices=["one", "two"], default=None, help=argparse.SUPPRESS)
     child = sub.add_parser("_child")
