@@ -7,6 +7,7 @@ greedy rows", each measured with the lever on and off (SmolLM2-135M-Instruct's G
     python benchmarks/gguf_levers.py head-kernel                  # the LM head: two levels / the argmax path
     python benchmarks/gguf_levers.py head-candidates --quant Q8_0  # groups the argmax path recomputes, real rows
     python benchmarks/gguf_levers.py paris                        # one-level prompts with the argmax head
+    python benchmarks/gguf_levers.py prompt-levels --quant Q4_1   # one level for one projection kind's prompts
 
 The files come from ``scripts/get_smollm2.sh`` (Q4_1) and ``benchmarks/compare_llamacpp.py`` (Q4_0, Q8_0: run
 it once with ``--quants Q4_0,Q8_0``); llama.cpp from ``scripts/build_llamacpp.sh``. The plan is off with
@@ -224,14 +225,57 @@ def cmd_paris(args: argparse.Namespace) -> None:
         print(f"{args.one_level_prompts}-level prompts: {chat!r} -> {out[0].outputs[0].text[:70]!r}")
 
 
+def cmd_prompt_levels(args: argparse.Namespace) -> None:
+    """Would one int8 level do for some of a prompt's GEMMs? benchmarks/gguf_agreement.py's scoring (the 8 chats,
+    greedy answers and teacher-forced log-probs against the file dequantized at load) with prompts at one level for
+    one projection kind at a time (qkv_proj, o_proj, gate_up_proj, down_proj), then all four; two elsewhere."""
+    sys.path.insert(0, HERE)
+    import gguf_agreement
+
+    import halserve.platforms.cpu_kernels.native_gguf as native_gguf
+    from halserve.quant_methods import gguf as gguf_method
+
+    one: set = set()
+    process = gguf_method.GgufLinearMethod.process_weights_after_loading
+    levels = native_gguf.NativeGgufGemm.activation_levels
+
+    def tagged(self, layer) -> None:  # each layer's kernel knows its projection's kind
+        process(self, layer)
+        for kernel, _w, _q in layer.gguf_runs:
+            kernel._kind = layer.prefix.split(".")[-1]
+
+    def chosen(self, m: int) -> int:
+        return 1 if getattr(self, "_kind", None) in one and self.min_activation_levels == 1 else levels(self, m)
+
+    gguf_method.GgufLinearMethod.process_weights_after_loading = tagged
+    native_gguf.NativeGgufGemm.activation_levels = chosen
+    chats = [[{"role": "user", "content": q}] for q in gguf_agreement.questions()]
+    path = gguf_agreement.model_path(args.quant)
+    reference, ref_forced, sequences = gguf_agreement.run(path, chats, None, quantization="unquantized",
+                                                          kv_cache_dtype="float32")
+    kinds = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    for setting in [[], *([k] for k in kinds), kinds]:
+        one.clear()
+        one.update(setting)
+        got, forced, _ = gguf_agreement.run(path, chats, None, sequences, quantization="gguf")
+        same = sum(a[1] == b[1] for a, b in zip(got, reference))
+        pairs = [(g, r) for (gt, gl), (rt, rl) in zip(forced, ref_forced) for g, r in zip(zip(gt, gl), zip(rt, rl))]
+        top = sum(g[0] == r[0] for g, r in pairs)
+        diff = sum(abs(g[1] - r[1]) for g, r in pairs) / len(pairs)
+        print(f"{args.quant}: one level for {'+'.join(setting) or 'none (the default)'}: {same} of {len(got)} answers "
+              f"token-identical; teacher-forced top token {top} of {len(pairs)}, mean |d logprob| {diff:.4f}; Paris "
+              f"answer {got[0][0][:40]!r}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
     for name, fn in (("phases", cmd_phases), ("alternate", cmd_alternate), ("streams", cmd_streams),
-                     ("head-kernel", cmd_head_kernel), ("head-candidates", cmd_head_candidates), ("paris", cmd_paris)):
+                     ("head-kernel", cmd_head_kernel), ("head-candidates", cmd_head_candidates), ("paris", cmd_paris),
+                     ("prompt-levels", cmd_prompt_levels)):
         p = sub.add_parser(name)
         p.set_defaults(fn=fn)
-        p.add_argument("--quant", default="Q4_0" if name != "paris" else "Q4_1")
+        p.add_argument("--quant", default="Q4_1" if name in ("paris", "prompt-levels") else "Q4_0")
         if name == "alternate":
             p.add_argument("--rounds", type=int, default=2)
             p.add_argument("--llamacpp-bin", default="~/.cache/halserve/llamacpp/11434.0.0/llama.cpp/build/bin")
