@@ -43,7 +43,7 @@ def test_march_override_is_validated(monkeypatch):
 def test_kernels_built_for_avx2_only_match_the_references():
     env = dict(os.environ, **{MARCH_ENV: "x86-64-v3"})
     files = ["tests/attention_backends/test_cpu_native.py", "tests/platforms/test_cpu_kernel_libraries.py",
-             "tests/platforms/test_cpu_native_fp8.py"]
+             "tests/platforms/test_cpu_native_fp8.py", "tests/platforms/test_cpu_native_gguf.py"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
