@@ -10,6 +10,31 @@ import torch
 _NEG_INF = float("-inf")
 
 
+# row_max's chunk: rows at least this long on the CPU are reduced chunk by chunk (torch's max with indices over a
+# row is a scalar loop there: 64 x 49152 float32 logits took ~2.5 ms, amax ~0.1 ms)
+ROW_MAX_CHUNK = 1024
+
+
+def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits.max(dim=-1)`` (each row's largest value and the index of its first occurrence; a NaN counts as the
+    largest, as there): on the CPU for rows of ``2 * ROW_MAX_CHUNK`` values or more, through the chunks' maxima
+    (``amax``, vectorised), the first chunk holding the row's maximum, and ``max`` within that chunk; the tail past
+    whole chunks is checked as a chunk of its own."""
+    rows, width = logits.shape
+    if logits.device.type != "cpu" or width < 2 * ROW_MAX_CHUNK or not logits.is_contiguous():
+        return logits.max(dim=-1)
+    whole = width // ROW_MAX_CHUNK * ROW_MAX_CHUNK
+    parts = logits[:, :whole].view(rows, whole // ROW_MAX_CHUNK, ROW_MAX_CHUNK).amax(dim=-1)  # [R, C]
+    if whole < width:
+        parts = torch.cat([parts, logits[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
+    chunk = parts.argmax(dim=-1)  # [R]: the first chunk holding the maximum (a NaN's, if any)
+    starts = chunk * ROW_MAX_CHUNK
+    offsets = torch.arange(ROW_MAX_CHUNK, device=logits.device)
+    columns = (starts.unsqueeze(1) + offsets).clamp_(max=width - 1)  # [R, chunk] (the tail's past-the-end repeat its last)
+    values, within = logits.gather(1, columns).max(dim=-1)
+    return values, starts + within
+
+
 def apply_penalties(
     logits: torch.Tensor,  # [R, V] f32
     output_token_counts: torch.Tensor,  # [R, V] f32

@@ -15,6 +15,7 @@ from halserve.sampling.ops import (
     gumbel_sample,
     has_token,
     mask_tokens,
+    row_max,
 )
 from halserve.scheduler_output import SampleLogprobs
 
@@ -97,7 +98,7 @@ class Sampler:
         # A row with a token left draws one with a finite logit (the filters keep each row's
         # best token); a row with none draws an arbitrary -inf one.
         if meta.all_greedy:  # one op: max returns argmax's index (the first maximum) with its logit
-            chosen, sampled = logits.max(dim=-1)  # [R], [R]
+            chosen, sampled = row_max(logits)  # [R], [R]
         else:
             sampled = self._sample_random(logits, meta)
             chosen = logits.gather(1, sampled.unsqueeze(1)).squeeze(1)  # [R], O(R): no [R, V] scan
@@ -113,7 +114,7 @@ class Sampler:
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        greedy = None if meta.all_random else logits.argmax(dim=-1)  # [R]
+        greedy = None if meta.all_random else row_max(logits)[1]  # [R]
         assert meta.temperature is not None
         logits = logits / meta.temperature.unsqueeze(1)  # [R, V]
         if meta.min_p is not None:

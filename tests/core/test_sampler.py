@@ -38,6 +38,28 @@ def test_all_greedy_builds_nothing_and_takes_argmax():
     assert logprobs == [None] * 4
 
 
+@pytest.mark.parametrize("width", [2047, 2048, 3000, 49152, 50000])
+def test_row_max_is_torch_max_with_its_first_index(width):
+    """The greedy rows' max (sampling.ops.row_max, chunked on the CPU for long rows) gives torch.max's values and
+    indices: the first of tied maxima within and across chunks and in the tail past whole chunks, an all -inf
+    row, +inf, and a NaN (which torch.max takes as the largest: its first index)."""
+    from halserve.sampling.ops import row_max
+
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(12, width, generator=g)
+    x[0] = float("-inf")
+    x[1, 5], x[1, width - 1] = float("nan"), float("nan")
+    x[2, 7], x[2, width - 1] = 9.0, 9.0
+    x[3, width - 1] = 99.0
+    x[4] = 3.0
+    x[5, 1500], x[5, 100] = float("inf"), float("inf")
+    x[6, 1030], x[6, 2000] = 50.0, 50.0
+    want = x.max(dim=-1)
+    values, indices = row_max(x)
+    assert torch.equal(indices, want.indices)
+    assert torch.equal(values.nan_to_num(), want.values.nan_to_num()) and values[1].isnan()
+
+
 def test_sampler_does_not_modify_logits():
     params = [SamplingParams(temperature=0.7, top_k=3, top_p=0.5, min_p=0.1, repetition_penalty=1.3, min_tokens=2)]
     logits = rand_logits(1)
