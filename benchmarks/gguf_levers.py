@@ -99,32 +99,19 @@ def cmd_streams(args: argparse.Namespace) -> None:
 def cmd_phases(args: argparse.Namespace) -> None:
     """ms a step (one token per stream) of the model runner's forward, the layers (the flat forward), the LM head,
     inputs and sampling."""
-    import collections
+    sys.path.insert(0, HERE)
+    from step_overhead import PhaseTimer
 
     from halserve import LLM, SamplingParams
     from halserve.models import llama, llama_flat
     from halserve.worker import model_runner
 
-    seconds: dict = collections.defaultdict(float)
-    calls: dict = collections.defaultdict(int)
-
-    def wrap(cls, name: str, key: str) -> None:
-        fn = getattr(cls, name)
-
-        def timed(*a, **k):
-            start = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                seconds[key] += time.perf_counter() - start
-                calls[key] += 1
-
-        setattr(cls, name, timed)
-
-    wrap(llama_flat.LlamaFlatForward, "__call__", "layers")
-    wrap(llama.LlamaForCausalLM, "compute_logits", "LM head")
+    timer = PhaseTimer()
+    seconds, calls = timer.seconds, timer.calls
+    timer.wrap(llama_flat.LlamaFlatForward, "__call__", "layers")
+    timer.wrap(llama.LlamaForCausalLM, "compute_logits", "LM head")
     for name in ("_forward", "_sample", "_prepare_inputs"):
-        wrap(model_runner.ModelRunner, name, name)
+        timer.wrap(model_runner.ModelRunner, name, name)
     llm = LLM(model_file(args.quant), platform="cpu", max_model_len=512, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     prompt = [{"prompt_token_ids": list(range(1000 + 7 * i, 1003 + 7 * i))} for i in range(args.streams)]

@@ -42,16 +42,17 @@ SHAPES = {"W1": (64, 128, 128), "W2": (256, 32, 64), "smollm2": (64, 128, 128)}
 
 
 class PhaseTimer:
-    """Accumulates wall time per phase; ``wrap`` times one method of one class."""
+    """Accumulates wall time (and calls) per phase; ``wrap`` times one method of one class."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
         self.num_steps = 0
         self._restore: list[tuple[type, str, object]] = []
 
     def wrap(self, cls: type, method: str, phase: str) -> None:
         original = getattr(cls, method)
-        seconds = self.seconds
+        seconds, calls = self.seconds, self.calls
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -59,6 +60,7 @@ class PhaseTimer:
                 return original(*args, **kwargs)
             finally:
                 seconds[phase] += time.perf_counter() - start
+                calls[phase] += 1
 
         self._restore.append((cls, method, original))
         setattr(cls, method, timed)

@@ -137,6 +137,13 @@ HS_AVX2 inline float quantize_block_avx2(const float* xb, int8_t* q, int32_t& is
 // 64770: ~255x less error for twice the integer work. A fixed ratio lets the packed tile sum the two levels'
 // integer dot products as 255 dot1 + dot2 (exact in int32) and scale them once (packed_tile_avx512); the other
 // paths sum the two rows' float outputs. AVX2 (every caller has checked the CPU).
+// A quantized block's bookkeeping once its q and sums are written: its scale, the second half's sum, d * sum(q).
+inline void record_block(QuantX& out, int64_t i, float d) {
+  out.isum16[2 * i + 1] = out.isum[i] - out.isum16[2 * i];
+  out.d[i] = d;
+  out.fsum[i] = d * static_cast<float>(out.isum[i]);
+}
+
 // quantize_x's block, AVX-512: the same numbers as quantize_block_avx2 (and its residual), two blocks of 16.
 HS_AVX512 inline void quantize_at_avx512(__m512 v0, __m512 v1, float d, int8_t* q, int32_t& isum, int32_t& isum16,
                                          __m512& q0, __m512& q1) {
@@ -164,18 +171,14 @@ HS_AVX512 void quantize_rows_avx512(const float* x, int64_t m0, int64_t m1, int6
       const int64_t i = m * levels * KB + b;  // quantized row m * levels, block b
       __m512 q0, q1;
       quantize_at_avx512(v0, v1, d, out.q.data() + i * kBlock, out.isum[i], out.isum16[2 * i], q0, q1);
-      out.isum16[2 * i + 1] = out.isum[i] - out.isum16[2 * i];
-      out.d[i] = d;
-      out.fsum[i] = d * static_cast<float>(out.isum[i]);
+      record_block(out, i, d);
       if (levels == 2) {
         const __m512 dv = _mm512_set1_ps(d);
         const __m512 r0 = _mm512_fnmadd_ps(dv, q0, v0), r1 = _mm512_fnmadd_ps(dv, q1, v1);  // x - d q
         const int64_t i2 = i + KB;
         const float d2 = d / static_cast<float>(kTwoLevelRatio);
         quantize_at_avx512(r0, r1, d2, out.q.data() + i2 * kBlock, out.isum[i2], out.isum16[2 * i2], q0, q1);
-        out.isum16[2 * i2 + 1] = out.isum[i2] - out.isum16[2 * i2];
-        out.d[i2] = d2;
-        out.fsum[i2] = d2 * static_cast<float>(out.isum[i2]);
+        record_block(out, i2, d2);
       }
     }
   }
@@ -199,26 +202,20 @@ void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out, i
 
 HS_AVX2 void quantize_rows_avx2(const float* x, int64_t m0, int64_t m1, int64_t K, int levels, QuantX& out) {
   const int64_t KB = K / kBlock;
-  {
-    alignas(32) float r[kBlock];
-    for (int64_t m = m0; m < m1; ++m) {
-      for (int64_t b = 0; b < KB; ++b) {
-        const float* xb = x + m * K + b * kBlock;
-        const int64_t i = m * levels * KB + b;  // quantized row m * levels, block b
-        int8_t* q = out.q.data() + i * kBlock;
-        const float d = quantize_block_avx2(xb, q, out.isum[i], out.isum16[2 * i]);
-        out.isum16[2 * i + 1] = out.isum[i] - out.isum16[2 * i];
-        out.d[i] = d;
-        out.fsum[i] = d * static_cast<float>(out.isum[i]);
-        if (levels == 2) {
-          for (int j = 0; j < kBlock; ++j) r[j] = xb[j] - d * static_cast<float>(q[j]);
-          const int64_t i2 = i + KB;  // the next quantized row, same block
-          const float d2 = d / static_cast<float>(kTwoLevelRatio);
-          quantize_block_at_avx2(r, d2, out.q.data() + i2 * kBlock, out.isum[i2], out.isum16[2 * i2]);
-          out.isum16[2 * i2 + 1] = out.isum[i2] - out.isum16[2 * i2];
-          out.d[i2] = d2;
-          out.fsum[i2] = d2 * static_cast<float>(out.isum[i2]);
-        }
+  alignas(32) float r[kBlock];
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t b = 0; b < KB; ++b) {
+      const float* xb = x + m * K + b * kBlock;
+      const int64_t i = m * levels * KB + b;  // quantized row m * levels, block b
+      int8_t* q = out.q.data() + i * kBlock;
+      const float d = quantize_block_avx2(xb, q, out.isum[i], out.isum16[2 * i]);
+      record_block(out, i, d);
+      if (levels == 2) {
+        for (int j = 0; j < kBlock; ++j) r[j] = xb[j] - d * static_cast<float>(q[j]);
+        const int64_t i2 = i + KB;  // the next quantized row, same block
+        const float d2 = d / static_cast<float>(kTwoLevelRatio);
+        quantize_block_at_avx2(r, d2, out.q.data() + i2 * kBlock, out.isum[i2], out.isum16[2 * i2]);
+        record_block(out, i2, d2);
       }
     }
   }
