@@ -42,25 +42,29 @@ SHAPES = {"W1": (64, 128, 128), "W2": (256, 32, 64), "smollm2": (64, 128, 128)}
 
 
 class PhaseTimer:
-    """Accumulates wall time (and calls) per phase; ``wrap`` times one method of one class."""
+    """Accumulates wall time (and calls) per phase; ``wrap`` times one method of one class. ``durations`` keeps
+    each call's seconds (for medians: a few long calls, e.g. the prompts' steps, skew the means)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.durations: dict[str, list[float]] = defaultdict(list)
         self.num_steps = 0
         self._restore: list[tuple[type, str, object]] = []
 
     def wrap(self, cls: type, method: str, phase: str) -> None:
         original = getattr(cls, method)
-        seconds, calls = self.seconds, self.calls
+        seconds, calls, durations = self.seconds, self.calls, self.durations
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
-                seconds[phase] += time.perf_counter() - start
+                took = time.perf_counter() - start
+                seconds[phase] += took
                 calls[phase] += 1
+                durations[phase].append(took)
 
         self._restore.append((cls, method, original))
         setattr(cls, method, timed)

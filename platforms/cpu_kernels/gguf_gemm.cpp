@@ -759,8 +759,15 @@ struct RowTerms {
   std::vector<float> fc16;      // [M, 2 KB]
 };
 
+// The terms are kept in the order the tiles read them: for the tile of real rows m0 .. m0 + rows - 1 (`tile` rows
+// at most), from m0 KB on, block-major ([c][r]); tile 1 is row-major ([m][c], what the AVX2 tile reads).
+inline int64_t term_index(int64_t m, int64_t c, int64_t M, int64_t KB, int64_t tile) {
+  const int64_t m0 = m - m % tile, rows = std::min(tile, M - m0);
+  return m0 * KB + c * rows + (m - m0);
+}
+
 void prepare_row_terms(const QuantX& xq, int64_t M, int64_t KB, int levels, int64_t qtype, int64_t isa,
-                       RowTerms& t) {
+                       int64_t tile, RowTerms& t) {
   const int kind = scale_kind(qtype);
   const int32_t off = static_cast<int32_t>(implicit_offset(qtype, isa));
   t.dc.resize(M * KB);
@@ -769,7 +776,7 @@ void prepare_row_terms(const QuantX& xq, int64_t M, int64_t KB, int levels, int6
   else t.fc.resize(M * KB);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < KB; ++b) {
-      const int64_t i = m * KB + b, i1 = m * levels * KB + b, i2 = i1 + KB;  // real row; its quantized rows
+      const int64_t i = term_index(m, b, M, KB, tile), i1 = m * levels * KB + b, i2 = i1 + KB;  // its quantized rows
       t.dc[i] = xq.d[levels == 2 ? i2 : i1];
       if (kind == kScaleF16Implicit) {
         t.ioff[i] = off * (levels == 2 ? kTwoLevelRatio * xq.isum[i1] + xq.isum[i2] : xq.isum[i1]);
@@ -793,7 +800,7 @@ HS_AVX512 inline __m512i combine_levels(__m512i a1, __m512i a2) {
 // offset added in int32, so the float work is one conversion, one scale product and one FMA (+ one FMA for a stored
 // offset): the FMA unit is the one _mm512_dpbusd_epi32 issues on (Zen 4), integer adds and conversions are not.
 template <bool NIB, bool HALVES, int SC, int LV, int RR>
-HS_AVX512 void packed_tile_avx512(const QuantX& xq, const RowTerms& rt, int64_t KB, const uint8_t* gp, int64_t m0,
+HS_AVX512 void packed_tile_avx512(const int8_t* xt, const RowTerms& rt, int64_t KB, const uint8_t* gp, int64_t m0,
                                   float* out, int64_t N, int64_t n0) {
   constexpr int R = RR * LV;  // quantized rows
   constexpr int64_t QB = NIB ? 256 : 512;
@@ -801,9 +808,12 @@ HS_AVX512 void packed_tile_avx512(const QuantX& xq, const RowTerms& rt, int64_t 
   const __m512i m4 = _mm512_set1_epi8(0xF);
   __m512 acc[RR];
   for (int r = 0; r < RR; ++r) acc[r] = _mm512_setzero_ps();
-  const int8_t* xqp = xq.q.data() + m0 * LV * KB * kBlock;
+  const float* dcp = rt.dc.data();
+  const int32_t* ioffp = SC == kScaleF16Implicit ? rt.ioff.data() : nullptr;
+  const float* fcp = SC != kScaleF16Implicit && !HALVES ? rt.fc.data() : nullptr;
   for (int64_t c = 0; c < KB; ++c) {
     const uint8_t* pb = gp + c * PB;
+    const int8_t* xc = xt + c * R * kBlock;  // the tile's R quantized rows of block c, one after another
     __m512i ia[R], ib[R];
     for (int r = 0; r < R; ++r) ia[r] = ib[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -816,7 +826,7 @@ HS_AVX512 void packed_tile_avx512(const QuantX& xq, const RowTerms& rt, int64_t 
         wv = _mm512_loadu_si512(pb + 64 * j);
       }
       for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_set1_epi32(load_i32(xqp + (r * KB + c) * kBlock + 4 * j));
+        const __m512i xv = _mm512_set1_epi32(load_i32(xc + r * kBlock + 4 * j));
         if (HALVES && j >= 4) ib[r] = _mm512_dpbusd_epi32(ib[r], wv, xv);
         else ia[r] = _mm512_dpbusd_epi32(ia[r], wv, xv);
       }
@@ -832,22 +842,22 @@ HS_AVX512 void packed_tile_avx512(const QuantX& xq, const RowTerms& rt, int64_t 
       o = SC == kScaleF16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc16 + 16))) : s;
     }
     for (int r = 0; r < RR; ++r) {
-      const int64_t i = (m0 + r) * KB + c;
+      const int64_t ir = m0 * KB + c * RR + r;  // (prepare_row_terms' order)
       __m512i a = LV == 2 ? combine_levels(ia[2 * r], ia[2 * r + 1]) : ia[r];
-      const __m512 dc = _mm512_set1_ps(rt.dc[i]);
+      const __m512 dc = _mm512_set1_ps(dcp[ir]);
       if constexpr (SC == kScaleF16Implicit) {  // o = off s: off (sum q) joins the integer dot
-        a = _mm512_add_epi32(a, _mm512_set1_epi32(rt.ioff[i]));
+        a = _mm512_add_epi32(a, _mm512_set1_epi32(ioffp[ir]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(s, dc), acc[r]);
       } else if constexpr (HALVES) {
         const __m512i b = LV == 2 ? combine_levels(ib[2 * r], ib[2 * r + 1]) : ib[r];
         const __m512 s2 = _mm512_loadu_ps(sc + 32), o2 = _mm512_loadu_ps(sc + 48);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(s, dc), acc[r]);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(s2, dc), acc[r]);
-        acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(rt.fc16[2 * i]), acc[r]);
-        acc[r] = _mm512_fmadd_ps(o2, _mm512_set1_ps(rt.fc16[2 * i + 1]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(rt.fc16[2 * ir]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(o2, _mm512_set1_ps(rt.fc16[2 * ir + 1]), acc[r]);
       } else {
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(s, dc), acc[r]);
-        acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(rt.fc[i]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(fcp[ir]), acc[r]);
       }
     }
   }
@@ -948,7 +958,24 @@ HS_AVX2 void packed_tile_avx2(const QuantX& xq, const RowTerms& rt, int64_t KB, 
 
 constexpr int kTile512 = 8, kTile2 = 4;  // quantized activation rows per tile (even: a row's two levels together)
 
-using Tile512Fn = void (*)(const QuantX&, const RowTerms&, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t);
+using Tile512Fn = void (*)(const int8_t*, const RowTerms&, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t);
+
+// The AVX-512 tiles read their activations tile-interleaved: for the tile of real rows m0 .. m0 + rows - 1 (rows of
+// `tile` at most; LV quantized rows each), block c's R = rows LV quantized rows of 32 one after another, so a tile
+// addresses them from one pointer with constant offsets (row-major, each of the R rows took a register of its own).
+// The tile of m0 starts at m0 LV KB 32, as in QuantX::q.
+void interleave_tiles(const QuantX& xq, int64_t M, int64_t KB, int lv, int64_t tile, Buf<int8_t>& xt) {
+  xt.resize(M * lv * KB * kBlock);
+  const int64_t tiles = (M + tile - 1) / tile;
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t m0 = t * tile, R = std::min(tile, M - m0) * lv, base = m0 * lv * KB * kBlock;
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < KB; ++c)
+          std::memcpy(xt.data() + base + (c * R + r) * kBlock, xq.q.data() + base + (r * KB + c) * kBlock, kBlock);
+    }
+  });
+}
 using Tile2Fn = void (*)(const QuantX&, const RowTerms&, int64_t, const uint8_t*, int, int64_t, float*, int64_t,
                          int64_t);
 
@@ -1031,14 +1058,17 @@ at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, in
   float* op = out.data_ptr<float>();
   const int lv = static_cast<int>(levels);
   RowTerms rt;
-  prepare_row_terms(xq, M, KB, lv, qtype, isa, rt);
+  prepare_row_terms(xq, M, KB, lv, qtype, isa, isa == 2 ? kTile512 / lv : 1, rt);
   if (isa == 2) {
     const int64_t tile = kTile512 / lv, tiles = (M + tile - 1) / tile;  // real rows per tile
+    Buf<int8_t> xt;
+    interleave_tiles(xq, M, KB, lv, tile, xt);
     at::parallel_for(0, NG * tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {  // group-major: a group's weights stay in cache over its row tiles
         const int64_t g = t / tiles, m0 = (t % tiles) * tile;
         const int rows = static_cast<int>(std::min<int64_t>(tile, M - m0));
-        pick512_for(qtype, lv, rows)(xq, rt, KB, pp + g * KB * PB, m0, op, N, g * kGroup);
+        pick512_for(qtype, lv, rows)(xt.data() + m0 * lv * KB * kBlock, rt, KB, pp + g * KB * PB, m0, op, N,
+                                     g * kGroup);
       }
     });
   } else {
@@ -1140,7 +1170,7 @@ at::Tensor gguf_gemm_packed_argmax(const at::Tensor& x_in, const at::Tensor& pac
   QuantX xq;  // both levels: rows 2m (the first level, as L1's) and 2m + 1 (the residual's)
   quantize_x(x.data_ptr<float>(), M, K, 2, xq, isa);
   RowTerms rt;
-  prepare_row_terms(xq, M, KB, 2, qtype, isa, rt);
+  prepare_row_terms(xq, M, KB, 2, qtype, isa, 1, rt);
   float* op = out.data_ptr<float>();
   const float* ap = absw.data_ptr<float>();
   std::vector<float> e(M * KB);  // e[m, b] = 127 d2 (the most a second-level value |d2 q2| can be)
@@ -1175,11 +1205,13 @@ at::Tensor gguf_gemm_packed_argmax(const at::Tensor& x_in, const at::Tensor& pac
     for (int64_t g = 0; g < NG; ++g)
       if (gmax[m * NG + g] >= thr[m]) pairs.push_back(m * NG + g);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
+  Buf<int8_t> xt;  // the AVX-512 tile's layout for tiles of one row
+  if (isa == 2 && !pairs.empty()) interleave_tiles(xq, M, KB, 2, 1, xt);
   at::parallel_for(0, static_cast<int64_t>(pairs.size()), 16, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t m = pairs[p] / NG, g = pairs[p] % NG;
       if (isa == 2) {
-        pick512_for(qtype, 2, 1)(xq, rt, KB, pp + g * KB * PB, m, op, N, g * kGroup);
+        pick512_for(qtype, 2, 1)(xt.data() + m * 2 * KB * kBlock, rt, KB, pp + g * KB * PB, m, op, N, g * kGroup);
       } else {
         for (int h = 0; h < 2 && g * kGroup + 8 * h < N; ++h)
           pick2_for(qtype, 2, 1)(xq, rt, KB, pp + g * KB * PB, h, m, op, N, g * kGroup + 8 * h);
