@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -187,13 +188,17 @@ HS_AVX512 void quantize_rows_avx512(const float* x, int64_t m0, int64_t m1, int6
 HS_AVX2 void quantize_rows_avx2(const float* x, int64_t m0, int64_t m1, int64_t K, int levels, QuantX& out);
 
 // isa 2 (AVX-512) or 1 (AVX2): the same numbers either way (a residual's fused multiply-add apart, at a tie).
-void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out, int64_t isa) {
+void size_quant_x(int64_t M, int64_t K, int levels, QuantX& out) {  // every entry is written by the quantizers
   const int64_t KB = K / kBlock, rows = M * levels;
   out.q.resize(rows * K);
   out.d.resize(rows * KB);
   out.isum.resize(rows * KB);
   out.fsum.resize(rows * KB);
   out.isum16.resize(rows * KB * 2);
+}
+
+void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out, int64_t isa) {
+  size_quant_x(M, K, levels, out);
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     if (isa == 2) quantize_rows_avx512(x, m0, m1, K, levels, out);
     else quantize_rows_avx2(x, m0, m1, K, levels, out);
@@ -753,10 +758,10 @@ inline int32_t load_i32(const int8_t* p) {
 // for the computed offsets (Q4_0 -8, Q8_0 -128: added to the dot in int32, exact), fc = d1 isum1 + d2 isum2 for
 // a stored offset per block (Q4_1, Q4_K, Q5_K), fc16 the same per half block (Q6_K).
 struct RowTerms {
-  std::vector<float> dc;        // [M, KB]
-  std::vector<int32_t> ioff;    // [M, KB]
-  std::vector<float> fc;        // [M, KB]
-  std::vector<float> fc16;      // [M, 2 KB]
+  Buf<float> dc;        // [M, KB]
+  Buf<int32_t> ioff;    // [M, KB]
+  Buf<float> fc;        // [M, KB]
+  Buf<float> fc16;      // [M, 2 KB]
 };
 
 // The terms are kept in the order the tiles read them: for the tile of real rows m0 .. m0 + rows - 1 (`tile` rows
@@ -766,15 +771,19 @@ inline int64_t term_index(int64_t m, int64_t c, int64_t M, int64_t KB, int64_t t
   return m0 * KB + c * rows + (m - m0);
 }
 
-void prepare_row_terms(const QuantX& xq, int64_t M, int64_t KB, int levels, int64_t qtype, int64_t isa,
-                       int64_t tile, RowTerms& t) {
-  const int kind = scale_kind(qtype);
-  const int32_t off = static_cast<int32_t>(implicit_offset(qtype, isa));
+void size_row_terms(int64_t M, int64_t KB, int64_t qtype, RowTerms& t) {  // every entry is written by prepare_row_terms
   t.dc.resize(M * KB);
-  if (kind == kScaleF16Implicit) t.ioff.resize(M * KB);
+  if (scale_kind(qtype) == kScaleF16Implicit) t.ioff.resize(M * KB);
   else if (packed_halves(qtype)) t.fc16.resize(M * KB * 2);
   else t.fc.resize(M * KB);
-  for (int64_t m = 0; m < M; ++m)
+}
+
+// Rows m0 .. m1 - 1 of the terms (t sized by size_row_terms for M rows).
+void prepare_row_terms(const QuantX& xq, int64_t M, int64_t KB, int levels, int64_t qtype, int64_t isa,
+                       int64_t tile, RowTerms& t, int64_t m0, int64_t m1) {
+  const int kind = scale_kind(qtype);
+  const int32_t off = static_cast<int32_t>(implicit_offset(qtype, isa));
+  for (int64_t m = m0; m < m1; ++m)
     for (int64_t b = 0; b < KB; ++b) {
       const int64_t i = term_index(m, b, M, KB, tile), i1 = m * levels * KB + b, i2 = i1 + KB;  // its quantized rows
       t.dc[i] = xq.d[levels == 2 ? i2 : i1];
@@ -964,17 +973,50 @@ using Tile512Fn = void (*)(const int8_t*, const RowTerms&, int64_t, const uint8_
 // `tile` at most; LV quantized rows each), block c's R = rows LV quantized rows of 32 one after another, so a tile
 // addresses them from one pointer with constant offsets (row-major, each of the R rows took a register of its own).
 // The tile of m0 starts at m0 LV KB 32, as in QuantX::q.
-void interleave_tiles(const QuantX& xq, int64_t M, int64_t KB, int lv, int64_t tile, Buf<int8_t>& xt) {
-  xt.resize(M * lv * KB * kBlock);
-  const int64_t tiles = (M + tile - 1) / tile;
-  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t m0 = t * tile, R = std::min(tile, M - m0) * lv, base = m0 * lv * KB * kBlock;
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t c = 0; c < KB; ++c)
-          std::memcpy(xt.data() + base + (c * R + r) * kBlock, xq.q.data() + base + (r * KB + c) * kBlock, kBlock);
-    }
-  });
+// Tiles t0 .. t1 - 1 (xt sized M lv KB 32).
+void interleave_tiles(const QuantX& xq, int64_t M, int64_t KB, int lv, int64_t tile, Buf<int8_t>& xt, int64_t t0,
+                      int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t m0 = t * tile, R = std::min(tile, M - m0) * lv, base = m0 * lv * KB * kBlock;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < KB; ++c)
+        std::memcpy(xt.data() + base + (c * R + r) * kBlock, xq.q.data() + base + (r * KB + c) * kBlock, kBlock);
+  }
+}
+
+// first(thread, threads) on every thread of one OpenMP team, a barrier, then then(thread, threads): one fork and
+// join for a GEMM call's two phases (the activations' quantization by rows, then the tiles), where two
+// at::parallel_for calls (and the serial work between them) cost a 64-row decode GEMM ~10-20 us. Serial inside
+// another parallel region (as at::parallel_for is). first_serial: the first phase runs on the calling thread before
+// the team starts (one tile of rows: nothing to share, and a barrier saved).
+template <class First, class Then>
+void two_phases(const First& first, const Then& then, bool first_serial) {
+  const int want = at::get_num_threads();
+  if (first_serial) {  // one tile of rows (a decode row): the first phase is one thread's anyway; no barrier
+    first(0, 1);
+    at::parallel_for(0, want, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) then(static_cast<int>(t), want);
+    });
+    return;
+  }
+  if (want <= 1 || at::in_parallel_region() || omp_in_parallel()) {
+    first(0, 1);
+    then(0, 1);
+    return;
+  }
+#pragma omp parallel num_threads(want)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    first(tid, nt);
+#pragma omp barrier
+    then(tid, nt);
+  }
+}
+
+// Thread tid's share [lo, hi) of n items split in contiguous chunks, as at::parallel_for splits them.
+inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) {
+  const int64_t chunk = (n + nt - 1) / nt, lo = std::min(n, tid * chunk);
+  return {lo, std::min(n, lo + chunk)};
 }
 using Tile2Fn = void (*)(const QuantX&, const RowTerms&, int64_t, const uint8_t*, int, int64_t, float*, int64_t,
                          int64_t);
@@ -1052,34 +1094,50 @@ at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, in
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  QuantX xq;
-  quantize_x(x.data_ptr<float>(), M, K, static_cast<int>(levels), xq, isa);
+  const int lv = static_cast<int>(levels);
+  const float* xp = x.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const int lv = static_cast<int>(levels);
+  // Phase 1 per thread, on whole tiles of rows: quantize (QuantX), the tiles' row terms and (AVX-512) the
+  // tile-interleaved copy; phase 2: the tiles against the weight groups (group-major: a group's weights stay in
+  // cache over its row tiles).
+  const int64_t tile = isa == 2 ? kTile512 / lv : kTile2 / lv, tiles = (M + tile - 1) / tile;  // real rows per tile
+  QuantX xq;
+  size_quant_x(M, K, lv, xq);
   RowTerms rt;
-  prepare_row_terms(xq, M, KB, lv, qtype, isa, isa == 2 ? kTile512 / lv : 1, rt);
+  size_row_terms(M, KB, qtype, rt);
+  Buf<int8_t> xt;
+  if (isa == 2) xt.resize(M * lv * K);
+  const int64_t term_tile = isa == 2 ? tile : 1;
+  auto quantize = [&](int tid, int nt) {
+    const auto [t0, t1] = share(tiles, tid, nt);
+    const int64_t m0 = t0 * tile, m1 = std::min(M, t1 * tile);
+    if (m0 >= m1) return;
+    if (isa == 2) quantize_rows_avx512(xp, m0, m1, K, lv, xq);
+    else quantize_rows_avx2(xp, m0, m1, K, lv, xq);
+    prepare_row_terms(xq, M, KB, lv, qtype, isa, term_tile, rt, m0, m1);
+    if (isa == 2) interleave_tiles(xq, M, KB, lv, tile, xt, t0, t1);
+  };
   if (isa == 2) {
-    const int64_t tile = kTile512 / lv, tiles = (M + tile - 1) / tile;  // real rows per tile
-    Buf<int8_t> xt;
-    interleave_tiles(xq, M, KB, lv, tile, xt);
-    at::parallel_for(0, NG * tiles, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {  // group-major: a group's weights stay in cache over its row tiles
+    two_phases(quantize, [&](int tid, int nt) {
+      const auto [t0, t1] = share(NG * tiles, tid, nt);
+      for (int64_t t = t0; t < t1; ++t) {
         const int64_t g = t / tiles, m0 = (t % tiles) * tile;
         const int rows = static_cast<int>(std::min<int64_t>(tile, M - m0));
         pick512_for(qtype, lv, rows)(xt.data() + m0 * lv * KB * kBlock, rt, KB, pp + g * KB * PB, m0, op, N,
                                      g * kGroup);
       }
-    });
+    }, tiles == 1);
   } else {
-    const int64_t tile = kTile2 / lv, halves_n = (N + 7) / 8, tiles = (M + tile - 1) / tile;
-    at::parallel_for(0, halves_n * tiles, 1, [&](int64_t t0, int64_t t1) {
+    const int64_t halves_n = (N + 7) / 8;
+    two_phases(quantize, [&](int tid, int nt) {
+      const auto [t0, t1] = share(halves_n * tiles, tid, nt);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t hg = t / tiles, m0 = (t % tiles) * tile;
         const int rows = static_cast<int>(std::min<int64_t>(tile, M - m0));
         pick2_for(qtype, lv, rows)(xq, rt, KB, pp + (hg / 2) * KB * PB, static_cast<int>(hg % 2), m0, op, N, hg * 8);
       }
-    });
+    }, tiles == 1);
   }
   return out;
 }
@@ -1170,7 +1228,8 @@ at::Tensor gguf_gemm_packed_argmax(const at::Tensor& x_in, const at::Tensor& pac
   QuantX xq;  // both levels: rows 2m (the first level, as L1's) and 2m + 1 (the residual's)
   quantize_x(x.data_ptr<float>(), M, K, 2, xq, isa);
   RowTerms rt;
-  prepare_row_terms(xq, M, KB, 2, qtype, isa, 1, rt);
+  size_row_terms(M, KB, qtype, rt);
+  prepare_row_terms(xq, M, KB, 2, qtype, isa, 1, rt, 0, M);
   float* op = out.data_ptr<float>();
   const float* ap = absw.data_ptr<float>();
   std::vector<float> e(M * KB);  // e[m, b] = 127 d2 (the most a second-level value |d2 q2| can be)
@@ -1206,7 +1265,10 @@ at::Tensor gguf_gemm_packed_argmax(const at::Tensor& x_in, const at::Tensor& pac
       if (gmax[m * NG + g] >= thr[m]) pairs.push_back(m * NG + g);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   Buf<int8_t> xt;  // the AVX-512 tile's layout for tiles of one row
-  if (isa == 2 && !pairs.empty()) interleave_tiles(xq, M, KB, 2, 1, xt);
+  if (isa == 2 && !pairs.empty()) {
+    xt.resize(M * 2 * K);
+    interleave_tiles(xq, M, KB, 2, 1, xt, 0, M);
+  }
   at::parallel_for(0, static_cast<int64_t>(pairs.size()), 16, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t m = pairs[p] / NG, g = pairs[p] % NG;
