@@ -163,9 +163,23 @@ void prefill_tile(const Problem<T, C>& P, int64_t token_start, int64_t query_len
 template <typename T, typename C>
 using TileFn = void (*)(const Problem<T, C>&, int64_t, int64_t, int64_t, const int32_t*, int64_t, int64_t);
 
-// (tile function, query positions per tile): about 24 accumulator rows in registers.
+// (tile function, query positions per tile): about 24 accumulator rows in registers (32 zmm); an AVX2 build's
+// v16 is two ymm of 16, so about 6 rows there.
 template <typename T, typename C>
 std::pair<TileFn<T, C>, int64_t> pick_tile_fn(int64_t G) {
+#ifndef __AVX512F__
+  switch (G) {
+    case 1: return {prefill_tile<1, 6, T, C>, 6};
+    case 2: return {prefill_tile<2, 3, T, C>, 3};
+    case 3: return {prefill_tile<3, 2, T, C>, 2};
+    case 4: return {prefill_tile<4, 1, T, C>, 1};
+    case 5: return {prefill_tile<5, 1, T, C>, 1};
+    case 6: return {prefill_tile<6, 1, T, C>, 1};
+    case 7: return {prefill_tile<7, 1, T, C>, 1};
+    case 8: return {prefill_tile<8, 1, T, C>, 1};
+    default: return {nullptr, 0};
+  }
+#endif
   switch (G) {
     case 1: return {prefill_tile<1, 16, T, C>, 16};
     case 2: return {prefill_tile<2, 12, T, C>, 12};
