@@ -765,7 +765,7 @@ struct RowTerms {
 };
 
 // The terms are kept in the order the tiles read them: for the tile of real rows m0 .. m0 + rows - 1 (`tile` rows
-// at most), from m0 KB on, block-major ([c][r]); tile 1 is row-major ([m][c], what the AVX2 tile reads).
+// at most), from m0 KB on, block-major ([c][r]); tile 1 is row-major ([m][c]).
 inline int64_t term_index(int64_t m, int64_t c, int64_t M, int64_t KB, int64_t tile) {
   const int64_t m0 = m - m % tile, rows = std::min(tile, M - m0);
   return m0 * KB + c * rows + (m - m0);
@@ -883,7 +883,7 @@ HS_AVX2 inline __m256i combine_levels_avx2(__m256i a1, __m256i a2) {  // 255 a1 
 // pair sums added in int16 while they fit (J16); SIGNED (Q8_0): |w| times x with w's sign. The levels' int32 dots
 // are combined and scaled once per block as in packed_tile_avx512.
 template <bool NIB, bool HALVES, bool SIGNED, int SC, int LV, int RR>
-HS_AVX2 void packed_tile_avx2(const QuantX& xq, const RowTerms& rt, int64_t KB, const uint8_t* gp, int h, int64_t m0,
+HS_AVX2 void packed_tile_avx2(const int8_t* xt, const RowTerms& rt, int64_t KB, const uint8_t* gp, int h, int64_t m0,
                               float* out, int64_t N, int64_t n0) {
   constexpr int R = RR * LV;  // quantized rows
   constexpr int64_t QB = NIB ? 256 : 512;
@@ -894,9 +894,9 @@ HS_AVX2 void packed_tile_avx2(const QuantX& xq, const RowTerms& rt, int64_t KB, 
   const __m256i m4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
   __m256 acc[RR];
   for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps();
-  const int8_t* xqp = xq.q.data() + m0 * LV * KB * kBlock;
   for (int64_t c = 0; c < KB; ++c) {
     const uint8_t* pb = gp + c * PB + 32 * h;
+    const int8_t* xc = xt + c * R * kBlock;  // the tile's R quantized rows of block c (interleave_tiles)
     __m256i ia[R], ib[R], s16[R];
     for (int r = 0; r < R; ++r) ia[r] = ib[r] = s16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -910,7 +910,7 @@ HS_AVX2 void packed_tile_avx2(const QuantX& xq, const RowTerms& rt, int64_t KB, 
       }
       const __m256i aw = SIGNED ? _mm256_sign_epi8(wv, wv) : wv;
       for (int r = 0; r < R; ++r) {
-        __m256i xv = _mm256_set1_epi32(load_i32(xqp + (r * KB + c) * kBlock + 4 * j));
+        __m256i xv = _mm256_set1_epi32(load_i32(xc + r * kBlock + 4 * j));
         if constexpr (SIGNED) xv = _mm256_sign_epi8(xv, wv);
         const __m256i p = _mm256_maddubs_epi16(aw, xv);  // 16 int16 pair sums
         s16[r] = j % J16 == 0 ? p : _mm256_add_epi16(s16[r], p);
@@ -933,7 +933,7 @@ HS_AVX2 void packed_tile_avx2(const QuantX& xq, const RowTerms& rt, int64_t KB, 
       o = SC == kScaleF16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc16 + 16))) : s;
     }
     for (int r = 0; r < RR; ++r) {
-      const int64_t i = (m0 + r) * KB + c;
+      const int64_t i = m0 * KB + c * RR + r;  // (prepare_row_terms' order)
       __m256i a = LV == 2 ? combine_levels_avx2(ia[2 * r], ia[2 * r + 1]) : ia[r];
       const __m256 dc = _mm256_set1_ps(rt.dc[i]);
       if constexpr (SC == kScaleF16Implicit) {  // Q4_0's o = -8 s joins the integer dot; Q8_0 (SIGNED) has none
@@ -969,7 +969,7 @@ constexpr int kTile512 = 8, kTile2 = 4;  // quantized activation rows per tile (
 
 using Tile512Fn = void (*)(const int8_t*, const RowTerms&, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t);
 
-// The AVX-512 tiles read their activations tile-interleaved: for the tile of real rows m0 .. m0 + rows - 1 (rows of
+// The tiles (both instruction paths) read their activations tile-interleaved: for the tile of real rows m0 .. m0 + rows - 1 (rows of
 // `tile` at most; LV quantized rows each), block c's R = rows LV quantized rows of 32 one after another, so a tile
 // addresses them from one pointer with constant offsets (row-major, each of the R rows took a register of its own).
 // The tile of m0 starts at m0 LV KB 32, as in QuantX::q.
@@ -1018,7 +1018,7 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt) {
   const int64_t chunk = (n + nt - 1) / nt, lo = std::min(n, tid * chunk);
   return {lo, std::min(n, lo + chunk)};
 }
-using Tile2Fn = void (*)(const QuantX&, const RowTerms&, int64_t, const uint8_t*, int, int64_t, float*, int64_t,
+using Tile2Fn = void (*)(const int8_t*, const RowTerms&, int64_t, const uint8_t*, int, int64_t, float*, int64_t,
                          int64_t);
 
 template <bool NIB, bool HALVES, int SC, int LV, int... Rows>
@@ -1107,16 +1107,15 @@ at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, in
   RowTerms rt;
   size_row_terms(M, KB, qtype, rt);
   Buf<int8_t> xt;
-  if (isa == 2) xt.resize(M * lv * K);
-  const int64_t term_tile = isa == 2 ? tile : 1;
+  xt.resize(M * lv * K);
   auto quantize = [&](int tid, int nt) {
     const auto [t0, t1] = share(tiles, tid, nt);
     const int64_t m0 = t0 * tile, m1 = std::min(M, t1 * tile);
     if (m0 >= m1) return;
     if (isa == 2) quantize_rows_avx512(xp, m0, m1, K, lv, xq);
     else quantize_rows_avx2(xp, m0, m1, K, lv, xq);
-    prepare_row_terms(xq, M, KB, lv, qtype, isa, term_tile, rt, m0, m1);
-    if (isa == 2) interleave_tiles(xq, M, KB, lv, tile, xt, t0, t1);
+    prepare_row_terms(xq, M, KB, lv, qtype, isa, tile, rt, m0, m1);
+    interleave_tiles(xq, M, KB, lv, tile, xt, t0, t1);
   };
   if (isa == 2) {
     two_phases(quantize, [&](int tid, int nt) {
@@ -1135,7 +1134,8 @@ at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, in
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t hg = t / tiles, m0 = (t % tiles) * tile;
         const int rows = static_cast<int>(std::min<int64_t>(tile, M - m0));
-        pick2_for(qtype, lv, rows)(xq, rt, KB, pp + (hg / 2) * KB * PB, static_cast<int>(hg % 2), m0, op, N, hg * 8);
+        pick2_for(qtype, lv, rows)(xt.data() + m0 * lv * KB * kBlock, rt, KB, pp + (hg / 2) * KB * PB,
+                                   static_cast<int>(hg % 2), m0, op, N, hg * 8);
       }
     }, tiles == 1);
   }
@@ -1264,8 +1264,8 @@ at::Tensor gguf_gemm_packed_argmax(const at::Tensor& x_in, const at::Tensor& pac
     for (int64_t g = 0; g < NG; ++g)
       if (gmax[m * NG + g] >= thr[m]) pairs.push_back(m * NG + g);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  Buf<int8_t> xt;  // the AVX-512 tile's layout for tiles of one row
-  if (isa == 2 && !pairs.empty()) {
+  Buf<int8_t> xt;  // the tiles' layout for tiles of one row
+  if (!pairs.empty()) {
     xt.resize(M * 2 * K);
     interleave_tiles(xq, M, KB, 2, 1, xt, 0, M);
   }
@@ -1276,7 +1276,8 @@ at::Tensor gguf_gemm_packed_argmax(const at::Tensor& x_in, const at::Tensor& pac
         pick512_for(qtype, 2, 1)(xt.data() + m * 2 * KB * kBlock, rt, KB, pp + g * KB * PB, m, op, N, g * kGroup);
       } else {
         for (int h = 0; h < 2 && g * kGroup + 8 * h < N; ++h)
-          pick2_for(qtype, 2, 1)(xq, rt, KB, pp + g * KB * PB, h, m, op, N, g * kGroup + 8 * h);
+          pick2_for(qtype, 2, 1)(xt.data() + m * 2 * KB * kBlock, rt, KB, pp + g * KB * PB, h, m, op, N,
+                                 g * kGroup + 8 * h);
       }
     }
   });
