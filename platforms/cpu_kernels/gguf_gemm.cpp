@@ -145,19 +145,23 @@ inline void record_block(QuantX& out, int64_t i, float d) {
   out.fsum[i] = d * static_cast<float>(out.isum[i]);
 }
 
+// One block's halves v0, v1 at the inverse scale id: q = round(v id) clamped to +-127 (as quantize_at_avx512) into
+// q [32]; q0, q1 the same values as floats.
+HS_AVX512 inline void quantize_halves_avx512(__m512 v0, __m512 v1, __m512 id, int8_t* q, __m512& q0, __m512& q1) {
+  const __m512 hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  q0 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v0, id), kRound)));
+  q1 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v1, id), kRound)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q0)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q1)));
+}
+
 // quantize_x's block, AVX-512: the same numbers as quantize_block_avx2 (and its residual), two blocks of 16.
 HS_AVX512 inline void quantize_at_avx512(__m512 v0, __m512 v1, float d, int8_t* q, int32_t& isum, int32_t& isum16,
                                          __m512& q0, __m512& q1) {
-  const float id = d > 0.0f ? 1.0f / d : 0.0f;
-  const __m512 idv = _mm512_set1_ps(id), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  q0 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v0, idv), kRound)));
-  q1 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v1, idv), kRound)));
-  const __m512i i0 = _mm512_cvttps_epi32(q0), i1 = _mm512_cvttps_epi32(q1);
-  isum16 = _mm512_reduce_add_epi32(i0);
-  isum = isum16 + _mm512_reduce_add_epi32(i1);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(i0));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(i1));
+  quantize_halves_avx512(v0, v1, _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f), q, q0, q1);
+  isum16 = _mm512_reduce_add_epi32(_mm512_cvttps_epi32(q0));
+  isum = isum16 + _mm512_reduce_add_epi32(_mm512_cvttps_epi32(q1));
 }
 
 // Lane j of the result = the sum (Add) or maximum of v[j]'s 16 lanes, for 16 vectors at once: 45 shuffles and
@@ -199,8 +203,7 @@ HS_AVX512 inline void record_16_blocks(QuantX& out, int64_t i, __m512 d, const _
 // blocks' maxima and sums reduced together (reduce16x16) instead of one horizontal reduction each.
 HS_AVX512 void quantize_16_blocks_avx512(const float* xr, int64_t b0, int64_t m, int64_t KB, int levels,
                                          QuantX& out) {
-  const __m512 sign = _mm512_set1_ps(-0.0f), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 sign = _mm512_set1_ps(-0.0f);
   __m512 am[16];
   for (int j = 0; j < 16; ++j) {
     const float* xb = xr + (b0 + j) * kBlock;
@@ -217,24 +220,17 @@ HS_AVX512 void quantize_16_blocks_avx512(const float* xr, int64_t b0, int64_t m,
   __m512 half[16], whole[16], half2[16], whole2[16];
   for (int j = 0; j < 16; ++j) {
     const float* xb = xr + (b0 + j) * kBlock;
-    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16), id = _mm512_set1_ps(idv[j]);
-    const __m512 q0 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v0, id), kRound)));
-    const __m512 q1 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v1, id), kRound)));
-    int8_t* q = out.q.data() + (i + j) * kBlock;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q0)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q1)));
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    __m512 q0, q1;
+    quantize_halves_avx512(v0, v1, _mm512_set1_ps(idv[j]), out.q.data() + (i + j) * kBlock, q0, q1);
     half[j] = q0;
     whole[j] = _mm512_add_ps(q0, q1);
     if (levels == 2) {
-      const __m512 dj = _mm512_set1_ps(dv[j]), id2 = _mm512_set1_ps(id2v[j]);
+      const __m512 dj = _mm512_set1_ps(dv[j]);
       const __m512 r0 = _mm512_fnmadd_ps(dj, q0, v0), r1 = _mm512_fnmadd_ps(dj, q1, v1);  // x - d q
-      const __m512 p0 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(r0, id2), kRound)));
-      const __m512 p1 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(r1, id2), kRound)));
-      int8_t* q2 = out.q.data() + (i2 + j) * kBlock;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(p0)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + 16), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(p1)));
-      half2[j] = p0;
-      whole2[j] = _mm512_add_ps(p0, p1);
+      quantize_halves_avx512(r0, r1, _mm512_set1_ps(id2v[j]), out.q.data() + (i2 + j) * kBlock, q0, q1);
+      half2[j] = q0;
+      whole2[j] = _mm512_add_ps(q0, q1);
     }
   }
   record_16_blocks(out, i, d, half, whole);

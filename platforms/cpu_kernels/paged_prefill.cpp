@@ -21,6 +21,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -163,32 +164,27 @@ void prefill_tile(const Problem<T, C>& P, int64_t token_start, int64_t query_len
 template <typename T, typename C>
 using TileFn = void (*)(const Problem<T, C>&, int64_t, int64_t, int64_t, const int32_t*, int64_t, int64_t);
 
-// (tile function, query positions per tile): about 24 accumulator rows in registers (32 zmm); an AVX2 build's
-// v16 is two ymm of 16, so about 6 rows there.
+// Query positions per tile for G heads sharing a kv head: about kAccumulatorRows accumulator rows in registers (24
+// of 32 zmm; an AVX2 build's v16 is two ymm, so 6 rows there, 12 of 16 ymm), at most 16 positions.
+#ifdef __AVX512F__
+constexpr int kAccumulatorRows = 24;
+#else
+constexpr int kAccumulatorRows = 6;
+#endif
+constexpr int tile_positions(int G) { return std::max(1, std::min(16, kAccumulatorRows / G)); }
+
+// (tile function, query positions per tile)
 template <typename T, typename C>
 std::pair<TileFn<T, C>, int64_t> pick_tile_fn(int64_t G) {
-#ifndef __AVX512F__
   switch (G) {
-    case 1: return {prefill_tile<1, 6, T, C>, 6};
-    case 2: return {prefill_tile<2, 3, T, C>, 3};
-    case 3: return {prefill_tile<3, 2, T, C>, 2};
-    case 4: return {prefill_tile<4, 1, T, C>, 1};
-    case 5: return {prefill_tile<5, 1, T, C>, 1};
-    case 6: return {prefill_tile<6, 1, T, C>, 1};
-    case 7: return {prefill_tile<7, 1, T, C>, 1};
-    case 8: return {prefill_tile<8, 1, T, C>, 1};
-    default: return {nullptr, 0};
-  }
-#endif
-  switch (G) {
-    case 1: return {prefill_tile<1, 16, T, C>, 16};
-    case 2: return {prefill_tile<2, 12, T, C>, 12};
-    case 3: return {prefill_tile<3, 8, T, C>, 8};
-    case 4: return {prefill_tile<4, 6, T, C>, 6};
-    case 5: return {prefill_tile<5, 4, T, C>, 4};
-    case 6: return {prefill_tile<6, 4, T, C>, 4};
-    case 7: return {prefill_tile<7, 3, T, C>, 3};
-    case 8: return {prefill_tile<8, 3, T, C>, 3};
+    case 1: return {prefill_tile<1, tile_positions(1), T, C>, tile_positions(1)};
+    case 2: return {prefill_tile<2, tile_positions(2), T, C>, tile_positions(2)};
+    case 3: return {prefill_tile<3, tile_positions(3), T, C>, tile_positions(3)};
+    case 4: return {prefill_tile<4, tile_positions(4), T, C>, tile_positions(4)};
+    case 5: return {prefill_tile<5, tile_positions(5), T, C>, tile_positions(5)};
+    case 6: return {prefill_tile<6, tile_positions(6), T, C>, tile_positions(6)};
+    case 7: return {prefill_tile<7, tile_positions(7), T, C>, tile_positions(7)};
+    case 8: return {prefill_tile<8, tile_positions(8), T, C>, tile_positions(8)};
     default: return {nullptr, 0};
   }
 }
