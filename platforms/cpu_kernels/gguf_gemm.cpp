@@ -83,13 +83,29 @@ struct Buf {
 };
 
 // The activations, quantized: per row and block, q int8 [32], d, and sum(q) as int and as d * sum(q).
+// q's layout: tile 0 row-major ([quantized rows][K], what gguf_gemv reads); tile t > 0 the packed tiles' (for the
+// tile of real rows m0 .. m0 + t - 1, from m0 LV K on, block-major: block c's R = rows LV quantized rows of 32
+// one after another, so a tile reads them from one pointer with constant offsets).
 struct QuantX {
   Buf<int8_t> q;     // [M, K]
   Buf<float> d;      // [M, KB]
   Buf<int32_t> isum;  // [M, KB]
   Buf<float> fsum;   // [M, KB]  d * isum
   Buf<int32_t> isum16;  // [M, 2 KB]  sum(q) per half block of 16 (Q6_K's sub-blocks)
+  int64_t rows = 0, KB = 0, tile = 0;  // real rows, blocks a row, q's layout
+  int levels = 1;
 };
+
+// Where quantized row qrow's blocks go in q: block c at p + c * stride.
+struct QRow {
+  int8_t* p;
+  int64_t stride;
+};
+inline QRow q_row(QuantX& x, int64_t qrow) {
+  if (x.tile == 0) return {x.q.data() + qrow * x.KB * kBlock, kBlock};
+  const int64_t m = qrow / x.levels, m0 = m - m % x.tile, R = std::min(x.tile, x.rows - m0) * x.levels;
+  return {x.q.data() + (m0 * x.levels * x.KB + qrow - m0 * x.levels) * kBlock, R * kBlock};
+}
 
 HS_AVX2 inline int32_t hsum_epi32_avx2(__m256i a) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
@@ -202,7 +218,7 @@ HS_AVX512 inline void record_16_blocks(QuantX& out, int64_t i, __m512 d, const _
 // float operations on each value, the scales' divisions done for 16 blocks at once, sums of q exact), the 16
 // blocks' maxima and sums reduced together (reduce16x16) instead of one horizontal reduction each.
 HS_AVX512 void quantize_16_blocks_avx512(const float* xr, int64_t b0, int64_t m, int64_t KB, int levels,
-                                         QuantX& out) {
+                                         QuantX& out, QRow q1r, QRow q2r) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
   __m512 am[16];
   for (int j = 0; j < 16; ++j) {
@@ -222,13 +238,13 @@ HS_AVX512 void quantize_16_blocks_avx512(const float* xr, int64_t b0, int64_t m,
     const float* xb = xr + (b0 + j) * kBlock;
     const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
     __m512 q0, q1;
-    quantize_halves_avx512(v0, v1, _mm512_set1_ps(idv[j]), out.q.data() + (i + j) * kBlock, q0, q1);
+    quantize_halves_avx512(v0, v1, _mm512_set1_ps(idv[j]), q1r.p + (b0 + j) * q1r.stride, q0, q1);
     half[j] = q0;
     whole[j] = _mm512_add_ps(q0, q1);
     if (levels == 2) {
       const __m512 dj = _mm512_set1_ps(dv[j]);
       const __m512 r0 = _mm512_fnmadd_ps(dj, q0, v0), r1 = _mm512_fnmadd_ps(dj, q1, v1);  // x - d q
-      quantize_halves_avx512(r0, r1, _mm512_set1_ps(id2v[j]), out.q.data() + (i2 + j) * kBlock, q0, q1);
+      quantize_halves_avx512(r0, r1, _mm512_set1_ps(id2v[j]), q2r.p + (b0 + j) * q2r.stride, q0, q1);
       half2[j] = q0;
       whole2[j] = _mm512_add_ps(q0, q1);
     }
@@ -241,8 +257,9 @@ HS_AVX512 void quantize_rows_avx512(const float* x, int64_t m0, int64_t m1, int6
   const int64_t KB = K / kBlock;
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t m = m0; m < m1; ++m) {
+    const QRow q1r = q_row(out, m * levels), q2r = levels == 2 ? q_row(out, m * levels + 1) : q1r;
     const int64_t whole16 = KB / 16 * 16;
-    for (int64_t b = 0; b < whole16; b += 16) quantize_16_blocks_avx512(x + m * K, b, m, KB, levels, out);
+    for (int64_t b = 0; b < whole16; b += 16) quantize_16_blocks_avx512(x + m * K, b, m, KB, levels, out, q1r, q2r);
     for (int64_t b = whole16; b < KB; ++b) {
       const float* xb = x + m * K + b * kBlock;
       const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
@@ -250,14 +267,14 @@ HS_AVX512 void quantize_rows_avx512(const float* x, int64_t m0, int64_t m1, int6
       const float d = amax / 127.0f;
       const int64_t i = m * levels * KB + b;  // quantized row m * levels, block b
       __m512 q0, q1;
-      quantize_at_avx512(v0, v1, d, out.q.data() + i * kBlock, out.isum[i], out.isum16[2 * i], q0, q1);
+      quantize_at_avx512(v0, v1, d, q1r.p + b * q1r.stride, out.isum[i], out.isum16[2 * i], q0, q1);
       record_block(out, i, d);
       if (levels == 2) {
         const __m512 dv = _mm512_set1_ps(d);
         const __m512 r0 = _mm512_fnmadd_ps(dv, q0, v0), r1 = _mm512_fnmadd_ps(dv, q1, v1);  // x - d q
         const int64_t i2 = i + KB;
         const float d2 = d / static_cast<float>(kTwoLevelRatio);
-        quantize_at_avx512(r0, r1, d2, out.q.data() + i2 * kBlock, out.isum[i2], out.isum16[2 * i2], q0, q1);
+        quantize_at_avx512(r0, r1, d2, q2r.p + b * q2r.stride, out.isum[i2], out.isum16[2 * i2], q0, q1);
         record_block(out, i2, d2);
       }
     }
@@ -267,8 +284,13 @@ HS_AVX512 void quantize_rows_avx512(const float* x, int64_t m0, int64_t m1, int6
 HS_AVX2 void quantize_rows_avx2(const float* x, int64_t m0, int64_t m1, int64_t K, int levels, QuantX& out);
 
 // isa 2 (AVX-512) or 1 (AVX2): the same numbers either way (a residual's fused multiply-add apart, at a tie).
-void size_quant_x(int64_t M, int64_t K, int levels, QuantX& out) {  // every entry is written by the quantizers
+// tile: q's layout (QuantX). Every entry is written by the quantizers.
+void size_quant_x(int64_t M, int64_t K, int levels, QuantX& out, int64_t tile = 0) {
   const int64_t KB = K / kBlock, rows = M * levels;
+  out.rows = M;
+  out.KB = KB;
+  out.levels = levels;
+  out.tile = tile;
   out.q.resize(rows * K);
   out.d.resize(rows * KB);
   out.isum.resize(rows * KB);
@@ -276,8 +298,8 @@ void size_quant_x(int64_t M, int64_t K, int levels, QuantX& out) {  // every ent
   out.isum16.resize(rows * KB * 2);
 }
 
-void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out, int64_t isa) {
-  size_quant_x(M, K, levels, out);
+void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out, int64_t isa, int64_t tile = 0) {
+  size_quant_x(M, K, levels, out, tile);
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     if (isa == 2) quantize_rows_avx512(x, m0, m1, K, levels, out);
     else quantize_rows_avx2(x, m0, m1, K, levels, out);
@@ -288,17 +310,18 @@ HS_AVX2 void quantize_rows_avx2(const float* x, int64_t m0, int64_t m1, int64_t 
   const int64_t KB = K / kBlock;
   alignas(32) float r[kBlock];
   for (int64_t m = m0; m < m1; ++m) {
+    const QRow q1r = q_row(out, m * levels), q2r = levels == 2 ? q_row(out, m * levels + 1) : q1r;
     for (int64_t b = 0; b < KB; ++b) {
       const float* xb = x + m * K + b * kBlock;
       const int64_t i = m * levels * KB + b;  // quantized row m * levels, block b
-      int8_t* q = out.q.data() + i * kBlock;
+      int8_t* q = q1r.p + b * q1r.stride;
       const float d = quantize_block_avx2(xb, q, out.isum[i], out.isum16[2 * i]);
       record_block(out, i, d);
       if (levels == 2) {
         for (int j = 0; j < kBlock; ++j) r[j] = xb[j] - d * static_cast<float>(q[j]);
         const int64_t i2 = i + KB;  // the next quantized row, same block
         const float d2 = d / static_cast<float>(kTwoLevelRatio);
-        quantize_block_at_avx2(r, d2, out.q.data() + i2 * kBlock, out.isum[i2], out.isum16[2 * i2]);
+        quantize_block_at_avx2(r, d2, q2r.p + b * q2r.stride, out.isum[i2], out.isum16[2 * i2]);
         record_block(out, i2, d2);
       }
     }
@@ -975,7 +998,7 @@ HS_AVX2 void packed_tile_avx2(const int8_t* xt, const RowTerms& rt, int64_t KB, 
   for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t c = 0; c < KB; ++c) {
     const uint8_t* pb = gp + c * PB + 32 * h;
-    const int8_t* xc = xt + c * R * kBlock;  // the tile's R quantized rows of block c (interleave_tiles)
+    const int8_t* xc = xt + c * R * kBlock;  // the tile's R quantized rows of block c (QuantX's tile layout)
     __m256i ia[R], ib[R], s16[R];
     for (int r = 0; r < R; ++r) ia[r] = ib[r] = s16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -1047,21 +1070,6 @@ HS_AVX2 void packed_tile_avx2(const int8_t* xt, const RowTerms& rt, int64_t KB, 
 constexpr int kTile512 = 8, kTile2 = 4;  // quantized activation rows per tile (even: a row's two levels together)
 
 using Tile512Fn = void (*)(const int8_t*, const RowTerms&, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t);
-
-// The tiles (both instruction paths) read their activations tile-interleaved: for the tile of real rows m0 .. m0 + rows - 1 (rows of
-// `tile` at most; LV quantized rows each), block c's R = rows LV quantized rows of 32 one after another, so a tile
-// addresses them from one pointer with constant offsets (row-major, each of the R rows took a register of its own).
-// The tile of m0 starts at m0 LV KB 32, as in QuantX::q.
-// Tiles t0 .. t1 - 1 (xt sized M lv KB 32).
-void interleave_tiles(const QuantX& xq, int64_t M, int64_t KB, int lv, int64_t tile, Buf<int8_t>& xt, int64_t t0,
-                      int64_t t1) {
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t m0 = t * tile, R = std::min(tile, M - m0) * lv, base = m0 * lv * KB * kBlock;
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < KB; ++c)
-        std::memcpy(xt.data() + base + (c * R + r) * kBlock, xq.q.data() + base + (r * KB + c) * kBlock, kBlock);
-  }
-}
 
 // first(thread, threads) on every thread of one OpenMP team, a barrier, then then(thread, threads): one fork and
 // join for a GEMM call's two phases (the activations' quantization by rows, then the tiles), where two
@@ -1177,16 +1185,13 @@ at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, in
   const float* xp = x.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  // Phase 1 per thread, on whole tiles of rows: quantize (QuantX), the tiles' row terms and (AVX-512) the
-  // tile-interleaved copy; phase 2: the tiles against the weight groups (group-major: a group's weights stay in
-  // cache over its row tiles).
+  // Phase 1 per thread, on whole tiles of rows: quantize (QuantX, in the tiles' layout) and the tiles' row terms;
+  // phase 2: the tiles against the weight groups (group-major: a group's weights stay in cache over its row tiles).
   const int64_t tile = isa == 2 ? kTile512 / lv : kTile2 / lv, tiles = (M + tile - 1) / tile;  // real rows per tile
   QuantX xq;
-  size_quant_x(M, K, lv, xq);
+  size_quant_x(M, K, lv, xq, tile);
   RowTerms rt;
   size_row_terms(M, KB, qtype, rt);
-  Buf<int8_t> xt;
-  xt.resize(M * lv * K);
   auto quantize = [&](int tid, int nt) {
     const auto [t0, t1] = share(tiles, tid, nt);
     const int64_t m0 = t0 * tile, m1 = std::min(M, t1 * tile);
@@ -1194,7 +1199,6 @@ at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, in
     if (isa == 2) quantize_rows_avx512(xp, m0, m1, K, lv, xq);
     else quantize_rows_avx2(xp, m0, m1, K, lv, xq);
     prepare_row_terms(xq, M, KB, lv, qtype, isa, tile, rt, m0, m1);
-    interleave_tiles(xq, M, KB, lv, tile, xt, t0, t1);
   };
   if (isa == 2) {
     two_phases(quantize, [&](int tid, int nt) {
@@ -1202,7 +1206,7 @@ at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, in
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t g = t / tiles, m0 = (t % tiles) * tile;
         const int rows = static_cast<int>(std::min<int64_t>(tile, M - m0));
-        pick512_for(qtype, lv, rows)(xt.data() + m0 * lv * KB * kBlock, rt, KB, pp + g * KB * PB, m0, op, N,
+        pick512_for(qtype, lv, rows)(xq.q.data() + m0 * lv * K, rt, KB, pp + g * KB * PB, m0, op, N,
                                      g * kGroup);
       }
     }, tiles == 1);
@@ -1213,7 +1217,7 @@ at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, in
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t hg = t / tiles, m0 = (t % tiles) * tile;
         const int rows = static_cast<int>(std::min<int64_t>(tile, M - m0));
-        pick2_for(qtype, lv, rows)(xt.data() + m0 * lv * KB * kBlock, rt, KB, pp + (hg / 2) * KB * PB,
+        pick2_for(qtype, lv, rows)(xq.q.data() + m0 * lv * K, rt, KB, pp + (hg / 2) * KB * PB,
                                    static_cast<int>(hg % 2), m0, op, N, hg * 8);
       }
     }, tiles == 1);
@@ -1305,7 +1309,7 @@ at::Tensor gguf_gemm_packed_argmax(const at::Tensor& x_in, const at::Tensor& pac
   if (M == 0 || N == 0) return out;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   QuantX xq;  // both levels: rows 2m (the first level, as L1's) and 2m + 1 (the residual's)
-  quantize_x(x.data_ptr<float>(), M, K, 2, xq, isa);
+  quantize_x(x.data_ptr<float>(), M, K, 2, xq, isa, 1);  // (tiles of one row: pass 2's layout)
   RowTerms rt;
   size_row_terms(M, KB, qtype, rt);
   prepare_row_terms(xq, M, KB, 2, qtype, isa, 1, rt, 0, M);
@@ -1343,19 +1347,14 @@ at::Tensor gguf_gemm_packed_argmax(const at::Tensor& x_in, const at::Tensor& pac
     for (int64_t g = 0; g < NG; ++g)
       if (gmax[m * NG + g] >= thr[m]) pairs.push_back(m * NG + g);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  Buf<int8_t> xt;  // the tiles' layout for tiles of one row
-  if (!pairs.empty()) {
-    xt.resize(M * 2 * K);
-    interleave_tiles(xq, M, KB, 2, 1, xt, 0, M);
-  }
   at::parallel_for(0, static_cast<int64_t>(pairs.size()), 16, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t m = pairs[p] / NG, g = pairs[p] % NG;
       if (isa == 2) {
-        pick512_for(qtype, 2, 1)(xt.data() + m * 2 * KB * kBlock, rt, KB, pp + g * KB * PB, m, op, N, g * kGroup);
+        pick512_for(qtype, 2, 1)(xq.q.data() + m * 2 * K, rt, KB, pp + g * KB * PB, m, op, N, g * kGroup);
       } else {
         for (int h = 0; h < 2 && g * kGroup + 8 * h < N; ++h)
-          pick2_for(qtype, 2, 1)(xt.data() + m * 2 * KB * kBlock, rt, KB, pp + g * KB * PB, h, m, op, N,
+          pick2_for(qtype, 2, 1)(xq.q.data() + m * 2 * K, rt, KB, pp + g * KB * PB, h, m, op, N,
                                  g * kGroup + 8 * h);
       }
     }
