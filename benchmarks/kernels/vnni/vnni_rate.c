@@ -5,35 +5,30 @@
 #include <stdio.h>
 #include <time.h>
 static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
+// 12 chains of OP(acc, b, c) on vectors of type T (acc set by INIT(i), b and c by SET), N times; prints G ops/s
+// and a checksum (REDUCE) so the work is kept.
+#define RATE(label, T, INIT, SET, OP, REDUCE)                                                    \
+  {                                                                                                   \
+    T a[12], b = SET(3), c = SET(5);                                                                  \
+    for (int i = 0; i < 12; i++) a[i] = INIT(i);                                                      \
+    double t = now();                                                                                 \
+    for (long n = 0; n < N; n++) {                                                                    \
+      _Pragma("GCC unroll 12") for (int i = 0; i < 12; i++) a[i] = OP(a[i], b, c);                    \
+      __asm__ volatile("" : "+v"(b));                                                                 \
+    }                                                                                                 \
+    t = now() - t;                                                                                    \
+    double s = 0;                                                                                     \
+    for (int i = 0; i < 12; i++) s += (double)REDUCE(a[i]);                                          \
+    printf("%s: %.2f G/s (%g)\n", label, N * 12 / t / 1e9, s);                                        \
+  }
+#define SET8_512(v) _mm512_set1_epi8(v)
+#define SET8_256(v) _mm256_set1_epi8(v)
+#define SETF_512(v) _mm512_set1_ps((v) == 3 ? 1.0001f : 0.9999f)
+#define Y0(y) _mm256_extract_epi32(y, 0)
+#define INITF_512(i) _mm512_set1_ps((float)(i))
 int main(){
-  __m512i a[12]; __m512i b=_mm512_set1_epi8(3), c=_mm512_set1_epi8(5);
-  for(int i=0;i<12;i++) a[i]=_mm512_set1_epi32(i);
-  long N=200000000; double t=now();
-  for(long n=0;n<N;n++){
-    #pragma GCC unroll 12
-    for(int i=0;i<12;i++) a[i]=_mm512_dpbusd_epi32(a[i],b,c);
-    __asm__ volatile("" : "+v"(b));
-  }
-  t=now()-t; long s=0; for(int i=0;i<12;i++) s+=_mm512_reduce_add_epi32(a[i]);
-  printf("zmm vpdpbusd: %.2f G/s (%ld)\n", N*12/t/1e9, s);
-  __m256i y[12]; __m256i yb=_mm256_set1_epi8(3), yc=_mm256_set1_epi8(5);
-  for(int i=0;i<12;i++) y[i]=_mm256_set1_epi32(i);
-  t=now();
-  for(long n=0;n<N;n++){
-    #pragma GCC unroll 12
-    for(int i=0;i<12;i++) y[i]=_mm256_dpbusd_epi32(y[i],yb,yc);
-    __asm__ volatile("" : "+v"(yb));
-  }
-  t=now()-t; s=0; for(int i=0;i<12;i++) s+=_mm256_extract_epi32(y[i],0);
-  printf("ymm vpdpbusd: %.2f G/s (%ld)\n", N*12/t/1e9, s);
-  __m512 f[12]; __m512 fb=_mm512_set1_ps(1.0001f), fc=_mm512_set1_ps(0.9999f);
-  for(int i=0;i<12;i++) f[i]=_mm512_set1_ps(i);
-  t=now();
-  for(long n=0;n<N;n++){
-    #pragma GCC unroll 12
-    for(int i=0;i<12;i++) f[i]=_mm512_fmadd_ps(f[i],fb,fc);
-    __asm__ volatile("" : "+v"(fb));
-  }
-  t=now()-t; float fs=0; for(int i=0;i<12;i++) fs+=_mm512_reduce_add_ps(f[i]);
-  printf("zmm fma: %.2f G/s (%f)\n", N*12/t/1e9, fs);
+  const long N = 200000000;
+  RATE("zmm vpdpbusd", __m512i, _mm512_set1_epi32, SET8_512, _mm512_dpbusd_epi32, _mm512_reduce_add_epi32)
+  RATE("ymm vpdpbusd", __m256i, _mm256_set1_epi32, SET8_256, _mm256_dpbusd_epi32, Y0)
+  RATE("zmm fma", __m512, INITF_512, SETF_512, _mm512_fmadd_ps, _mm512_reduce_add_ps)
 }
