@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from halserve.bench.http_stream import StreamingClient
 from halserve.bench.random_images import parse_image_size, random_image_urls, warmup_image_urls
 
 __all__ = ["add_args", "run", "RequestResult", "compute_metrics", "format_table", "sample_prompts"]
@@ -127,28 +128,43 @@ def build_payload(
 
 
 # ---------------------------------------------------------------------- one request
-async def send_request(client: Any, url: str, payload: dict[str, Any], headers: dict[str, str], prompt_len: int) -> RequestResult:
+async def send_request(
+    client: StreamingClient, path: str, payload: dict[str, Any], headers: dict[str, str], prompt_len: int,
+    timeout: float = 600.0,
+) -> RequestResult:
     result = RequestResult(prompt_len=prompt_len)
+    try:
+        await asyncio.wait_for(_stream(client, path, payload, headers, result), timeout)
+    except asyncio.TimeoutError:
+        result.success = False
+        result.error = f"no complete answer within --timeout {timeout:g} s"
+    return result
+
+
+async def _stream(client: StreamingClient, path: str, payload: dict[str, Any], headers: dict[str, str],
+                  result: RequestResult) -> None:
     chunks = 0
     usage_tokens = None
+    body = json.dumps(payload).encode()
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=payload, headers=headers) as response:
+        async with client.post(path, body, headers) as response:
             if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {body[:500]}"
-                return result
-            async for line in response.aiter_lines():
-                line = line.strip()
-                if not line.startswith("data:"):
+                text = (await response.read()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:500]}"
+                return
+            done = False
+            async for line in response.lines():  # read to the body's end, so that the connection is reused
+                if done or not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
-                    break
+                if data == b"[DONE]":
+                    done = True
+                    continue
                 obj = json.loads(data)
                 if "error" in obj:
                     result.error = str(obj["error"].get("message", obj["error"]))
-                    return result
+                    return
                 if obj.get("usage"):
                     usage_tokens = obj["usage"].get("completion_tokens")
                     result.prompt_len = obj["usage"].get("prompt_tokens") or result.prompt_len
@@ -167,7 +183,6 @@ async def send_request(client: Any, url: str, payload: dict[str, Any], headers: 
         result.success = True
     except Exception as exc:  # noqa: BLE001 - a failed request is a data point
         result.error = f"{type(exc).__name__}: {exc}"
-    return result
 
 
 def _chunk_text(choice: dict[str, Any]) -> str:
@@ -254,14 +269,11 @@ async def benchmark(
     args: argparse.Namespace, prompts: list[tuple[Any, int]], images: list[list[str]], warmup_images: list[str]
 ) -> dict[str, Any]:
     """``images[i]``: request i's image URLs; ``warmup_images``: the test request's."""
-    import httpx
-
     url = args.base_url.rstrip("/") + args.endpoint
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+    async with StreamingClient(args.base_url) as client:
         test_payload = build_payload(args.endpoint, args.model, prompts[0][0], 2, warmup_images)
-        test = await send_request(client, url, test_payload, headers, prompts[0][1])
+        test = await send_request(client, args.endpoint, test_payload, headers, prompts[0][1], args.timeout)
         if not test.success:
             raise RuntimeError(f"the test request to {url} failed: {test.error}")
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
@@ -270,9 +282,9 @@ async def benchmark(
             prompt, prompt_len = prompts[i]
             payload = build_payload(args.endpoint, args.model, prompt, args.random_output_len, images[i])
             if semaphore is None:
-                return await send_request(client, url, payload, headers, prompt_len)
+                return await send_request(client, args.endpoint, payload, headers, prompt_len, args.timeout)
             async with semaphore:
-                return await send_request(client, url, payload, headers, prompt_len)
+                return await send_request(client, args.endpoint, payload, headers, prompt_len, args.timeout)
 
         rng = random.Random(args.seed)
         start = time.perf_counter()
