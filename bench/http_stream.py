@@ -130,10 +130,13 @@ class StreamingClient:
                 "Content-Type: application/json", f"Content-Length: {len(body)}", "Accept: text/event-stream, */*"]
         head += [f"{k}: {v}" for k, v in headers.items()]
         request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
-        # an idle connection may have been closed by the server since: retry once on a fresh one
+        # an idle connection may have been closed by the server since (its keep-alive timeout): those it has
+        # closed already are dropped here; one it closes while this request goes out is retried on a fresh one
         for attempt in range(2):
-            fresh = not self._idle
-            conn = self._idle.pop() if self._idle else await self._connect()
+            conn = self._idle_connection() if attempt == 0 else None
+            fresh = conn is None
+            if conn is None:
+                conn = await self._connect()
             try:
                 conn.writer.write(request)
                 await conn.writer.drain()
@@ -146,9 +149,20 @@ class StreamingClient:
                     raise HttpError(f"{type(exc).__name__}: {exc}") from exc
         raise AssertionError("unreachable")
 
+    def _idle_connection(self) -> _Connection | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.reader.at_eof() and not conn.writer.is_closing():
+                return conn
+            conn.close()
+        return None
+
     async def _read_head(self, conn: _Connection) -> Response:
         try:
             raw = await conn.reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            raise HttpError("the server closed the connection without an answer"
+                            + (f" (after {len(exc.partial)} bytes of its head)" if exc.partial else "")) from exc
         except asyncio.LimitOverrunError as exc:
             raise HttpError(f"response headers over {_MAX_HEADER_BYTES} bytes") from exc
         if len(raw) > _MAX_HEADER_BYTES:

@@ -51,6 +51,10 @@ HALSERVE_CONFIGS = {
     "api2": ["--api-server-count", "2"],
     "kv16": ["--kv-cache-dtype", "bfloat16"],  # the KV cache in bfloat16 under a float32 model
     "kvf16": ["--kv-cache-dtype", "float16"],  # in float16 (llama.cpp's default cache type)
+    # the step's token budget (default 2048, as vLLM's CPU server): smaller steps, shorter stalls for running streams
+    "budget1024": ["--max-num-batched-tokens", "1024"],
+    "budget512": ["--max-num-batched-tokens", "512"],
+    "budget256": ["--max-num-batched-tokens", "256"],
 }
 
 

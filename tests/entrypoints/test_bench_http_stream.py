@@ -8,7 +8,7 @@ import pytest
 from halserve.bench.http_stream import HttpError, StreamingClient
 
 
-async def _serve(answers: list[bytes], seen: list[bytes], close_after: set[int] = frozenset()):
+async def _serve(answers: list[bytes | None], seen: list[bytes], close_after: set[int] = frozenset()):
     """A server that answers request i with answers[i] (bytes as sent), closing the connection after those in
     close_after; seen gets each request's head and body."""
     count = 0
@@ -25,6 +25,8 @@ async def _serve(answers: list[bytes], seen: list[bytes], close_after: set[int] 
                 i = count
                 count += 1
                 answer = answers[i]
+                if answer is None:  # read the request, then hang up without an answer
+                    break
                 # send in small pieces so that lines and chunks straddle reads
                 for k in range(0, len(answer), 7):
                     writer.write(answer[k:k + 7])
@@ -108,6 +110,27 @@ def test_a_stale_idle_connection_is_retried_on_a_fresh_one():
                 await asyncio.sleep(0.05)
         server.close()
         assert len(seen) == 2
+
+    asyncio.run(main())
+
+
+def test_a_request_the_server_hangs_up_on_is_sent_again_once_on_a_fresh_connection():
+    async def main():
+        ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+        seen: list[bytes] = []
+        # request 1 arrives on the kept connection, which the server then closes unanswered (its keep-alive
+        # timeout racing the request); request 2 is the same request again on a new connection
+        server, port = await _serve([ok, None, ok, None, None], seen)
+        async with StreamingClient(f"http://127.0.0.1:{port}") as client:
+            for _ in range(2):
+                async with client.post("/x", b"{}") as r:
+                    assert await r.read() == b"ok"
+            # hung up on again on the retry's fresh connection: an error, not a third try
+            with pytest.raises(HttpError, match="closed the connection without an answer"):
+                async with client.post("/x", b"{}"):
+                    pass
+        server.close()
+        assert len(seen) == 5
 
     asyncio.run(main())
 
