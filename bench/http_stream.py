@@ -6,7 +6,7 @@ own CPU time is taken from the server and its event-loop delays are added to eve
 ~40% of a core; this client reads asyncio streams directly (BENCHMARKS.md, "A lean benchmark client").
 It speaks just what an OpenAI-compatible server's streaming endpoints need: keep-alive connections, request
 bodies with Content-Length, response bodies chunked, of a Content-Length, or ending with the connection;
-``http`` and ``https`` URLs.
+``http`` and ``https`` URLs. It connects to the base URL's host directly (no ``HTTP(S)_PROXY``, unlike httpx).
 """
 from __future__ import annotations
 
