@@ -93,7 +93,19 @@ def test_big_requests_do_not_stall_health_or_streams(long_context_server):
                   + ",".join("[" + ",".join(map(str, p)) + "]" for p in prompts) + "]}").encode()
     assert len(detok_body) > 10_000_000 and len(batch_body) > 24_000_000
 
-    # The machine's own noise first (CI machines are shared): the same probes, no big request.
+    # A shared VM's own hiccups (its vCPUs descheduled by the host for 100+ ms, seen once in a CI run whose
+    # every request took 40-60% longer than usual) can land inside the one loaded window: a window over the
+    # bounds is measured once more, and the test fails only if both are. A server that stalls on the big
+    # requests fails both (they take 2-9 s and the probes sample every 20 ms).
+    results = [_measure_once(url, detok_body, batch_body)]
+    if not results[0][0]:
+        results.append(_measure_once(url, detok_body, batch_body))
+    assert any(ok for ok, _ in results), "over the bounds in both windows: " + "; ".join(r for _, r in results)
+
+
+def _measure_once(url: str, detok_body: bytes, batch_body: bytes) -> tuple[bool, str]:
+    """One window: the probes with no big request in flight (the machine's own noise, CI machines are shared),
+    then with both big requests; whether the issue's bounds held (plus that noise), and the figures."""
     stream = _probe(_STREAM_PROBE, url, SERVED_NAME)
     assert stream.stdout.readline().strip() == "started"
     health = _probe(_HEALTH_PROBE, url)
@@ -120,10 +132,11 @@ def test_big_requests_do_not_stall_health_or_streams(long_context_server):
         worst_gap, num_events = _result(stream)
     assert detok.status_code == 200 and len(detok.json()["prompt"]) >= 5_000_000 // 2
     assert batch.status_code == 400 and "prompt[2999]" in batch.text, batch.text[:300]
-    print(f"detokenize {detok_s:.2f}s, 24 MB batch {batch_s:.2f}s; /health max {worst_health * 1e3:.0f} ms "
-          f"over {num_probes} probes; stream max gap {worst_gap * 1e3:.0f} ms over {num_events} events "
-          f"(quiet: /health {quiet_health * 1e3:.0f} ms, stream gap {quiet_gap * 1e3:.0f} ms)")
+    report = (f"detokenize {detok_s:.2f}s, 24 MB batch {batch_s:.2f}s; /health max {worst_health * 1e3:.0f} ms "
+              f"over {num_probes} probes; stream max gap {worst_gap * 1e3:.0f} ms over {num_events} events "
+              f"(quiet: /health {quiet_health * 1e3:.0f} ms, stream gap {quiet_gap * 1e3:.0f} ms)")
+    print(report)
     assert num_probes > 10 and num_events > 10
     # The issue's bounds; a machine that is itself this noisy when quiet gets its own noise on top.
-    assert worst_health < HEALTH_LIMIT_S + quiet_health
-    assert worst_gap < STREAM_GAP_LIMIT_S + quiet_gap
+    ok = worst_health < HEALTH_LIMIT_S + quiet_health and worst_gap < STREAM_GAP_LIMIT_S + quiet_gap
+    return ok, report
