@@ -217,8 +217,9 @@ HS_AVX512 inline void record_16_blocks(QuantX& out, int64_t i, __m512 d, const _
 // Blocks b0 .. b0 + 15 of row m, as quantize_rows_avx512's per-block loop does them (the same numbers: the same
 // float operations on each value, the scales' divisions done for 16 blocks at once, sums of q exact), the 16
 // blocks' maxima and sums reduced together (reduce16x16) instead of one horizontal reduction each.
-HS_AVX512 void quantize_16_blocks_avx512(const float* xr, int64_t b0, int64_t m, int64_t KB, int levels,
-                                         QuantX& out, QRow q1r, QRow q2r) {
+HS_AVX512 void quantize_16_blocks_avx512(const float* xr, int64_t b0, int64_t m, QuantX& out, QRow q1r, QRow q2r) {
+  const int64_t KB = out.KB;
+  const int levels = out.levels;
   const __m512 sign = _mm512_set1_ps(-0.0f);
   __m512 am[16];
   for (int j = 0; j < 16; ++j) {
@@ -253,13 +254,15 @@ HS_AVX512 void quantize_16_blocks_avx512(const float* xr, int64_t b0, int64_t m,
   if (levels == 2) record_16_blocks(out, i2, d2, half2, whole2);
 }
 
-HS_AVX512 void quantize_rows_avx512(const float* x, int64_t m0, int64_t m1, int64_t K, int levels, QuantX& out) {
-  const int64_t KB = K / kBlock;
+// Rows m0 .. m1 - 1 of x into out, sized by size_quant_x (its K = KB 32 and levels).
+HS_AVX512 void quantize_rows_avx512(const float* x, int64_t m0, int64_t m1, QuantX& out) {
+  const int64_t KB = out.KB, K = KB * kBlock;
+  const int levels = out.levels;
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t m = m0; m < m1; ++m) {
     const QRow q1r = q_row(out, m * levels), q2r = levels == 2 ? q_row(out, m * levels + 1) : q1r;
     const int64_t whole16 = KB / 16 * 16;
-    for (int64_t b = 0; b < whole16; b += 16) quantize_16_blocks_avx512(x + m * K, b, m, KB, levels, out, q1r, q2r);
+    for (int64_t b = 0; b < whole16; b += 16) quantize_16_blocks_avx512(x + m * K, b, m, out, q1r, q2r);
     for (int64_t b = whole16; b < KB; ++b) {
       const float* xb = x + m * K + b * kBlock;
       const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
@@ -281,7 +284,7 @@ HS_AVX512 void quantize_rows_avx512(const float* x, int64_t m0, int64_t m1, int6
   }
 }
 
-HS_AVX2 void quantize_rows_avx2(const float* x, int64_t m0, int64_t m1, int64_t K, int levels, QuantX& out);
+HS_AVX2 void quantize_rows_avx2(const float* x, int64_t m0, int64_t m1, QuantX& out);
 
 // isa 2 (AVX-512) or 1 (AVX2): the same numbers either way (a residual's fused multiply-add apart, at a tie).
 // tile: q's layout (QuantX). Every entry is written by the quantizers.
@@ -298,16 +301,20 @@ void size_quant_x(int64_t M, int64_t K, int levels, QuantX& out, int64_t tile = 
   out.isum16.resize(rows * KB * 2);
 }
 
-void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out, int64_t isa, int64_t tile = 0) {
-  size_quant_x(M, K, levels, out, tile);
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    if (isa == 2) quantize_rows_avx512(x, m0, m1, K, levels, out);
-    else quantize_rows_avx2(x, m0, m1, K, levels, out);
-  });
+// Rows m0 .. m1 - 1 of x into out (sized by size_quant_x) with the isa's quantizer.
+inline void quantize_rows(const float* x, int64_t m0, int64_t m1, QuantX& out, int64_t isa) {
+  if (isa == 2) quantize_rows_avx512(x, m0, m1, out);
+  else quantize_rows_avx2(x, m0, m1, out);
 }
 
-HS_AVX2 void quantize_rows_avx2(const float* x, int64_t m0, int64_t m1, int64_t K, int levels, QuantX& out) {
-  const int64_t KB = K / kBlock;
+void quantize_x(const float* x, int64_t M, int64_t K, int levels, QuantX& out, int64_t isa, int64_t tile = 0) {
+  size_quant_x(M, K, levels, out, tile);
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) { quantize_rows(x, m0, m1, out, isa); });
+}
+
+HS_AVX2 void quantize_rows_avx2(const float* x, int64_t m0, int64_t m1, QuantX& out) {
+  const int64_t KB = out.KB, K = KB * kBlock;
+  const int levels = out.levels;
   alignas(32) float r[kBlock];
   for (int64_t m = m0; m < m1; ++m) {
     const QRow q1r = q_row(out, m * levels), q2r = levels == 2 ? q_row(out, m * levels + 1) : q1r;
@@ -1196,8 +1203,7 @@ at::Tensor gguf_gemm_packed(const at::Tensor& x_in, const at::Tensor& packed, in
     const auto [t0, t1] = share(tiles, tid, nt);
     const int64_t m0 = t0 * tile, m1 = std::min(M, t1 * tile);
     if (m0 >= m1) return;
-    if (isa == 2) quantize_rows_avx512(xp, m0, m1, K, lv, xq);
-    else quantize_rows_avx2(xp, m0, m1, K, lv, xq);
+    quantize_rows(xp, m0, m1, xq, isa);
     prepare_row_terms(xq, M, KB, lv, qtype, isa, tile, rt, m0, m1);
   };
   if (isa == 2) {

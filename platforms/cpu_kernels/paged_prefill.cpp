@@ -174,17 +174,21 @@ constexpr int kAccumulatorRows = 6;
 constexpr int tile_positions(int G) { return std::max(1, std::min(16, kAccumulatorRows / G)); }
 
 // (tile function, query positions per tile)
+template <int G, typename T, typename C>
+std::pair<TileFn<T, C>, int64_t> tile_fn() {
+  return {prefill_tile<G, tile_positions(G), T, C>, tile_positions(G)};
+}
 template <typename T, typename C>
 std::pair<TileFn<T, C>, int64_t> pick_tile_fn(int64_t G) {
   switch (G) {
-    case 1: return {prefill_tile<1, tile_positions(1), T, C>, tile_positions(1)};
-    case 2: return {prefill_tile<2, tile_positions(2), T, C>, tile_positions(2)};
-    case 3: return {prefill_tile<3, tile_positions(3), T, C>, tile_positions(3)};
-    case 4: return {prefill_tile<4, tile_positions(4), T, C>, tile_positions(4)};
-    case 5: return {prefill_tile<5, tile_positions(5), T, C>, tile_positions(5)};
-    case 6: return {prefill_tile<6, tile_positions(6), T, C>, tile_positions(6)};
-    case 7: return {prefill_tile<7, tile_positions(7), T, C>, tile_positions(7)};
-    case 8: return {prefill_tile<8, tile_positions(8), T, C>, tile_positions(8)};
+    case 1: return tile_fn<1, T, C>();
+    case 2: return tile_fn<2, T, C>();
+    case 3: return tile_fn<3, T, C>();
+    case 4: return tile_fn<4, T, C>();
+    case 5: return tile_fn<5, T, C>();
+    case 6: return tile_fn<6, T, C>();
+    case 7: return tile_fn<7, T, C>();
+    case 8: return tile_fn<8, T, C>();
     default: return {nullptr, 0};
   }
 }
