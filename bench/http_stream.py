@@ -11,13 +11,14 @@ bodies with Content-Length, response bodies chunked, of a Content-Length, or end
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 __all__ = ["HttpError", "StreamingClient"]
 
-_MAX_HEADER_BYTES = 64 * 1024
+_MAX_HEADER_BYTES = 64 * 1024  # the streams' limit: what readuntil may buffer for a head or a chunk-size line
 
 
 class HttpError(Exception):
@@ -112,18 +113,24 @@ class StreamingClient:
             raise ValueError(f"the base URL must be http://HOST[:PORT] or https://HOST[:PORT], not {base_url!r}")
         self._host = parts.hostname
         self._tls = ssl.create_default_context() if parts.scheme == "https" else None
-        self._port = parts.port or (443 if self._tls else 80)
-        self._prefix = parts.path.rstrip("/")
         default_port = 443 if self._tls else 80
+        self._port = parts.port or default_port
+        self._prefix = parts.path.rstrip("/")
         self._host_header = self._host if self._port == default_port else f"{self._host}:{self._port}"
         self._idle: list[_Connection] = []
 
     async def _connect(self) -> _Connection:
-        reader, writer = await asyncio.open_connection(self._host, self._port, ssl=self._tls, limit=1 << 20)
+        reader, writer = await asyncio.open_connection(self._host, self._port, ssl=self._tls,
+                                                       limit=_MAX_HEADER_BYTES)
         return _Connection(reader, writer)
 
-    def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> _Exchange:
-        return _Exchange(self, path, body, headers or {})
+    @contextlib.asynccontextmanager
+    async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> AsyncIterator[Response]:
+        response = await self._send(path, body, headers or {})
+        try:
+            yield response
+        finally:
+            response.release()
 
     async def _send(self, path: str, body: bytes, headers: dict[str, str]) -> Response:
         head = [f"POST {self._prefix}{path} HTTP/1.1", f"Host: {self._host_header}",
@@ -132,22 +139,26 @@ class StreamingClient:
         request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         # an idle connection may have been closed by the server since (its keep-alive timeout): those it has
         # closed already are dropped here; one it closes while this request goes out is retried on a fresh one
-        for attempt in range(2):
-            conn = self._idle_connection() if attempt == 0 else None
-            fresh = conn is None
-            if conn is None:
-                conn = await self._connect()
+        conn = self._idle_connection()
+        if conn is not None:
             try:
-                conn.writer.write(request)
-                await conn.writer.drain()
-                return await self._read_head(conn)
-            except (ConnectionError, asyncio.IncompleteReadError, HttpError) as exc:
-                conn.close()
-                if fresh or attempt == 1:
-                    if isinstance(exc, HttpError):
-                        raise
-                    raise HttpError(f"{type(exc).__name__}: {exc}") from exc
-        raise AssertionError("unreachable")
+                return await self._exchange(conn, request)
+            except HttpError:
+                pass
+        return await self._exchange(await self._connect(), request)
+
+    async def _exchange(self, conn: _Connection, request: bytes) -> Response:
+        """Send the request on conn and read the answer's head; on any failure conn is closed (HttpError)."""
+        try:
+            conn.writer.write(request)
+            await conn.writer.drain()
+            return await self._read_head(conn)
+        except ConnectionError as exc:
+            conn.close()
+            raise HttpError(f"{type(exc).__name__}: {exc}") from exc
+        except HttpError:
+            conn.close()
+            raise
 
     def _idle_connection(self) -> _Connection | None:
         while self._idle:
@@ -165,8 +176,6 @@ class StreamingClient:
                             + (f" (after {len(exc.partial)} bytes of its head)" if exc.partial else "")) from exc
         except asyncio.LimitOverrunError as exc:
             raise HttpError(f"response headers over {_MAX_HEADER_BYTES} bytes") from exc
-        if len(raw) > _MAX_HEADER_BYTES:
-            raise HttpError(f"response headers over {_MAX_HEADER_BYTES} bytes")
         status_line, *header_lines = raw.decode("latin-1").split("\r\n")
         parts = status_line.split(" ", 2)
         if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
@@ -188,17 +197,3 @@ class StreamingClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-
-class _Exchange:
-    def __init__(self, client: StreamingClient, path: str, body: bytes, headers: dict[str, str]) -> None:
-        self._args = (path, body, headers)
-        self._client = client
-        self._response: Response | None = None
-
-    async def __aenter__(self) -> Response:
-        self._response = await self._client._send(*self._args)
-        return self._response
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._response is not None:
-            self._response.release()
