@@ -41,6 +41,7 @@ class RequestResult:
     latency: float = 0.0  # seconds, send to last byte
     itl: list[float] = field(default_factory=list)  # seconds between content chunks
     text: str = ""
+    sent_at: float = 0.0  # time.perf_counter() when the request was sent
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +73,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--tokenizer", default=None, help="tokenizer to draw prompt tokens from (default: --model)")
     parser.add_argument("--result-json", default=None, metavar="FILE", help="also write the results as JSON here")
+    parser.add_argument(
+        "--save-detailed", action="store_true",
+        help="with --result-json: also each request's send time (s after the first), TTFT, inter-token latencies, "
+             "prompt and output lengths, text and error (vLLM's keys)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
 
 
@@ -146,7 +152,7 @@ async def _stream(client: StreamingClient, path: str, payload: dict[str, Any], h
     chunks = 0
     usage_tokens = None
     body = json.dumps(payload).encode()
-    start = last = time.perf_counter()
+    start = last = result.sent_at = time.perf_counter()
     try:
         async with client.post(path, body, headers) as response:
             if response.status_code != 200:
@@ -233,6 +239,19 @@ def compute_metrics(results: list[RequestResult], duration: float) -> dict[str, 
     return metrics
 
 
+def detailed(results: list[RequestResult], start: float) -> dict[str, list]:
+    """Per-request lists, in send order (``--save-detailed``): seconds, except ``itls`` (seconds too, per request)."""
+    return {
+        "start_times": [r.sent_at - start for r in results],
+        "ttfts": [r.ttft if r.success else None for r in results],
+        "itls": [r.itl for r in results],
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_tokens for r in results],
+        "generated_texts": [r.text for r in results],
+        "errors": [r.error for r in results],
+    }
+
+
 def format_table(m: dict[str, Any]) -> str:
     rows = [
         "{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
@@ -292,6 +311,8 @@ async def benchmark(
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     metrics = compute_metrics(list(results), duration)
+    if getattr(args, "save_detailed", False):
+        metrics.update(detailed(list(results), start))
     metrics.update(
         {
             "base_url": args.base_url,

@@ -143,6 +143,8 @@ def main() -> None:
                     help=f"comma-separated, run in this order: {', '.join(HALSERVE_CONFIGS)}")
     ap.add_argument("--vllm-first", action="store_true", help="start with vLLM (alternate the order across runs)")
     ap.add_argument("--skip-rate", action="store_true", help="only the max-concurrency load (no Poisson-rate load)")
+    ap.add_argument("--save-detailed", action="store_true",
+                    help="keep each request's send time, TTFT and ITLs in bench_out/serving_WORKLOAD.json")
     args = ap.parse_args()
     configs = args.halserve_configs.split(",")
     unknown = [c for c in configs if c not in HALSERVE_CONFIGS]
@@ -157,6 +159,8 @@ def main() -> None:
     path = os.path.abspath(ensure_checkpoint(args.workload, args.models_dir))
     loads = [(f"rate_{rate:g}", ["--request-rate", str(rate)]),
              (f"concurrency_{concurrency}", ["--max-concurrency", str(concurrency)])][1 if args.skip_rate else 0:]
+    if args.save_detailed:
+        loads = [(label, [*extra, "--save-detailed"]) for label, extra in loads]
     images = args.workload in MM_WORKLOADS
     if images:  # (other images per load: no server's image cache serves the second load)
         loads = [(label, [*extra, "--seed", str(k)]) for k, (label, extra) in enumerate(loads)]

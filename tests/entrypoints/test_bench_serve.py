@@ -46,16 +46,27 @@ def test_bench_serve_against_the_server(server, checkpoint, tmp_path, endpoint):
         [sys.executable, "-m", "halserve.entrypoints.cli", "bench", "serve", "--base-url", server.url,
          "--model", SERVED_NAME, "--tokenizer", checkpoint, "--endpoint", endpoint, "--num-prompts", "6",
          "--random-input-len", "8", "--random-output-len", "5", "--max-concurrency", "3", "--request-rate", "50",
-         "--result-json", str(result)],
+         "--result-json", str(result), *(["--save-detailed"] if endpoint == "/v1/completions" else [])],
         capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Successful requests:" in proc.stdout
     data = json.loads(result.read_text())
     assert data["completed"] == 6 and data["total_output_tokens"] == 30
-    if endpoint == "/v1/completions":
-        assert data["total_input_tokens"] == 48
     assert data["mean_ttft_ms"] > 0 and data["mean_tpot_ms"] > 0
+    if endpoint != "/v1/completions":
+        assert "ttfts" not in data
+        return
+    assert data["total_input_tokens"] == 48
+    # --save-detailed: per request, in send order
+    assert data["input_lens"] == [8] * 6 and data["output_lens"] == [5] * 6 and data["errors"] == [""] * 6
+    assert all(t and t > 0 for t in data["ttfts"]) and all(len(x) <= 4 for x in data["itls"])  # (a chunk a token
+    # with text: a token that ends inside a character has none)
+    itls = [x for request in data["itls"] for x in request]
+    assert sum(itls) * 1000 / len(itls) == pytest.approx(data["mean_itl_ms"])
+    assert data["start_times"] == sorted(data["start_times"]) and data["start_times"][-1] < data["duration"]
+    assert sum(data["ttfts"]) * 1000 / 6 == pytest.approx(data["mean_ttft_ms"])
+    assert all(text for text in data["generated_texts"])
 
 
 def _png_size(url: str) -> tuple[int, int]:
