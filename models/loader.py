@@ -190,14 +190,19 @@ def get_model_info(config: EngineConfig, platform: Platform) -> ModelInfo:
     from transformers import AutoConfig
 
     from halserve.models.gemma import attention_logits_soft_cap
-    from halserve.models.gguf import find_gguf_file, load_gguf_config
+    from halserve.models.gguf import check_tokenizer_metadata, find_gguf_file, load_gguf_config
     from halserve.models.llama import head_size_of, layer_sliding_windows
 
     check_local_path(config.model)  # (a missing local path: "no such file or directory", not a hub error)
+    for what, value in (("--tokenizer", config.tokenizer), ("--hf-config-path", config.hf_config_path)):
+        if value is not None:
+            check_local_path(value, what)
     gguf_file = find_gguf_file(config.model)  # a GGUF checkpoint (its first shard), else None
     if gguf_file is not None:
         path = os.path.dirname(os.path.abspath(gguf_file))
         hf_config = load_gguf_config(gguf_file, config.hf_config_path, config.trust_remote_code)
+        if config.tokenizer is None:  # (its tokenizer is built after the weights load: check it can be, first)
+            check_tokenizer_metadata(gguf_file)
     else:
         path = resolve_model_path(config.model, config.revision)
         hf_config = AutoConfig.from_pretrained(config.hf_config_path or path, trust_remote_code=config.trust_remote_code)

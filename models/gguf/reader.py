@@ -1,9 +1,11 @@
 """A GGUF checkpoint's metadata: validated at start, then its config and tokenizer through transformers.
 
-``gguf.GGUFReader`` reads the header and tensor table (tensor data stays memory-mapped);
+``gguf.GGUFReader`` reads the header and tensor table (tensor data stays memory-mapped; read_file.py);
 transformers' GGUF support turns the metadata into a ``PretrainedConfig`` and a tokenizer (with the
-chat template the file carries). Every check that can fail runs in ``open_gguf``, before any weight
-is read: an architecture or tensor type halserve cannot load, a truncated or foreign file.
+chat template the file carries). Every check that can fail runs before any weight is read: in
+``open_gguf`` (a truncated or foreign file, an architecture or tensor type halserve cannot load, split
+files that are not one set), then before each conversion (metadata keys the config or tokenizer needs),
+so transformers' own errors for malformed metadata are never what a user reads.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from halserve.models.gguf.files import gguf_shards
+from halserve.models.gguf.read_file import read_gguf_file
 
 logger = logging.getLogger(__name__)
 
@@ -90,26 +93,39 @@ def supported_tensor_types() -> list[str]:
     return [t.name for t in _gguf().GGMLQuantizationType if _can_dequantize(t.name)]
 
 
-def _read(path: str) -> Any:
-    """A ``GGUFReader`` of ``path``; a truncated or foreign file is a ``ValueError`` naming it."""
-    gguf = _gguf()
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # numpy/struct errors past the end of a truncated header, bad magic ...
-        raise ValueError(f"{path!r} is not a readable GGUF file (truncated or corrupt?): "
-                         f"{type(exc).__name__}: {exc}") from exc
-    size = os.path.getsize(path)
-    for tensor in reader.tensors:
-        if tensor.data_offset + int(tensor.n_bytes) > size:
-            raise ValueError(f"{path!r} is truncated: tensor {tensor.name!r} ends at byte "
-                             f"{tensor.data_offset + int(tensor.n_bytes)} but the file has {size} bytes; "
-                             "download it again")
-    return reader
-
-
 def _field(reader: Any, key: str) -> Any:
     field = reader.fields.get(key)
     return None if field is None else field.contents()
+
+
+def _check_split_set(shards: list[str], readers: list[Any]) -> None:
+    """Every shard of a split set says it is that shard of a set this size (``split.no``, ``split.count``), no
+    tensor is in two shards, and together they hold the ``split.tensors.count`` tensors the first declares: a
+    shard renamed from another model's set (or another shard of this one) fails here, naming it."""
+    again = "download the split set again (every file from the same model)"
+    first = os.path.basename(shards[0])
+    seen: dict[str, str] = {}
+    for index, (shard, reader) in enumerate(zip(shards, readers)):
+        name = os.path.basename(shard)
+        number, count = _field(reader, "split.no"), _field(reader, "split.count")
+        if number is None or count is None:
+            raise ValueError(f"{name!r} is named as shard {index + 1} of {len(shards)} but its metadata has no "
+                             f"split.no/split.count: it is not a shard of a split set (a whole model renamed?); {again}")
+        if int(count) != len(shards):
+            raise ValueError(f"{name!r} belongs to a split set of {count} files (split.count) but {first!r} "
+                             f"starts a set of {len(shards)}: it is a shard of a different model; {again}")
+        if int(number) != index:
+            raise ValueError(f"{name!r} is shard {int(number) + 1} of its set (split.no), not shard {index + 1} as "
+                             f"its name says: a shard renamed or copied from another; {again}")
+        for tensor in reader.tensors:
+            if tensor.name in seen:
+                raise ValueError(f"tensor {tensor.name!r} is in both {seen[tensor.name]!r} and {name!r}: the split "
+                                 f"files are not one model's; {again}")
+            seen[tensor.name] = name
+    declared = _field(readers[0], "split.tensors.count")
+    if declared is not None and int(declared) != len(seen):
+        raise ValueError(f"{first!r} declares {declared} tensors across its split set (split.tensors.count) but its "
+                         f"{len(shards)} files hold {len(seen)}: a shard is from a different model; {again}")
 
 
 @functools.lru_cache(maxsize=4)
@@ -117,16 +133,22 @@ def open_gguf(path: str) -> GGUFCheckpoint:
     """Read and validate the GGUF checkpoint whose first shard is ``path`` (cached: the engine and
     the model loader both ask)."""
     shards = gguf_shards(path)
-    readers = [_read(s) for s in shards]
+    readers = [read_gguf_file(s) for s in shards]
     architecture = _field(readers[0], "general.architecture")
+    families = "; ".join(f"{a} ({f})" for a, f in SUPPORTED_ARCHITECTURES.items())
+    if architecture is None:
+        raise ValueError(f"{os.path.basename(path)!r} has no general.architecture in its metadata, so which model it "
+                         "holds is unknown (not written by llama.cpp's converter, or damaged); convert it again with "
+                         f"llama.cpp's convert_hf_to_gguf.py. halserve loads these GGUF architectures: {families}")
     if architecture not in SUPPORTED_ARCHITECTURES:
-        families = "; ".join(f"{a} ({f})" for a, f in SUPPORTED_ARCHITECTURES.items())
         raise ValueError(f"GGUF architecture {architecture!r} of {os.path.basename(path)!r} is not supported; "
                          f"halserve loads GGUF files of these architectures: {families}")
     declared = _field(readers[0], "split.count")
     if declared is not None and int(declared) != len(shards):
         raise ValueError(f"{os.path.basename(path)!r} declares {declared} split files (split.count) but its name "
                          f"gives {len(shards)}; pass the first shard of a complete split set")
+    if len(shards) > 1:
+        _check_split_set(shards, readers)
     types: dict[str, int] = {}
     for reader in readers:
         for tensor in reader.tensors:
@@ -146,12 +168,20 @@ def load_gguf_config(path: str, hf_config_path: str | None = None, trust_remote_
 
     checkpoint = open_gguf(path)
     if hf_config_path is not None:
-        hf_config = AutoConfig.from_pretrained(hf_config_path, trust_remote_code=trust_remote_code)
+        hf_config = _load_config_override(hf_config_path, trust_remote_code)
     else:
+        _check_config_metadata(checkpoint)
         hf_config = _load_kept(path, "config", AutoConfig.from_pretrained)
         if hf_config is None:
-            hf_config = AutoConfig.from_pretrained(checkpoint.folder, gguf_file=os.path.basename(path),
-                                                   trust_remote_code=trust_remote_code)
+            try:
+                hf_config = AutoConfig.from_pretrained(checkpoint.folder, gguf_file=os.path.basename(path),
+                                                       trust_remote_code=trust_remote_code)
+            except Exception as exc:  # noqa: BLE001 - transformers' errors for malformed metadata vary
+                raise ValueError(
+                    f"the metadata of {os.path.basename(path)!r} does not make a {checkpoint.architecture} config "
+                    f"({type(exc).__name__}: {_one_line(exc)}); the file is damaged or was written by another "
+                    "converter: convert it again with llama.cpp's convert_hf_to_gguf.py, or pass --hf-config-path "
+                    "with the model's config.json") from exc
             _keep(hf_config, path, "config")
         # transformers decides from the first file alone; a split set may keep output.weight in another
         hf_config.tie_word_embeddings = "output.weight" not in checkpoint.tensor_names
@@ -162,6 +192,49 @@ def load_gguf_config(path: str, hf_config_path: str | None = None, trust_remote_
                              f"does not serve from GGUF; supported: {', '.join(sorted(ARCHITECTURE_OF_MODEL_TYPE))}")
         hf_config.architectures = [arch]
     return hf_config
+
+
+# the metadata keys (after "<architecture>.") every supported architecture's config is built from: transformers
+# fills a missing one with its own default, which then disagrees with the file's tensors (or its context length)
+CONFIG_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count")
+
+
+def _one_line(exc: BaseException) -> str:
+    """A library's error message on one line (transformers' span several)."""
+    return " ".join(str(exc).split())
+
+
+def _check_config_metadata(checkpoint: GGUFCheckpoint) -> None:
+    """``ValueError`` naming every ``CONFIG_KEYS`` entry missing from the metadata or not a positive integer."""
+    reader, name = checkpoint.readers[0], os.path.basename(checkpoint.path)
+    bad = []
+    for key in (f"{checkpoint.architecture}.{k}" for k in CONFIG_KEYS):
+        value = _field(reader, key)
+        if value is None:
+            bad.append(f"{key} is missing")
+        elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            bad.append(f"{key} is {value!r}, not a positive integer")
+    if bad:
+        raise ValueError(f"the metadata of {name!r} cannot describe its model: {'; '.join(bad)}. The file is damaged "
+                         "or was not written by llama.cpp's converter: convert it again with convert_hf_to_gguf.py, "
+                         "or pass --hf-config-path with the model's config.json")
+
+
+def _load_config_override(hf_config_path: str, trust_remote_code: bool) -> Any:
+    """The config ``--hf-config-path`` names, for a GGUF checkpoint; ``ValueError`` saying what it must be."""
+    from transformers import AutoConfig
+
+    from halserve.models.gguf.files import is_gguf_file
+
+    if is_gguf_file(hf_config_path):
+        raise ValueError(f"--hf-config-path {hf_config_path!r} is a GGUF file; it takes a folder or hub id holding a "
+                         "config.json (a GGUF model's own config comes from its metadata: drop the flag)")
+    try:
+        return AutoConfig.from_pretrained(hf_config_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--hf-config-path {hf_config_path!r} holds no usable config.json ({_one_line(exc)}); pass "
+                         "the folder or hub id of the model's config.json, or drop the flag to use the GGUF's "
+                         "metadata") from exc
 
 
 CACHE_ENV = "HALSERVE_GGUF_CACHE"  # where converted configs and tokenizers are kept; "off": convert every time
@@ -204,10 +277,42 @@ def load_gguf_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     tokenizer = _load_kept(path, "tokenizer", AutoTokenizer.from_pretrained)
     if tokenizer is None:
         checkpoint = open_gguf(path)
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint.folder, gguf_file=os.path.basename(path),
-                                                  trust_remote_code=trust_remote_code)
+        check_tokenizer_metadata(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint.folder, gguf_file=os.path.basename(path),
+                                                      trust_remote_code=trust_remote_code)
+        except Exception as exc:  # noqa: BLE001 - transformers' errors for malformed metadata vary
+            raise ValueError(f"the tokenizer in the metadata of {os.path.basename(path)!r} could not be built "
+                             f"({type(exc).__name__}: {_one_line(exc)}); {TOKENIZER_HINT}") from exc
         _keep(tokenizer, path, "tokenizer")
     return tokenizer
+
+
+TOKENIZER_HINT = ("pass --tokenizer (LLM(tokenizer=...)) with the model's tokenizer: the folder or hub id of its "
+                  "Hugging Face checkpoint")
+SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+
+
+def check_tokenizer_metadata(path: str) -> None:
+    """``ValueError`` when the metadata of the GGUF checkpoint ``path`` holds no tokenizer transformers can build:
+    no ``tokenizer.ggml.model`` or ``tokens``, no merges (nor scores to derive them from), a special token id past
+    the vocabulary. (Cheap: the model loader asks at start, before any weight is read.)"""
+    reader, name = open_gguf(path).readers[0], os.path.basename(path)
+    fields = reader.fields
+    missing = [k for k in ("tokenizer.ggml.model", "tokenizer.ggml.tokens") if k not in fields]
+    if missing:
+        raise ValueError(f"{name!r} holds no tokenizer: {' and '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} missing from its metadata; {TOKENIZER_HINT}")
+    if "tokenizer.ggml.merges" not in fields and "tokenizer.ggml.scores" not in fields:
+        raise ValueError(f"the tokenizer in the metadata of {name!r} is incomplete: it has neither "
+                         f"tokenizer.ggml.merges nor tokenizer.ggml.scores to derive them from; {TOKENIZER_HINT}")
+    num_tokens = len(fields["tokenizer.ggml.tokens"].data)
+    for key in (f"tokenizer.ggml.{k}" for k in SPECIAL_TOKEN_KEYS):
+        token_id = _field(reader, key)
+        if token_id is not None and not (isinstance(token_id, int) and 0 <= token_id < num_tokens):
+            raise ValueError(f"{key} of {name!r} is {token_id!r}, not a token of its {num_tokens}-token vocabulary "
+                             f"(tokenizer.ggml.tokens); the file is damaged: download or convert it again, or "
+                             f"{TOKENIZER_HINT}")
 
 
 def _load_kept(path: str, what: str, load: Any) -> Any:

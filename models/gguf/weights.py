@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -27,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 # llama.cpp's precomputed RoPE factors (Llama 3.1, Phi-3 long context): halserve computes them from the config
 DERIVED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# the end of every error for tensors that do not fit the config
+CONFIG_MISMATCH = ("the config does not describe the file's tensors (with --hf-config-path: is it this model's "
+                   "config.json? without: the file's metadata disagrees with its tensors, a damaged or wrongly "
+                   "converted file: convert it again)")
 
 
 @contextlib.contextmanager
@@ -46,6 +51,12 @@ def _one_tensor_name_map() -> Iterator[None]:
 
 def gguf_to_hf_names(architecture: str, hf_config: Any) -> tuple[dict[str, str], Any]:
     """``({gguf tensor name: HF parameter name}, transformers' tensor processor)`` for a checkpoint."""
+    names, processor, _ = _hf_model_layout(architecture, hf_config)
+    return names, processor
+
+
+def _hf_model_layout(architecture: str, hf_config: Any) -> tuple[dict[str, str], Any, dict[str, tuple[int, ...]]]:
+    """``gguf_to_hf_names``, and ``{HF parameter name: shape}`` of the model ``hf_config`` describes."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
@@ -55,7 +66,30 @@ def gguf_to_hf_names(architecture: str, hf_config: Any) -> tuple[dict[str, str],
     with _one_tensor_name_map():
         names = get_gguf_hf_weights_map(hf_model, processor, model_type=architecture,
                                         num_layers=hf_config.num_hidden_layers)
-    return names, processor
+    shapes = {name: tuple(value.shape) for name, value in hf_model.state_dict().items()}
+    return names, processor, shapes
+
+
+def _check_tensors_fit_config(checkpoint: Any, tensors: list[Any], names: dict[str, str],
+                              shapes: dict[str, tuple[int, ...]], hf_config: Any) -> None:
+    """``ValueError`` before any weight is read when the file's tensors and the config disagree: a tensor
+    whose number of values is not its parameter's (the tensor processors may permute or reshape, never
+    resize), or fewer layers (``blk.N``) than the config's ``num_hidden_layers``."""
+    for tensor in tensors:
+        expected = shapes.get(names.get(tensor.name, ""))
+        if expected is None:
+            continue
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # (torch order: [out, in])
+        if int(tensor.n_elements) != math.prod(expected):
+            raise ValueError(f"GGUF tensor {tensor.name!r} of {checkpoint.describe()} has shape {list(shape)}, but "
+                             f"the config ({hf_config.model_type}, hidden_size {hf_config.hidden_size}) needs "
+                             f"{list(expected)} for {names[tensor.name]}: {CONFIG_MISMATCH}")
+    blocks = {int(t.name.split(".")[1]) for t in tensors if t.name.startswith("blk.") and t.name.split(".")[1].isdigit()}
+    layers = hf_config.num_hidden_layers
+    if blocks and len(blocks) < layers:
+        absent = sorted(set(range(layers)) - blocks)
+        raise ValueError(f"{checkpoint.describe()} has tensors for {len(blocks)} layers (blk.N) but the config says "
+                         f"{layers} (num_hidden_layers; blk.{absent[0]} is missing): {CONFIG_MISMATCH}")
 
 
 def gguf_tensor_types(path: str, hf_config: Any) -> dict[str, str]:
@@ -76,7 +110,7 @@ def iterate_gguf_weights(path: str, hf_config: Any, dtype: torch.dtype, progress
     from gguf import dequantize
 
     checkpoint = open_gguf(path)
-    names, processor = gguf_to_hf_names(checkpoint.architecture, hf_config)
+    names, processor, shapes = _hf_model_layout(checkpoint.architecture, hf_config)
     keep_quantized = set(keep_quantized)
     logger.info("loading GGUF %s: %s", checkpoint.describe(),
                 f"{len(keep_quantized)} linear weights kept in their GGUF blocks, the rest dequantized to "
@@ -88,7 +122,8 @@ def iterate_gguf_weights(path: str, hf_config: Any, dtype: torch.dtype, progress
         raise ValueError(
             f"GGUF tensors {', '.join(unknown[:4])}{' ...' if len(unknown) > 4 else ''} ({len(unknown)} in all) of "
             f"{checkpoint.describe()} have no counterpart in the model its config describes "
-            f"({hf_config.model_type}, {hf_config.num_hidden_layers} layers); is --hf-config-path this file's config?")
+            f"({hf_config.model_type}, {hf_config.num_hidden_layers} layers): {CONFIG_MISMATCH}")
+    _check_tensors_fit_config(checkpoint, tensors, names, shapes, hf_config)
     bar = None
     if progress or (progress is None and len(tensors) and sum(int(t.n_bytes) for t in tensors) > 1 << 30):
         from tqdm.auto import tqdm

@@ -90,10 +90,11 @@ def _tensors(arch: str, tied: bool, rng: np.random.Generator) -> dict[str, np.nd
 
 
 def write_gguf(path: str, arch: str = "llama", *, qtype=T.F32, tied: bool = False, seed: int = 0,
-               split_max_tensors: int = 0, name: str = "tiny", tensors: dict[str, np.ndarray] | None = None) -> str:
+               split_max_tensors: int = 0, name: str = "tiny", tensors: dict[str, np.ndarray] | None = None,
+               metadata: dict | None = None) -> str:
     """A tiny GGUF of ``arch`` at ``path``: 2-D weights stored as ``qtype`` (norms and biases F32, as
-    llama.cpp keeps them), a byte-level BPE tokenizer with a ChatML template. Returns the path written
-    (the first shard's, when split)."""
+    llama.cpp keeps them), a byte-level BPE tokenizer with a ChatML template. ``metadata``: keys to drop
+    (None) or to set (a ``gguf.GGUFValue``), last. Returns the path written (the first shard's, when split)."""
     heads, kv_heads, head_dim = SHAPES[arch]
     writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     writer.add_name(name)
@@ -129,6 +130,11 @@ def write_gguf(path: str, arch: str = "llama", *, qtype=T.F32, tied: bool = Fals
             writer.add_tensor(tensor_name, values.astype(np.float16))
         else:
             writer.add_tensor(tensor_name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    for key, value in (metadata or {}).items():
+        if value is None:
+            writer.kv_data[0].pop(key)
+        else:
+            writer.kv_data[0][key] = value
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -259,12 +265,12 @@ def test_tokenizer_and_hf_config_path_overrides(tmp_path):
         halserve_greedy(path, batch, hf_config_path=str(tmp_path / "config1"))
 
 
-def _model_info(model: str):
+def _model_info(model: str, **config):
     from halserve.config import EngineConfig
     from halserve.models.loader import get_model_info
     from halserve.platforms.cpu import CpuPlatform
 
-    return get_model_info(EngineConfig(model=model, dtype="float32"), CpuPlatform())
+    return get_model_info(EngineConfig(model=model, dtype="float32", **config), CpuPlatform())
 
 
 def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path):
@@ -300,15 +306,189 @@ def test_unsupported_tensor_type_is_named_with_the_supported_ones(tmp_path):
         _model_info(path)
 
 
-@pytest.mark.parametrize("keep", [0.5, 0.01])  # cut in the tensor data / in the header
-def test_truncated_file_fails_clearly(tmp_path, keep):
+def _cut_points(path: str) -> dict[str, int]:
+    """Where to cut ``path`` to end it inside each part of a GGUF: section -> bytes kept."""
+    reader = gguf.GGUFReader(path)
+    return {"header": 20, "metadata": 100, "tensor table": reader.tensors[0].field.offset + 4,
+            "tensor data": os.path.getsize(path) - 10}
+
+
+@pytest.mark.parametrize("section", ["header", "metadata", "tensor table", "tensor data"])
+def test_truncated_file_fails_clearly(tmp_path, section):
     path = write_gguf(str(tmp_path / "m.gguf"), "llama", qtype=T.Q8_0)
     with open(path, "rb") as f:
         data = f.read()
+    keep = _cut_points(path)[section]
     with open(path, "wb") as f:
-        f.write(data[: int(len(data) * keep)])
-    with pytest.raises(ValueError, match=r"(is truncated|not a readable GGUF file \(truncated or corrupt\?\))"):
+        f.write(data[:keep])
+    tensor = r"tensor 'blk\.1\.ffn_up\.weight' ends at byte \d+" if section == "tensor data" else r"reading it needs"
+    with pytest.raises(ValueError, match=rf"m\.gguf' is truncated in its {section}: {tensor} .*download or convert"):
         _model_info(path)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", r"empty\.gguf' is empty \(0 bytes\), not a GGUF model.*download or convert it again"),
+    (b"GG", r"empty\.gguf' is truncated: it has 2 bytes, fewer than a GGUF header"),
+    (b"hello, not a model\n", r"is not a GGUF file: it starts with b'hell', not GGUF's magic b'GGUF'"),
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 9\n", r"a Git LFS pointer.*git lfs pull"),
+])
+def test_a_file_that_is_not_gguf_is_named(tmp_path, content, message):
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        _model_info(str(path))
+    with pytest.raises(ValueError, match=message):  # the same as a folder's one GGUF
+        _model_info(str(tmp_path))
+
+
+def test_unknown_gguf_version_and_tensor_type_number_are_named(tmp_path):
+    path = write_gguf(str(tmp_path / "m.gguf"), "llama", qtype=T.Q8_0)
+    data = bytearray(open(path, "rb").read())
+    field = gguf.GGUFReader(path).tensors[0].field  # token_embd.weight: name length, name, n_dims, dims, type
+    type_at = field.offset + 8 + len(bytes(field.parts[1])) + 4 + 8 * int(field.parts[2][0])
+    assert int.from_bytes(data[type_at:type_at + 4], "little") == T.Q8_0
+    data[type_at:type_at + 4] = (99).to_bytes(4, "little")
+    (tmp_path / "t.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"tensor 'token_embd\.weight' of .*t\.gguf' has GGUF type number 99, which the "
+                                         r"installed gguf package does not know.*pip install -U gguf.*Q4_0"):
+        _model_info(str(tmp_path / "t.gguf"))
+    data[4:8] = (4).to_bytes(4, "little")
+    (tmp_path / "v.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"v\.gguf' is GGUF version 4, which the installed gguf package cannot read "
+                                         r"\(it reads versions 2, 3\)"):
+        _model_info(str(tmp_path / "v.gguf"))
+
+
+def test_missing_architecture_is_named(tmp_path):
+    path = write_gguf(str(tmp_path / "m.gguf"), metadata={"general.architecture": None})
+    with pytest.raises(ValueError, match=r"'m\.gguf' has no general\.architecture in its metadata.*convert_hf_to_gguf"
+                                         r".*llama \(Llama, Mistral, SmolLM\)"):
+        _model_info(path)
+
+
+V = gguf.GGUFValueType
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("llama.context_length", None, "llama.context_length is missing"),
+    ("llama.embedding_length", None, "llama.embedding_length is missing"),
+    ("llama.block_count", None, "llama.block_count is missing"),
+    ("llama.attention.head_count", None, "llama.attention.head_count is missing"),
+    ("llama.context_length", gguf.GGUFValue(0, V.UINT32), "llama.context_length is 0, not a positive integer"),
+    ("llama.context_length", gguf.GGUFValue("big", V.STRING), "llama.context_length is 'big', not a positive"),
+])
+def test_metadata_the_config_needs_is_checked(tmp_path, key, value, message):
+    """transformers fills a missing key with its own default (a 4096 hidden size, 32 layers ...): refused with
+    the key's name instead of a shape error later (or a silent context length)."""
+    path = write_gguf(str(tmp_path / "m.gguf"), metadata={key: value})
+    with pytest.raises(ValueError, match=rf"the metadata of 'm\.gguf' cannot describe its model: {message}.*"
+                                         r"convert it again.*--hf-config-path"):
+        _model_info(path)
+
+
+def test_metadata_transformers_rejects_is_reported_with_the_file(tmp_path):
+    path = write_gguf(str(tmp_path / "m.gguf"), metadata={"llama.attention.head_count": gguf.GGUFValue(3, V.UINT32)})
+    with pytest.raises(ValueError, match=r"the metadata of 'm\.gguf' does not make a llama config \(.*not a multiple "
+                                         r"of the number of attention heads \(3\).*--hf-config-path"):
+        _model_info(path)
+
+
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                  "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                  "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ({k: None for k in TOKENIZER_KEYS}, r"'m\.gguf' holds no tokenizer: tokenizer\.ggml\.model and "
+                                        r"tokenizer\.ggml\.tokens are missing from its metadata"),
+    ({"tokenizer.ggml.tokens": None}, r"'m\.gguf' holds no tokenizer: tokenizer\.ggml\.tokens is missing"),
+    ({"tokenizer.ggml.merges": None}, r"neither tokenizer\.ggml\.merges nor tokenizer\.ggml\.scores"),
+    ({"tokenizer.ggml.eos_token_id": gguf.GGUFValue(5000, V.UINT32)},
+     rf"tokenizer\.ggml\.eos_token_id of 'm\.gguf' is 5000, not a token of its {VOCAB}-token vocabulary"),
+])
+def test_tokenizer_metadata_is_checked_before_loading(tmp_path, metadata, message):
+    """transformers' KeyError / IndexError / "Cannot build a tokenizer" become one message naming the key, at
+    start (before the weights load), with the --tokenizer way out; with --tokenizer the file's is not needed."""
+    from halserve.models.gguf import load_gguf_tokenizer
+
+    path = write_gguf(str(tmp_path / "m.gguf"), metadata=metadata)
+    with pytest.raises(ValueError, match=message + r".*pass --tokenizer"):
+        _model_info(path)
+    with pytest.raises(ValueError, match=message):
+        load_gguf_tokenizer(path)
+    _model_info(path, tokenizer=write_gguf(str(tmp_path / "tok.gguf")))
+
+
+def test_split_set_with_a_shard_of_another_model_or_a_copied_shard(tmp_path):
+    import shutil
+
+    for name in ("a", "b", "mixed", "copied"):
+        (tmp_path / name).mkdir()
+    first = write_gguf(str(tmp_path / "a" / "m.gguf"), "llama", qtype=T.Q8_0, split_max_tensors=8)
+    assert first.endswith("-00001-of-00003.gguf")
+    other = write_gguf(str(tmp_path / "b" / "m.gguf"), "qwen2", qtype=T.Q8_0, split_max_tensors=8)
+    assert other.endswith("-00001-of-00004.gguf")
+    for i in (1, 3):
+        shutil.copy(str(tmp_path / "a" / f"m-0000{i}-of-00003.gguf"), str(tmp_path / "mixed"))
+    shutil.copy(str(tmp_path / "b" / "m-00002-of-00004.gguf"), str(tmp_path / "mixed" / "m-00002-of-00003.gguf"))
+    with pytest.raises(ValueError, match=r"'m-00002-of-00003\.gguf' belongs to a split set of 4 files \(split\.count\) "
+                                         r"but 'm-00001-of-00003\.gguf' starts a set of 3.*download the split set again"):
+        _model_info(str(tmp_path / "mixed"))
+    for i, source in ((1, 1), (2, 1), (3, 3)):  # shard 2 a copy of shard 1
+        shutil.copy(str(tmp_path / "a" / f"m-0000{source}-of-00003.gguf"),
+                    str(tmp_path / "copied" / f"m-0000{i}-of-00003.gguf"))
+    with pytest.raises(ValueError, match=r"'m-00002-of-00003\.gguf' is shard 1 of its set \(split\.no\), not shard 2"):
+        _model_info(str(tmp_path / "copied"))
+
+
+def _first_weight(path: str, hf_config_path: str | None = None):
+    """What loading the weights raises first (it checks every tensor before yielding one)."""
+    from halserve.models.gguf import iterate_gguf_weights, load_gguf_config
+
+    return next(iterate_gguf_weights(path, load_gguf_config(path, hf_config_path), torch.float32))
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.F32])
+def test_tensor_shapes_that_disagree_with_the_config_are_named(tmp_path, qtype):
+    """Before: a shape error from deep in a layer (in GGUF block bytes: (64, 102) for (64, 96)), or with F32
+    a RuntimeError from narrow(); now the tensor, both shapes and the file, before any weight is read."""
+    tensors = _tensors("llama", False, np.random.default_rng(0))
+    tensors["blk.0.ffn_down.weight"] = tensors["blk.0.ffn_down.weight"][:, :96].copy()
+    path = write_gguf(str(tmp_path / "ffn.gguf"), qtype=qtype, tensors=tensors)
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.0\.ffn_down\.weight' of ffn\.gguf .* has shape \[64, 96\], "
+                                         r"but the config .* needs \[64, 128\] for model\.layers\.0\.mlp\.down_proj"):
+        _first_weight(path)
+    wide = write_gguf(str(tmp_path / "wide.gguf"), metadata={"llama.embedding_length": gguf.GGUFValue(96, V.UINT32)})
+    with pytest.raises(ValueError, match=r"'token_embd\.weight' of wide\.gguf .* has shape \[308, 64\], but the config "
+                                         r"\(llama, hidden_size 96\) needs \[308, 96\].*convert it again"):
+        _first_weight(wide)
+    deep = write_gguf(str(tmp_path / "deep.gguf"), metadata={"llama.block_count": gguf.GGUFValue(5, V.UINT32)})
+    with pytest.raises(ValueError, match=r"deep\.gguf .* has tensors for 2 layers \(blk\.N\) but the config says 5 "
+                                         r"\(num_hidden_layers; blk\.2 is missing\)"):
+        _first_weight(deep)
+
+
+def test_override_paths_that_are_missing_or_of_another_model(tmp_path):
+    from transformers import AutoConfig
+
+    path = write_gguf(str(tmp_path / "m.gguf"), "llama", qtype=T.Q8_0)
+    for flag in ("tokenizer", "hf_config_path"):  # before: transformers' "Repo id must be in the form ..."
+        with pytest.raises(ValueError, match=rf"no such file or directory: .*nope \(the --{flag.replace('_', '-')} "
+                                             r"argument is a local path"):
+            _model_info(path, **{flag: str(tmp_path / "nope")})
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"--hf-config-path '.*empty' holds no usable config\.json"):
+        _model_info(path, hf_config_path=str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match=r"--hf-config-path '.*m\.gguf' is a GGUF file; it takes a folder"):
+        _model_info(path, hf_config_path=path)
+    # another model's config: its sizes do not fit the file's tensors
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    config.architectures, config.hidden_size = ["LlamaForCausalLM"], 2 * HIDDEN
+    config.save_pretrained(str(tmp_path / "other"))
+    with pytest.raises(ValueError, match=r"'token_embd\.weight' of m\.gguf .* has shape \[308, 64\], but the config "
+                                         r"\(llama, hidden_size 128\) needs \[308, 128\].*is it this model's config"):
+        _first_weight(path, str(tmp_path / "other"))
+
 
 
 def test_missing_path_and_ambiguous_folder(tmp_path, monkeypatch):
