@@ -28,8 +28,25 @@ def load_tokenizer(config: EngineConfig, model_info: ModelInfo) -> Any:
     # a GGUF checkpoint carries its tokenizer (and chat template) in its metadata
     gguf_file = find_gguf_file(config.tokenizer) if config.tokenizer else getattr(model_info, "gguf_file", None)
     if gguf_file is not None:
-        return load_gguf_tokenizer(gguf_file, config.trust_remote_code)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        tokenizer = load_gguf_tokenizer(gguf_file, config.trust_remote_code)
+    elif config.tokenizer is None:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            reason = " ".join(str(exc).split())  # (transformers' message spans several lines)
+            raise ValueError(f"--tokenizer {path!r} holds no tokenizer transformers can load ({reason}); pass the "
+                             "folder or hub id of the model's tokenizer (tokenizer.json / tokenizer_config.json) or a "
+                             ".gguf file, or drop the flag to use the model's own") from exc
+    # A --tokenizer larger than the model's vocabulary is another model's: refused at start. (A model's own may
+    # have a few added tokens past it, e.g. transformers' <mask> for a Gemma GGUF that lacks one: a prompt
+    # holding one is refused by the input processor.)
+    if config.tokenizer is not None and len(tokenizer) > model_info.vocab_size:
+        raise ValueError(f"--tokenizer {config.tokenizer!r} has {len(tokenizer)} tokens but the model's vocabulary "
+                         f"(its embedding) has {model_info.vocab_size}: it is not this model's tokenizer; pass the "
+                         "model's own tokenizer")
+    return tokenizer
 
 
 class LLMEngine:

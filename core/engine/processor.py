@@ -124,7 +124,14 @@ class InputProcessor:
                 raise ValueError("the prompt is empty; give at least one character or token")
             if check_length:
                 check_text_length(self.tokenizer, prompt, self.info.max_model_len)
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if ids and max(ids) >= self.vocab_size:  # (a token the tokenizer has and the model lacks: refused here,
+                # not an IndexError in the step that would fail every request in it)
+                bad = max(ids)
+                raise ValueError(f"the prompt holds the token {self.tokenizer.convert_ids_to_tokens(bad)!r} (id {bad}), "
+                                 f"which the model's vocabulary of {self.vocab_size} tokens lacks (its tokenizer has "
+                                 "tokens its embedding does not); remove that text from the prompt")
+            return prompt, ids
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")

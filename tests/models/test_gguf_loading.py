@@ -469,7 +469,10 @@ def test_tensor_shapes_that_disagree_with_the_config_are_named(tmp_path, qtype):
 
 
 def test_override_paths_that_are_missing_or_of_another_model(tmp_path):
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
+
+    from halserve.config import EngineConfig
+    from halserve.engine.llm_engine import load_tokenizer
 
     path = write_gguf(str(tmp_path / "m.gguf"), "llama", qtype=T.Q8_0)
     for flag in ("tokenizer", "hf_config_path"):  # before: transformers' "Repo id must be in the form ..."
@@ -488,7 +491,35 @@ def test_override_paths_that_are_missing_or_of_another_model(tmp_path):
     with pytest.raises(ValueError, match=r"'token_embd\.weight' of m\.gguf .* has shape \[308, 64\], but the config "
                                          r"\(llama, hidden_size 128\) needs \[308, 128\].*is it this model's config"):
         _first_weight(path, str(tmp_path / "other"))
+    # a tokenizer folder with nothing in it, and another model's larger tokenizer (before: an IndexError mid-step)
+    info = _model_info(path)
+    with pytest.raises(ValueError, match=r"--tokenizer '.*empty' holds no tokenizer transformers can load"):
+        load_tokenizer(EngineConfig(model=path, tokenizer=str(tmp_path / "empty")), info)
+    bigger = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    bigger.add_tokens([f"extra{i}" for i in range(8)])
+    bigger.save_pretrained(str(tmp_path / "bigger"))
+    with pytest.raises(ValueError, match=rf"--tokenizer '.*bigger' has {VOCAB + 8} tokens but the model's vocabulary "
+                                         rf"\(its embedding\) has {VOCAB}: it is not this model's tokenizer"):
+        load_tokenizer(EngineConfig(model=path, tokenizer=str(tmp_path / "bigger")), info)
 
+
+def test_a_prompt_holding_a_token_the_model_lacks_is_refused(tmp_path):
+    """transformers gives a Gemma GGUF's tokenizer a ``<mask>`` token when the vocabulary has none: one id past
+    the embedding. Before: an IndexError in the model's step (failing every request in it); now the request is
+    refused with the token's name, and the rest of the prompt tokenizes as before."""
+    from halserve.config import EngineConfig
+    from halserve.engine.llm_engine import load_tokenizer
+    from halserve.engine.processor import InputProcessor
+
+    path = write_gguf(str(tmp_path / "g.gguf"), "gemma3", tied=True)
+    info = _model_info(path)
+    tokenizer = load_tokenizer(EngineConfig(model=path, dtype="float32"), info)
+    assert len(tokenizer) == VOCAB + 1 and tokenizer.convert_tokens_to_ids("<mask>") == VOCAB
+    processor = InputProcessor(info, tokenizer)
+    with pytest.raises(ValueError, match=rf"the prompt holds the token '<mask>' \(id {VOCAB}\), which the model's "
+                                         rf"vocabulary of {VOCAB} tokens lacks"):
+        processor.tokenize("a <mask> tie")
+    assert processor.tokenize("a tie")[1] == tokenizer.encode("a tie")
 
 
 def test_missing_path_and_ambiguous_folder(tmp_path, monkeypatch):
