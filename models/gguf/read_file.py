@@ -129,5 +129,13 @@ def read_gguf_file(path: str) -> Any:
             f"(pip install -U gguf) or use a file of a type halserve loads: {', '.join(supported_tensor_types())}"
         ) from None
     except Exception as exc:  # a duplicate key or tensor, a bad alignment, an unknown metadata value type ...
+        # (or a gguf release whose private reader methods, which CheckedReader overrides, changed: then the plain
+        # reader reads a sound file, and only a damaged one fails with the generic message)
+        try:
+            import gguf
+
+            return gguf.GGUFReader(path)
+        except Exception:  # noqa: BLE001 - reported as the checked reader's error
+            pass
         raise ValueError(f"{path!r} is not a readable GGUF file (truncated or corrupt?): {type(exc).__name__}: "
                          f"{exc}; {DOWNLOAD_AGAIN}") from exc

@@ -326,6 +326,27 @@ def test_truncated_file_fails_clearly(tmp_path, section):
         _model_info(path)
 
 
+def test_a_gguf_release_whose_private_reader_methods_changed_still_reads_a_sound_file(tmp_path, monkeypatch):
+    # the bounds checks override gguf.GGUFReader's private methods; if a release changes them, a sound file must
+    # still load through the plain reader, and a damaged one still fail with a message naming it
+    from halserve.models.gguf import read_file
+
+    class ChangedApi(gguf.GGUFReader):
+        def _build_tensors(self, *args, **kwargs):
+            raise TypeError("_build_tensors() takes 2 positional arguments but 3 were given")
+
+    monkeypatch.setattr(read_file, "_checked_reader_class", lambda: ChangedApi)
+    path = write_gguf(str(tmp_path / "m.gguf"), "llama", qtype=T.Q8_0)
+    reader = read_file.read_gguf_file(path)
+    assert [t.name for t in reader.tensors] == [t.name for t in gguf.GGUFReader(path).tensors]
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[:100])
+    with pytest.raises(ValueError, match=r"m\.gguf' is not a readable GGUF file \(truncated or corrupt\?\)"):
+        read_file.read_gguf_file(path)
+
+
 @pytest.mark.parametrize("content, message", [
     (b"", r"empty\.gguf' is empty \(0 bytes\), not a GGUF model.*download or convert it again"),
     (b"GG", r"empty\.gguf' is truncated: it has 2 bytes, fewer than a GGUF header"),
