@@ -120,13 +120,20 @@ def run_server(name: str, cmd: list[str], env: dict, model: str, w: dict, loads:
         for label, extra in loads:
             result[label] = bench(base, model, w, extra)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(proc)
     return result
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to a server started with ``start_new_session=True`` and its process group (API servers, engine core,
+    workers), SIGKILL if it has not exited within 30 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def main() -> None:

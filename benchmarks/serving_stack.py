@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from compare_serving import free_port, wait_healthy  # noqa: E402
+from compare_serving import free_port, stop_server, wait_healthy  # noqa: E402
 from workloads import WORKLOADS, ensure_checkpoint  # noqa: E402
 
 
@@ -77,8 +76,7 @@ def main() -> None:
                 wait_healthy(base, proc, 300)
                 m = load(base, path, w, args.num_prompts, args.max_concurrency)
             finally:
-                os.killpg(proc.pid, signal.SIGTERM)  # (the API server, its engine core and workers)
-                proc.wait(30)
+                stop_server(proc)
             print(f"| {rnd} | {stack} uvloop/httptools | {m['output_throughput']:.1f} | {m['median_ttft_ms']:.1f} | "
                   f"{m['p99_ttft_ms']:.1f} | {m['median_tpot_ms']:.2f} | {m['client_us_per_token']:.0f} |", flush=True)
 

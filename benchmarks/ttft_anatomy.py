@@ -8,6 +8,7 @@ system's monotonic clock (`time.perf_counter`, the same in every process):
 
     client      each request's send and the arrival of its first token   (halserve.bench.serve.send_request)
     API server  each request's prepare (body parsed, before tokenizing)   (AsyncLLM.prepare_request)
+                each request handed to the engine-core client             (MPEngineCoreClient.add_requests)
                 each batch of engine outputs processed                    (AsyncLLM._on_outputs)
     engine core each request added (the core takes them between steps)    (EngineCore.add_request)
                 each step: start, end, tokens, requests, prompts in it    (EngineCore.step, Scheduler.schedule)
@@ -15,7 +16,8 @@ system's monotonic clock (`time.perf_counter`, the same in every process):
 and prints the median / mean / p90 of each leg of the way, in milliseconds:
 
     client send -> API prepare       HTTP in, the API server's event loop
-    API prepare -> engine add        tokenize, submit, and the wait for the step in flight to end
+    API prepare -> submitted         tokenize, validate, the request handed to the engine-core client
+    submitted -> engine add          the way to the core, and the wait for the step in flight to end
     engine add -> first step start   the core's poll between steps
     first step start -> first token's step end
                                      its prompt's prefill (one step, or more when the prompt is split in chunks)
@@ -35,7 +37,6 @@ import glob
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +45,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from compare_serving import bench_settings, free_port, wait_healthy  # noqa: E402
+from compare_serving import bench_settings, free_port, stop_server, wait_healthy  # noqa: E402
 from workloads import ensure_checkpoint  # noqa: E402
 
 TRACER = r'''
@@ -116,6 +117,9 @@ if _dir:
           after=lambda self, t, out: _note("S", t, time.perf_counter(), *getattr(self.scheduler, "_ttft_trace", (0, 0, 0))))
     _wrap(_core.EngineCore, "add_request", before=lambda self, *a: _note("A", time.perf_counter()))
     _wrap(_al.AsyncLLM, "prepare_request", before=lambda self, *a: _note("P", time.perf_counter()), is_async=True)
+    from halserve.engine import core_client as _cc
+    _wrap(_cc.MPEngineCoreClient, "add_requests", before=lambda self, *a: _note("W", time.perf_counter()),
+          is_async=True)
     _wrap(_al.AsyncLLM, "_on_outputs", after=lambda self, t, out, outs: _note("O", t, time.perf_counter(), len(outs)))
 '''
 
@@ -130,18 +134,19 @@ def legs(trace_dir: str, num: int, end: float) -> tuple[dict[str, list[float]], 
     rows = [(kind, values) for kind, values in rows if values[0] <= end]
     get = lambda kind: sorted(v for k, v in rows if k == kind)  # noqa: E731
     sends, steps, outs = get("C"), get("S"), get("O")
-    prepares, adds = [v[0] for v in get("P")], [v[0] for v in get("A")]
-    if len(sends) < num or len(prepares) < len(sends) or len(adds) < len(sends):
+    prepares, submits, adds = ([v[0] for v in get(kind)] for kind in ("P", "W", "A"))
+    if len(sends) < num or min(len(prepares), len(submits), len(adds)) < len(sends):
         raise SystemExit(f"incomplete trace in {trace_dir}: {len(sends)} sends, {len(prepares)} prepares, "
                          f"{len(adds)} adds for {num} requests")
     # FIFO at each stage: the measured load is the last num of each
-    sends, prepares, adds = sends[-num:], prepares[-num:], adds[-num:]
+    sends, prepares, submits, adds = sends[-num:], prepares[-num:], submits[-num:], adds[-num:]
     step_starts, step_ends = [s[0] for s in steps], [s[1] for s in steps]
     out_ends = [o[1] for o in outs]
-    out = {k: [] for k in ("client TTFT", "client send -> API prepare", "API prepare -> engine add",
+    out = {k: [] for k in ("client TTFT", "client send -> API prepare", "API prepare -> submitted",
+                           "submitted -> engine add",
                            "engine add -> first step start", "first step start -> first token's step end",
                            "step end -> API outputs done", "API outputs done -> client")}
-    for (sent, first), prep, add in zip(sends, prepares, adds):
+    for (sent, first), prep, submit, add in zip(sends, prepares, submits, adds):
         i = bisect.bisect_left(step_starts, add)  # the first step after its add: where it was first scheduled
         j = bisect.bisect_right(out_ends, first) - 1  # the last output batch done before its first token arrived
         if i == len(steps) or j < 0:
@@ -150,7 +155,7 @@ def legs(trace_dir: str, num: int, end: float) -> tuple[dict[str, list[float]], 
         if k < i:
             continue
         for key, value in (("client TTFT", first - sent), ("client send -> API prepare", prep - sent),
-                           ("API prepare -> engine add", add - prep),
+                           ("API prepare -> submitted", submit - prep), ("submitted -> engine add", add - submit),
                            ("engine add -> first step start", steps[i][0] - add),
                            ("first step start -> first token's step end", steps[k][1] - steps[i][0]),
                            ("step end -> API outputs done", outs[j][1] - steps[k][1]),
@@ -213,12 +218,7 @@ def main() -> None:
         with open(result) as f:
             m = json.load(f)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(proc)
     per_leg, figures = legs(trace_dir, num, end)
     print(f"\n{args.workload}, {num} requests at concurrency {args.max_concurrency}, flags {args.serve_flags or '-'}: "
           f"{m['output_throughput']:.1f} output tok/s, p50 TTFT {m['median_ttft_ms']:.1f} ms, "

@@ -18,12 +18,12 @@ def _write(path, rows):
 
 
 def test_legs_of_a_hand_made_trace(tmp_path):
-    # two requests (seconds): sent at 1.000 and 1.001; prepared at 1.010 / 1.012; added to the core at 1.030 /
-    # 1.031; a decode step 1.020-1.029, then request 1's prompt step 1.0305-1.060 (request 2, added after it had
+    # two requests (seconds): sent at 1.000 and 1.001; prepared at 1.010 / 1.012; submitted at 1.015 / 1.016;
+    # added to the core at 1.030 / 1.031; a decode step 1.020-1.029, then request 1's prompt step 1.0305-1.060 (request 2, added after it had
     # started, in the next one, 1.061-1.080); outputs processed 1.062-1.063 and 1.081-1.083; first tokens read
     # by the client at 1.065 and 1.085. A request sent after `end` is left out.
     _write(tmp_path / "trace_1.txt", [("C", 1.000, 1.065), ("C", 1.001, 1.085), ("C", 9.0, 9.1)])
-    _write(tmp_path / "trace_2.txt", [("P", 1.010), ("P", 1.012), ("O", 1.062, 1.063, 2), ("O", 1.081, 1.083, 2),
+    _write(tmp_path / "trace_2.txt", [("P", 1.010), ("P", 1.012), ("W", 1.015), ("W", 1.016), ("W", 9.015), ("O", 1.062, 1.063, 2), ("O", 1.081, 1.083, 2),
                                       ("P", 9.01)])
     _write(tmp_path / "trace_3.txt", [("S", 1.020, 1.029, 64, 64, 0), ("A", 1.030), ("A", 1.031),
                                       ("S", 1.0305, 1.060, 100, 64, 2), ("S", 1.061, 1.080, 70, 64, 1),
@@ -32,7 +32,8 @@ def test_legs_of_a_hand_made_trace(tmp_path):
     ms = {k: [round(v, 3) for v in values] for k, values in per_leg.items()}
     assert ms["client TTFT"] == [65.0, 84.0]
     assert ms["client send -> API prepare"] == [10.0, 11.0]
-    assert ms["API prepare -> engine add"] == [20.0, 19.0]
+    assert ms["API prepare -> submitted"] == [5.0, 4.0]
+    assert ms["submitted -> engine add"] == [15.0, 15.0]
     # request 2 was added at 1.031, after the step at 1.0305 had started: its first step is the next one
     assert ms["engine add -> first step start"] == [0.5, 30.0]
     assert ms["first step start -> first token's step end"] == [29.5, 19.0]
