@@ -195,7 +195,8 @@ def validate(params: StructuredOutputsParams) -> None:
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the parser's message
         message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         message = _XGRAMMAR_PREFIX.sub("", message)  # (its log prefix: "[06:24:02] /project/cpp/x.cc:83: ")
-        raise ValueError(f"structured outputs: invalid {kind}: {message}") from None
+        what = "JSON schema" if kind == "json" else kind  # (the schema is what fails, not the JSON text)
+        raise ValueError(f"structured outputs: invalid {what}: {message}") from None
 
 
 

@@ -95,7 +95,8 @@ class AnthropicServingMessages:
         chat_req = self._check(req)
         model = serving.check_model(req.model)
         message_id = anthropic_id("msg")
-        queued = await chat.queue(chat_req, message_id, model, constraint_messages(chat_req), AUTO_TOOLS_NEED_A_PARSER)
+        queued = await chat.queue(chat_req, message_id, model, constraint_messages(chat_req), AUTO_TOOLS_NEED_A_PARSER,
+                                  tool_schema_param="tools[{i}].input_schema")
         start = queued.start
         if req.stream:
             return StreamingResponse(

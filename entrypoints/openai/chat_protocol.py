@@ -140,6 +140,26 @@ class ChatMessage(OpenAIModel):
         return [url for part in self.content if (url := part.url) is not None]
 
 
+# chat_template_kwargs keys the server passes to the template itself (a second value is a
+# TypeError deep in transformers) -> how the client sets the same thing
+_TEMPLATE_ARGS = {
+    "chat_template": "the server renders with its own chat template (--chat-template); it cannot be sent per request",
+    "add_generation_prompt": "set the request's own add_generation_prompt field",
+    "continue_final_message": "set the request's own continue_final_message field",
+    "messages": "the conversation is the request's messages",
+    "conversation": "the conversation is the request's messages",
+    "tokenize": "the server renders the template to text and tokenizes it itself",
+    "return_assistant_tokens_mask": "the server renders the template to text and tokenizes it itself",
+}
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """ValueError if ``chat_template_kwargs`` sets an argument the server gives the template itself."""
+    for key in kwargs or ():
+        if key in _TEMPLATE_ARGS:
+            raise ValueError(f"chat_template_kwargs must not set {key!r}: {_TEMPLATE_ARGS[key]}")
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -171,6 +191,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        check_template_kwargs(self.chat_template_kwargs)
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:

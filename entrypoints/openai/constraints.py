@@ -98,6 +98,27 @@ def tool_calls_schema(req: ChatCompletionRequest) -> dict[str, Any]:
     return array
 
 
+def tool_schema_error(req: ChatCompletionRequest, param_format: str) -> BadRequestError | None:
+    """Why a forced tool call's constraint did not compile, told of the tool at fault: a 400
+    naming the first called tool whose parameters are not a valid JSON schema
+    (``param_format``: the API's path to a tool's schema, e.g. ``"tools[{i}].function.parameters"``).
+    None if each compiles alone (then the combined schema's own error stands)."""
+    from halserve.structured_output import StructuredOutputsParams, validate
+
+    chosen = named_tool(req) if isinstance(req.tool_choice, dict) else None
+    for i, tool in enumerate(req.tools or ()):
+        if chosen is not None and tool is not chosen:
+            continue
+        try:
+            validate(StructuredOutputsParams(json=tool.function.parameters or {"type": "object"}))
+        except ValueError as exc:
+            param = param_format.format(i=i)
+            reason = str(exc).removeprefix("structured outputs: ")
+            return BadRequestError(f"{param} (tool {tool.function.name!r}): {reason}; fix the tool's schema",
+                                   param=param)
+    return None
+
+
 def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     """An assistant's tool call as chat templates read it: arguments as an object (OpenAI
     sends them as JSON text), as vLLM passes them."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -96,10 +98,20 @@ def _loc_to_param(loc: tuple | list) -> str | None:
     return "".join(parts) or None
 
 
-def validation_message(errors: list[dict[str, Any]], hints: dict[str, str] | None = None) -> tuple[str, str | None]:
+def _field_named_by(message: str, fields: Iterable[str]) -> str | None:
+    """The field a message starts with (``"n must be ..."``, ``"allowed_token_ids=[] ..."``,
+    ``"top_logprobs: ..."``), if it is one of ``fields``; else None."""
+    word = re.split(r"[\s=:(\[]", message, maxsplit=1)[0]
+    return word if word in fields else None
+
+
+def validation_message(errors: list[dict[str, Any]], hints: dict[str, str] | None = None,
+                       fields: Iterable[str] = ()) -> tuple[str, str | None]:
     """One readable message (and the first offending param) for pydantic errors.
     ``hints`` maps a union-typed field to what it accepts, instead of one complaint per
-    union branch."""
+    union branch. ``fields``: the model's field names; a check across fields (a model
+    validator: its error has no location) names as its param the field its message starts
+    with, so clients that read ``param`` learn which field to fix."""
     if not errors:
         return "invalid request", None
     lines = []
@@ -107,13 +119,15 @@ def validation_message(errors: list[dict[str, Any]], hints: dict[str, str] | Non
     first_param = None
     for err in errors:
         param = _loc_to_param(err.get("loc", ()))
-        first_param = first_param or param
         root = str(param or "").split("[")[0].split(".")[0]
         msg = str(err.get("msg", "invalid value"))
         if hints and root in hints and err.get("type", "").endswith("_type"):
             param, msg = root, f"must be {hints[root]}"
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
+        if param is None:
+            first_param = first_param or _field_named_by(msg, fields)
+        first_param = first_param or param
         key = f"{param}: {msg}" if param else msg
         if key in seen:
             continue
@@ -128,6 +142,7 @@ def parse_body(model: type, raw: bytes) -> Any:
     """Parse a JSON body into ``model``; malformed JSON or invalid fields raise a 400."""
     if not raw.strip():
         raise BadRequestError("the request body is empty; send a JSON object")
+    raw = raw.removeprefix(b"\xef\xbb\xbf")  # (a UTF-8 byte order mark: json.loads skips it, pydantic would not)
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -140,7 +155,17 @@ def parse_body(model: type, raw: bytes) -> Any:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        message, param = validation_message(exc.errors(include_url=False), getattr(model, "type_hints", None))
+        errors = exc.errors(include_url=False)
+        # (what json.loads took but pydantic's stricter parser does not: a number past float's
+        # range, a lone UTF-16 surrogate in a string escape)
+        invalid = next((err for err in errors if err.get("type") == "json_invalid"), None)
+        if invalid is not None:
+            reason = str(invalid.get("msg", "")).removeprefix("Invalid JSON: ")
+            if reason.startswith("recursion limit exceeded"):  # (pydantic parses at most 200 levels deep)
+                raise BadRequestError(f"the request body nests arrays or objects too deeply to parse ({reason})",
+                                      code="invalid_json") from None
+            raise BadRequestError(f"the request body is not valid JSON: {reason}", code="invalid_json") from None
+        message, param = validation_message(errors, getattr(model, "type_hints", None), model.model_fields)
         raise BadRequestError(message, param=param) from None
 
 

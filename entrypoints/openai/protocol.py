@@ -49,6 +49,7 @@ _SAMPLING_FIELDS = (
 
 
 MAX_N = 128  # choices per prompt over HTTP (OpenAI's limit): n builds that many requests up front
+_MAX_TOKEN_ID_DIGITS = 19  # a longer logit_bias key is past any vocabulary (and int64)
 
 
 @functools.cache
@@ -152,6 +153,9 @@ class SamplingRequest(OpenAIModel):
         for key, bias in (self.logit_bias or {}).items():
             if not (key.isascii() and key.isdigit()):  # "12", not "-1", " 12", "x" or "²"
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}")
+            if len(key) > _MAX_TOKEN_ID_DIGITS:  # (past any vocabulary; int() refuses over 4300 digits)
+                raise ValueError(f"logit_bias keys must be token ids of the model's vocabulary, got a {len(key)}-digit "
+                                 f"number ({key[:12]}...)")
             if not math.isfinite(bias):
                 raise ValueError(f"logit_bias values must be finite numbers in [-100, 100], got {bias!r} for {key!r}")
         return self

@@ -27,7 +27,7 @@ from halserve.entrypoints.openai.chat_protocol import (
     ToolCall,
     ToolCallFunction,
 )
-from halserve.entrypoints.openai.constraints import constraint_messages, named_tool
+from halserve.entrypoints.openai.constraints import constraint_messages, named_tool, tool_schema_error
 from halserve.entrypoints.openai.errors import BadRequestError
 from halserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs, token_decoder
 from halserve.entrypoints.openai.protocol import (
@@ -178,21 +178,27 @@ class OpenAIServingChat:
 
     async def queue(self, req: ChatCompletionRequest, request_id: str, model: str,
                     message_params: dict[str, str | None], no_parser_message: str = AUTO_TOOLS_NEED_A_PARSER,
-                    priority: int = 0) -> QueuedReply:
+                    priority: int = 0, tool_schema_param: str = "tools[{i}].function.parameters") -> QueuedReply:
         """What every chat-shaped API (chat completions, Messages, Responses) does with its chat
         request: check the tools (``check_tools``), render the prompt, apply a constraint after
         the thinking, and queue one engine request (``message_params``: the API's names of the
-        request's fields, for error messages)."""
+        request's fields, for error messages; ``tool_schema_param``: its path to a tool's schema,
+        named when a forced call's schema does not compile)."""
         serving = self.serving
         self.check_tools(req, no_parser_message)
-        params = serving.sampling_params(req.sampling_kwargs())
+        params = serving.sampling_params(req.sampling_kwargs(), message_params)
         prompt_text, prompt = await self.render(req)
         start = serving.reasoning_parser.reply_start(prompt_text) if serving.reasoning_parser else None
         if params.structured_outputs is not None:
             self.after_thinking(params.structured_outputs, start)
-        (stream,) = await serving.add_requests([prompt], params, request_id, prompt_texts=[prompt_text],
-                                               lora_request=serving.lora_request(model),
-                                               message_params=message_params, priority=priority)
+        try:
+            (stream,) = await serving.add_requests([prompt], params, request_id, prompt_texts=[prompt_text],
+                                                   lora_request=serving.lora_request(model),
+                                                   message_params=message_params, priority=priority)
+        except BadRequestError as exc:
+            if req.calls_tools and exc.message.startswith("structured outputs: invalid"):
+                raise tool_schema_error(req, tool_schema_param) or exc from None
+            raise
         return QueuedReply(stream, params, start)
 
     def after_thinking(self, constraint: StructuredOutputsParams, start: ReplyStart | None) -> None:

@@ -70,11 +70,12 @@ class OpenAIServingCompletion:
         if req.use_beam_search:  # vLLM's extra: each prompt's n best beams as its choices
             return await serving_beam_search.create_completion(self, req, raw_request, model)
         prompts = normalize_prompts(req.prompt)
-        params = serving.sampling_params(req.sampling_kwargs())
+        message_params = constraint_messages(req)
+        params = serving.sampling_params(req.sampling_kwargs(), message_params)
         request_id = random_id("cmpl")
         try:
             streams = await serving.add_requests(prompts, params, request_id, lora_request=serving.lora_request(model),
-                                                 message_params=constraint_messages(req), raw_request=raw_request,
+                                                 message_params=message_params, raw_request=raw_request,
                                                  priority=req.priority)
         except ClientDisconnected:
             return Response(status_code=499)

@@ -117,14 +117,20 @@ class OpenAIServing:
         """The adapter a (checked) model name selects; None for the base model."""
         return self.lora_modules.get(model)
 
-    def sampling_params(self, kwargs: dict[str, Any]) -> SamplingParams:
+    def sampling_params(self, kwargs: dict[str, Any],
+                        message_params: dict[str, str | None] | None = None) -> SamplingParams:
+        """SamplingParams of a request's fields; an invalid one is a 400 whose ``param`` is the
+        field its message starts with (``message_params``: as ``add_requests``')."""
         from halserve.sampling_params import SamplingParams
 
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as exc:
-            field = str(exc).split(" ", 1)[0].rstrip(":")  # (its messages start with the field's name)
-            raise BadRequestError(str(exc), param=field if field in kwargs else None) from None
+            message = str(exc)
+            field = message.split(" ", 1)[0].split("=", 1)[0].rstrip(":")  # (its messages start with the field)
+            param = next((name for prefix, name in (message_params or {}).items() if message.startswith(prefix)),
+                         field if field in kwargs else None)
+            raise BadRequestError(message, param=param) from None
 
     # ------------------------------------------------------------------ engine calls
     async def add_requests(

@@ -35,6 +35,7 @@ from pydantic import ValidationError
 from pydantic_core import to_jsonable_python
 
 from halserve.engine.async_llm import EngineDeadError
+from halserve.entrypoints.openai.constraints import constraint_messages
 from halserve.entrypoints.openai.errors import BadRequestError, OpenAIError, validation_message
 from halserve.entrypoints.openai.reasoning import ReplyStart
 from halserve.entrypoints.openai.responses_protocol import (
@@ -199,7 +200,11 @@ class OpenAIServingResponses:
                                   "used; send text, or serve a vision-language model (e.g. LLaVA)", param=where)
         response_id = item_id("resp")
         try:
-            queued = await self.chat.queue(chat_req, response_id, model, {"structured outputs": "text.format"})
+            # (the chat request's response_format is this request's text.format)
+            message_params = {prefix: "text.format" if name == "response_format" else name
+                              for prefix, name in constraint_messages(chat_req).items()}
+            queued = await self.chat.queue(chat_req, response_id, model, message_params,
+                                           tool_schema_param="tools[{i}].parameters")
         except BadRequestError as exc:
             raise _input_param(exc) from None
         stream, params, start = queued.stream, queued.params, queued.start

@@ -1,11 +1,11 @@
 """Bodies of /v1/models, /tokenize and /detokenize (pydantic models)."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, model_validator
 
-from halserve.entrypoints.openai.chat_protocol import ChatMessage, ChatTool
+from halserve.entrypoints.openai.chat_protocol import ChatMessage, ChatTool, check_template_kwargs
 from halserve.entrypoints.openai.protocol import OpenAIModel
 
 
@@ -30,6 +30,8 @@ class ModelList(BaseModel):
 class TokenizeRequest(OpenAIModel):
     """``{prompt}`` (completions style) or ``{messages}`` (chat style)."""
 
+    type_hints: ClassVar[dict[str, str]] = {"prompt": "a string (the text to tokenize)"}
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -46,6 +48,7 @@ class TokenizeRequest(OpenAIModel):
             raise ValueError("send exactly one of 'prompt' or 'messages'")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        check_template_kwargs(self.chat_template_kwargs)
         return self
 
     def template_kwargs(self) -> dict[str, Any]:

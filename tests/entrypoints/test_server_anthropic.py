@@ -267,6 +267,11 @@ def test_errors_are_anthropic_shaped(aclient, server):
     assert "JSON" in message
     error_of(httpx.post(server.url + "/v1/messages/count_tokens", json={"model": SERVED_NAME, "messages": []}), 400,
              "invalid_request_error")
+    # a forced call to a tool whose input_schema is no JSON schema names the tool (it named tool_choice)
+    bad_tool = {"name": "bad", "input_schema": {"type": "nosuchtype"}}
+    message = error_of(httpx.post(url, json=base | {"tools": [WEATHER, bad_tool], "tool_choice": {"type": "any"}}),
+                       400, "invalid_request_error")
+    assert message.startswith("tools[1].input_schema (tool 'bad'): invalid JSON schema"), message
     # the server still serves
     assert aclient.messages.create(**base).usage.output_tokens >= 1
 

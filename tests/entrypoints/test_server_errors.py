@@ -2,6 +2,8 @@
 serving."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -60,6 +62,7 @@ BAD_COMPLETIONS = {
     "n huge": {"n": 10**30, "temperature": 1.0},  # (used to build 1e30 requests: the server died of OOM)
     "n over the limit": {"n": 129, "temperature": 1.0},
     "text far longer than the context": {"prompt": "hello world " * 100_000},
+    "logit_bias key of 5000 digits": {"logit_bias": {"9" * 5000: 1}},  # (was a 500: int() refuses > 4300 digits)
 }
 _TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 BAD_CHAT_TOOLS = {
@@ -231,3 +234,88 @@ def test_constraint_errors_name_the_field_that_gave_the_constraint(server):
         constraint = {"regex": "a", "start_after": [5], key: value}
         assert param("/v1/completions", {**OK, "structured_outputs": constraint}) == f"structured_outputs.{key}"
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_cross_field_errors_name_their_param(server):
+    """A check across fields (a model validator: pydantic gives it no location) or one of
+    SamplingParams' messages names the field in ``param`` too, not only in the message (it used
+    to be null)."""
+    cases = [
+        ("/v1/completions", {**OK, "n": 0}, "n"),
+        ("/v1/completions", {**OK, "best_of": 3}, "best_of"),
+        ("/v1/completions", {**OK, "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {**OK, "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {**OK, "logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", {**OK, "allowed_token_ids": []}, "allowed_token_ids"),
+        ("/v1/completions", {**OK, "guided_choice": []}, "guided_choice"),
+        ("/v1/chat/completions", {**CHAT_OK, "top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {**CHAT_OK, "max_completion_tokens": 0}, "max_completion_tokens"),
+        ("/v1/chat/completions", {**CHAT_OK, "tools": [_TOOL], "tool_choice": {
+            "type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        ("/v1/chat/completions", {**CHAT_OK, "guided_choice": [""]}, "guided_choice"),
+    ]
+    for path, body, param in cases:
+        r = httpx.post(server.url + path, json=body, timeout=30)
+        _check_400(r)
+        assert r.json()["error"]["param"] == param, (body, r.text)
+        assert param in r.json()["error"]["message"] or param.startswith("guided"), r.text
+    assert httpx.post(server.url + "/v1/completions", json=OK, timeout=30).status_code == 200
+
+
+def test_forced_tool_call_with_a_bad_schema_names_the_tool(server):
+    """tool_choice 'required' or a named function generates to the tools' schemas: one that is
+    no JSON schema is a 400 on that tool's parameters (it named tool_choice, as if the choice
+    were wrong, and "invalid json"); an unused bad tool is no error."""
+    tools = [_TOOL, {"type": "function", "function": {"name": "bad", "parameters": {"type": "nosuchtype"}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "bad"}}):
+        r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT_OK, "tools": tools, "tool_choice": choice},
+                       timeout=30)
+        message = _check_400(r)
+        assert r.json()["error"]["param"] == "tools[1].function.parameters", r.text
+        assert "tool 'bad'" in message and "invalid JSON schema" in message and "nosuchtype" in message, message
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        **CHAT_OK, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert r.status_code == 200, r.text
+    # a response_format's bad schema says so too
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={**CHAT_OK, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuchtype"}}}})
+    assert "invalid JSON schema" in _check_400(r) and r.json()["error"]["param"] == "response_format"
+
+
+def test_chat_template_kwargs_cannot_set_what_the_server_passes(server):
+    """chat_template_kwargs with a key the server gives the template itself was a 400 on
+    ``messages`` quoting a TypeError from transformers ("got multiple values for keyword
+    argument 'tokenize'"); it is a 400 on chat_template_kwargs saying what to do instead."""
+    for key, value, words in (("tokenize", True, "tokenizes it itself"), ("chat_template", "{{ 'x' }}", "--chat-template"),
+                              ("add_generation_prompt", False, "request's own add_generation_prompt"),
+                              ("messages", [], "request's messages")):
+        for path, body in (("/v1/chat/completions", CHAT_OK), ("/tokenize", {"messages": CHAT_OK["messages"]})):
+            r = httpx.post(server.url + path, json={**body, "chat_template_kwargs": {key: value}}, timeout=30)
+            message = _check_400(r)
+            assert r.json()["error"]["param"] == "chat_template_kwargs", r.text
+            assert repr(key) in message and words in message, message
+    r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT_OK, "chat_template_kwargs": {"x": 1}}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_json_pydantic_refuses_is_an_invalid_json_400(server):
+    """What Python's json module takes but pydantic's parser does not (a number past a float's
+    range, a lone surrogate escape, nesting past 200 levels) is an invalid_json 400 that says
+    so, like other malformed bodies; a UTF-8 byte order mark is skipped (it was a bare
+    "Invalid JSON: expected value at line 1 column 1")."""
+    cases = (
+        (b'{"prompt": "hi", "temperature": 1' + b"0" * 5000 + b'.5}', "not valid JSON: number out of range"),
+        (b'{"prompt": "\\ud800"}', "not valid JSON"),
+        (b'{"prompt": "hi", "x": ' + b"[" * 300 + b"]" * 300 + b"}", "too deeply"),
+    )
+    for raw, words in cases:
+        r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"},
+                       timeout=30)
+        message = _check_400(r)
+        assert r.json()["error"]["code"] == "invalid_json" and words in message, r.text
+    bom = b"\xef\xbb\xbf" + json.dumps(OK).encode()
+    r = httpx.post(server.url + "/v1/completions", content=bom, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.url + "/tokenize", json={"prompt": ["a"]}, timeout=30)
+    assert "prompt: must be a string" in _check_400(r) and "token ids" not in r.text  # (/tokenize takes text only)

@@ -216,6 +216,9 @@ BAD_REQUESTS = {
     "temperature": ({"temperature": -1}, "temperature", "temperature"),
     "input too long": ({"input": "the " * 300}, "input", "max_model_len"),
     "beam search": ({"use_beam_search": True}, "use_beam_search", "/v1/chat/completions"),
+    # (named text.format, which the request did not send)
+    "forced call, bad tool schema": ({"tools": [{"type": "function", "name": "bad", "parameters": {"type": "nosuchtype"}}],
+                                     "tool_choice": "required"}, "tools[0].parameters", "invalid JSON schema"),
 }
 
 
