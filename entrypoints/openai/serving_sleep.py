@@ -61,6 +61,9 @@ ENGINE_DRIVEN_METHODS = {
     "add_lora": "POST /v1/load_lora_adapter", "remove_lora": "POST /v1/unload_lora_adapter",
     "init_device": None, "load_model": None, "initialize_kv_cache": None, "warm_up": None,
     "execute_model": None, "shutdown": None,
+    # (async scheduling's halves of a step: a stray call launches a step of garbage or takes the
+    # output of the engine's own step)
+    "execute_model_deferred": None, "take_deferred_output": None,
 }
 
 
@@ -100,7 +103,9 @@ def _unserializable(method: str, where: str, what: str) -> BadRequestError:
 
 
 def add_sleep_routes(app: FastAPI, engine: AsyncLLM, max_body_bytes: int) -> None:
-    """Register the routes of the module docstring on ``app``."""
+    """Register the routes of the module docstring on ``app`` (each ``guarded``: an unexpected
+    error is a 500 that keeps the client's connection)."""
+    from halserve.entrypoints.openai.api_server import guarded
 
     async def call(method: str, *args: Any) -> Any:
         try:
@@ -111,6 +116,7 @@ def add_sleep_routes(app: FastAPI, engine: AsyncLLM, max_body_bytes: int) -> Non
             raise OpenAIError(str(exc), status_code=503, code="engine_dead") from None
 
     @app.post("/sleep")
+    @guarded
     async def sleep(raw_request: Request) -> Response:
         text = raw_request.query_params.get("level", "1")
         if text not in ("1", "2"):
@@ -120,15 +126,18 @@ def add_sleep_routes(app: FastAPI, engine: AsyncLLM, max_body_bytes: int) -> Non
         return Response(status_code=200)
 
     @app.post("/wake_up")
+    @guarded
     async def wake_up() -> Response:
         await call("wake_up")
         return Response(status_code=200)
 
     @app.get("/is_sleeping")
+    @guarded
     async def is_sleeping() -> JSONResponse:
         return JSONResponse({"is_sleeping": bool(await call("is_sleeping"))})
 
     @app.post("/reset_prefix_cache")
+    @guarded
     async def reset_prefix_cache() -> Response:
         if not await call("reset_prefix_cache"):
             raise OpenAIError("the prefix cache could not be reset: requests are running; try again when idle",
@@ -136,6 +145,7 @@ def add_sleep_routes(app: FastAPI, engine: AsyncLLM, max_body_bytes: int) -> Non
         return Response(status_code=200)
 
     @app.post("/update_weights")
+    @guarded
     async def update_weights(raw_request: Request) -> Response:
         from halserve.entrypoints.openai.api_server import read_body
 
@@ -144,6 +154,7 @@ def add_sleep_routes(app: FastAPI, engine: AsyncLLM, max_body_bytes: int) -> Non
         return Response(status_code=200)
 
     @app.post("/collective_rpc")
+    @guarded
     async def collective_rpc(raw_request: Request) -> JSONResponse:
         from halserve.entrypoints.openai.api_server import read_body
 

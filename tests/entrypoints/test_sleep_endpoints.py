@@ -74,6 +74,10 @@ def test_sleep_endpoints_across_the_engine_core_process(checkpoint, tmp_path):
         assert "memory_in_use" in _rpc_error(url, method="no_such_method")  # (the methods there are)
         assert "'_lora_manager' is private" in _rpc_error(url, method="_lora_manager")
         assert "use POST /sleep" in _rpc_error(url, method="sleep", args=[2])
+        # (async scheduling's step halves: execute_model_deferred with a null step was a 500 whose
+        # connection uvicorn dropped, and take_deferred_output could take the engine's own step's output)
+        for method in ("execute_model_deferred", "take_deferred_output"):
+            assert "driven by the engine itself" in _rpc_error(url, method=method, args=[None])
         assert "refused the arguments" in _rpc_error(url, method="memory_in_use", args=[1])
         assert "LoRA is not enabled" in _rpc_error(url, method="list_loras")  # (the worker's ValueError)
         assert "timeout" in _rpc_error(url, method="memory_in_use", timeout=5)
