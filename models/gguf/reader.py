@@ -197,6 +197,9 @@ def load_gguf_config(path: str, hf_config_path: str | None = None, trust_remote_
 # the metadata keys (after "<architecture>.") every supported architecture's config is built from: transformers
 # fills a missing one with its own default, which then disagrees with the file's tensors (or its context length)
 CONFIG_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count")
+# and the RMSNorm epsilon every supported architecture's layers use (llama.cpp refuses a file without it; transformers
+# would take its own default, 1e-6 for Llama, where SmolLM2's is 1e-5: other numbers, silently)
+EPS_KEY = "attention.layer_norm_rms_epsilon"
 
 
 def _one_line(exc: BaseException) -> str:
@@ -205,7 +208,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _check_config_metadata(checkpoint: GGUFCheckpoint) -> None:
-    """``ValueError`` naming every ``CONFIG_KEYS`` entry missing from the metadata or not a positive integer."""
+    """``ValueError`` naming every ``CONFIG_KEYS`` entry missing from the metadata or not a positive integer, and
+    ``EPS_KEY`` missing or not a positive number."""
     reader, name = checkpoint.readers[0], os.path.basename(checkpoint.path)
     bad = []
     for key in (f"{checkpoint.architecture}.{k}" for k in CONFIG_KEYS):
@@ -214,6 +218,12 @@ def _check_config_metadata(checkpoint: GGUFCheckpoint) -> None:
             bad.append(f"{key} is missing")
         elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             bad.append(f"{key} is {value!r}, not a positive integer")
+    key = f"{checkpoint.architecture}.{EPS_KEY}"
+    value = _field(reader, key)
+    if value is None:
+        bad.append(f"{key} is missing")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        bad.append(f"{key} is {value!r}, not a small positive number (an RMSNorm epsilon, e.g. 1e-05)")
     if bad:
         raise ValueError(f"the metadata of {name!r} cannot describe its model: {'; '.join(bad)}. The file is damaged "
                          "or was not written by llama.cpp's converter: convert it again with convert_hf_to_gguf.py, "

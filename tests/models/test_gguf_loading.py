@@ -397,6 +397,9 @@ V = gguf.GGUFValueType
     ("llama.attention.head_count", None, "llama.attention.head_count is missing"),
     ("llama.context_length", gguf.GGUFValue(0, V.UINT32), "llama.context_length is 0, not a positive integer"),
     ("llama.context_length", gguf.GGUFValue("big", V.STRING), "llama.context_length is 'big', not a positive"),
+    ("llama.attention.layer_norm_rms_epsilon", None, "llama.attention.layer_norm_rms_epsilon is missing"),
+    ("llama.attention.layer_norm_rms_epsilon", gguf.GGUFValue(-1.0, V.FLOAT32),
+     r"llama.attention.layer_norm_rms_epsilon is -1.0, not a small positive number"),
 ])
 def test_metadata_the_config_needs_is_checked(tmp_path, key, value, message):
     """transformers fills a missing key with its own default (a 4096 hidden size, 32 layers ...): refused with
