@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from compare_serving import free_port, wait_healthy  # noqa: E402
+from compare_serving import free_port, stop_server, wait_healthy  # noqa: E402
 
 QUANTS = ("Q4_1", "Q4_0", "Q8_0", "Q4_K_M")
 NAME = "SmolLM2-135M-Instruct"
@@ -296,13 +295,7 @@ def serve(name: str, cmd: list[str], env: dict, hf: str, args: argparse.Namespac
         result["error"] = str(exc)[:300]
         log(f"{name}: {exc} (log: {logfile.name})")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_server(proc)
         result["peak_rss_mib"] = rss.finish()
     return result
 
