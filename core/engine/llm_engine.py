@@ -29,12 +29,12 @@ def load_tokenizer(config: EngineConfig, model_info: ModelInfo) -> Any:
     gguf_file = find_gguf_file(config.tokenizer) if config.tokenizer else getattr(model_info, "gguf_file", None)
     if gguf_file is not None:
         tokenizer = load_gguf_tokenizer(gguf_file, config.trust_remote_code)
-    elif config.tokenizer is None:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
         except (OSError, ValueError) as exc:
+            if config.tokenizer is None:  # (the model's own: transformers' error as it is)
+                raise
             reason = " ".join(str(exc).split())  # (transformers' message spans several lines)
             raise ValueError(f"--tokenizer {path!r} holds no tokenizer transformers can load ({reason}); pass the "
                              "folder or hub id of the model's tokenizer (tokenizer.json / tokenizer_config.json) or a "

@@ -125,9 +125,9 @@ class InputProcessor:
             if check_length:
                 check_text_length(self.tokenizer, prompt, self.info.max_model_len)
             ids = self.tokenizer.encode(prompt)
-            if ids and max(ids) >= self.vocab_size:  # (a token the tokenizer has and the model lacks: refused here,
-                # not an IndexError in the step that would fail every request in it)
-                bad = max(ids)
+            bad = max(ids, default=-1)
+            if bad >= self.vocab_size:  # (a token the tokenizer has and the model lacks: refused here, not an
+                # IndexError in the step that would fail every request in it)
                 raise ValueError(f"the prompt holds the token {self.tokenizer.convert_ids_to_tokens(bad)!r} (id {bad}), "
                                  f"which the model's vocabulary of {self.vocab_size} tokens lacks (its tokenizer has "
                                  "tokens its embedding does not); remove that text from the prompt")

@@ -211,19 +211,17 @@ def _check_config_metadata(checkpoint: GGUFCheckpoint) -> None:
     """``ValueError`` naming every ``CONFIG_KEYS`` entry missing from the metadata or not a positive integer, and
     ``EPS_KEY`` missing or not a positive number."""
     reader, name = checkpoint.readers[0], os.path.basename(checkpoint.path)
+    checks = [(k, lambda v: isinstance(v, int) and v > 0, "a positive integer") for k in CONFIG_KEYS]
+    checks.append((EPS_KEY, lambda v: isinstance(v, (int, float)) and 0 < v < 1,
+                   "a small positive number (an RMSNorm epsilon, e.g. 1e-05)"))
     bad = []
-    for key in (f"{checkpoint.architecture}.{k}" for k in CONFIG_KEYS):
+    for suffix, valid, expected in checks:
+        key = f"{checkpoint.architecture}.{suffix}"
         value = _field(reader, key)
         if value is None:
             bad.append(f"{key} is missing")
-        elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            bad.append(f"{key} is {value!r}, not a positive integer")
-    key = f"{checkpoint.architecture}.{EPS_KEY}"
-    value = _field(reader, key)
-    if value is None:
-        bad.append(f"{key} is missing")
-    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-        bad.append(f"{key} is {value!r}, not a small positive number (an RMSNorm epsilon, e.g. 1e-05)")
+        elif isinstance(value, bool) or not valid(value):
+            bad.append(f"{key} is {value!r}, not {expected}")
     if bad:
         raise ValueError(f"the metadata of {name!r} cannot describe its model: {'; '.join(bad)}. The file is damaged "
                          "or was not written by llama.cpp's converter: convert it again with convert_hf_to_gguf.py, "
