@@ -131,7 +131,7 @@ class AsyncLLM:
             tokenizer = load_tokenizer(config, info)
             return cls(
                 None,
-                InputProcessor(info, tokenizer),
+                InputProcessor(info, tokenizer, reject_max_tokens_past_context=True),  # (the server's: a 400)
                 OutputProcessor(tokenizer),
                 tokenizer,
                 stat_observers,

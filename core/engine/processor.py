@@ -70,9 +70,13 @@ def child_request_id(parent_id: str, index: int, n: int) -> str:
 
 
 class InputProcessor:
-    def __init__(self, model_info: ModelInfo, tokenizer: Any) -> None:
+    def __init__(self, model_info: ModelInfo, tokenizer: Any, *, reject_max_tokens_past_context: bool = False) -> None:
+        """``reject_max_tokens_past_context``: a ``max_tokens`` larger than what the context leaves after the
+        prompt is an error (the OpenAI server, as vLLM's and OpenAI's: 400) instead of being cut to that room
+        (the offline ``LLM``, as vLLM's, where generation stops at max_model_len with finish_reason "length")."""
         self.info = model_info
         self.tokenizer = tokenizer
+        self.reject_max_tokens_past_context = reject_max_tokens_past_context
         self.vocab_size = model_info.vocab_size
         self._mm_processor: MultiModalProcessor | None = None
         if getattr(model_info, "image_processor_kwargs", None):
@@ -234,6 +238,14 @@ class InputProcessor:
                 f"is {max_len}, which leaves no room to generate; shorten the prompt"
             )
         room = max(max_len - len(ids), 1)  # (an embedding request's one token is never computed)
+        if (self.reject_max_tokens_past_context and params.pooling is None and params.max_tokens is not None
+                and params.max_tokens > room):
+            raise ValueError(
+                f"max_tokens={params.max_tokens} is too large: the model's maximum context length (max_model_len) is "
+                f"{max_len} tokens and the prompt has {len(ids)}, which leaves room for {room} generated tokens "
+                f"({params.max_tokens} > {max_len} - {len(ids)}); ask for at most {room}, or omit max_tokens to "
+                "generate up to the context's end"
+            )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = set() if params.ignore_eos else set(self.info.eos_token_ids)
         if params.min_tokens and params.allowed_token_ids is not None:

@@ -193,7 +193,7 @@ def test_tool_use_and_its_result(aclient, server):
 
 
 def test_forced_tool_choice(aclient):
-    kwargs = dict(model=SERVED_NAME, messages=MESSAGES, max_tokens=150, tools=[WEATHER, TIME])
+    kwargs = dict(model=SERVED_NAME, messages=MESSAGES, max_tokens=116, tools=[WEATHER, TIME])  # (128 - the 12-token prompt)
     named = aclient.messages.create(tool_choice={"type": "tool", "name": "get_time"}, extra_body={"seed": 1},
                                     **kwargs)
     (call,) = named.content
@@ -305,7 +305,7 @@ def test_api_key_as_x_api_key_or_bearer(keyed_server):
 def test_output_config_format(aclient):
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"],
               "additionalProperties": False}
-    out = aclient.messages.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=150, extra_body={"seed": 3},
+    out = aclient.messages.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=116, extra_body={"seed": 3},
                                   output_config={"effort": "low", "format": {"type": "json_schema", "schema": schema}})
     assert out.stop_reason == "end_turn"
     assert json.loads(out.content[0].text)["city"] in ("Paris", "Lyon")
