@@ -7,8 +7,8 @@ detokenization and streaming and the load generator's parsing, which wake once a
     python benchmarks/cpu_steal.py --quant Q8_0 --streams 64 --busy-ms 1 --period-ms 5
 
 The engine's kernels split each op's work evenly over its OpenMP threads and join at the op's end, so a thread
-taken off its core stalls the other at the next join: the step grows by more than the CPU time the load takes
-(printed as ``x the load's busy time``). Run under ``flock /tmp/cpu.lock`` on a shared machine.
+taken off its core stalls the other at the next join: the step grows by about the whole CPU time the load takes
+(printed as ``x the load's busy time``), where two threads sharing the loss would grow it by half. Run under ``flock /tmp/cpu.lock`` on a shared machine.
 """
 from __future__ import annotations
 
