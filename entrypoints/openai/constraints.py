@@ -21,8 +21,10 @@ def output_constraint(req: SamplingRequest) -> dict[str, Any] | None:
 
 def constraint_messages(req: SamplingRequest) -> dict[str, str | None]:
     """``add_requests``' message_params: an engine error about the constraint names the request
-    field that gave it (response_format, structured_outputs, guided_json, tool_choice...)."""
-    return {"structured outputs": next(iter(_constraint_sources(req)), None)}
+    field that gave it (response_format, structured_outputs, guided_json, tool_choice...), and one
+    about the output length (a max_tokens past the context) the length field the request used."""
+    length = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    return {"structured outputs": next(iter(_constraint_sources(req)), None), "max_tokens=": length}
 
 
 def _constraint_sources(req: SamplingRequest) -> dict[str, dict[str, Any]]:

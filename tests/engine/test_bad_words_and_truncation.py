@@ -152,3 +152,12 @@ def test_embed_truncation_embeds_the_last_k_tokens(llm):
     assert whole.prompt_token_ids == ids[-MAX_MODEL_LEN:]  # (an embedding input may fill the context)
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1, or -1"):
         llm.embed(LONG_TEXT, truncate_prompt_tokens=0, use_tqdm=False)
+
+
+def test_the_offline_llm_stops_a_max_tokens_past_the_context_at_its_end(llm):
+    """Offline (as vLLM's LLM) a max_tokens larger than the context leaves is cut to that room; the server refuses
+    it with a 400 instead (tests/entrypoints/test_server_bad_words_truncation.py)."""
+    ids = list(range(100, 140))
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=10 * MAX_MODEL_LEN, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == MAX_MODEL_LEN - len(ids) and out.finish_reason == "length"

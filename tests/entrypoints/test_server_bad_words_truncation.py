@@ -117,3 +117,29 @@ def test_bad_values_are_400_naming_the_field(server, path, body, param, message)
     r = httpx.post(server.url + path, json={"model": SERVED_NAME, **body}, timeout=60)
     error = r.json()["error"]
     assert r.status_code == 400 and message in error["message"] and error["param"] == param, r.text
+
+
+def test_max_tokens_past_the_context_is_a_400_naming_the_room_left(client, server):
+    """As vLLM's server (and OpenAI's): prompt + max_tokens over max_model_len is refused, not silently cut;
+    the error names the length field the request used."""
+    import openai
+
+    ids = list(range(100, 140))  # 40 prompt tokens
+    room = MAX_MODEL_LEN - len(ids)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=room + 1)
+    body = err.value.body
+    assert body["param"] == "max_tokens", body
+    assert f"max_tokens={room + 1} is too large" in body["message"] and f"at most {room}" in body["message"]
+    ok = client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=room, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == room and ok.choices[0].finish_reason == "length"
+    chat = dict(model=SERVED_NAME, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=MAX_MODEL_LEN)
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 400 and "is too large" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "max_completion_tokens", r.text  # (the field the request used)
+    r = httpx.post(server.url + "/v1/responses", json={"model": SERVED_NAME, "input": "hi",
+                                                       "max_output_tokens": MAX_MODEL_LEN}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens", r.text
+    # without max_tokens a request generates up to the context's end, and the server keeps serving
+    assert client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=2).usage.completion_tokens >= 1
