@@ -106,7 +106,10 @@ def test_first_build_reports_progress_and_the_second_says_cached(tmp_path, monke
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(build, "PROGRESS_EVERY_S", 0.02)
     source = tmp_path / "probe.cpp"
-    source.write_text("extern \"C\" int halserve_build_probe() { return 3; }\n")
+    # (std::regex: a compile of ~1 s, so that a progress report (every 0.02 s here) sees it unfinished even on a
+    # fast CPU, where a one-line source compiled before the first report)
+    source.write_text("#include <regex>\nextern \"C\" int halserve_build_probe() "
+                      "{ return std::regex_match(\"3\", std::regex(\"[0-9]\")) ? 3 : 0; }\n")
     caplog.set_level(logging.INFO, logger=build.__name__)
 
     first = build.build_and_load("probe_log", [str(source)], is_python_module=False, label="the probe",
