@@ -202,8 +202,7 @@ class OpenAIServingResponses:
         try:
             # (the chat request's response_format is this request's text.format)
             renamed = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
-            message_params = {prefix: renamed.get(name, name) if name else name
-                              for prefix, name in constraint_messages(chat_req).items()}
+            message_params = {prefix: renamed.get(name, name) for prefix, name in constraint_messages(chat_req).items()}
             queued = await self.chat.queue(chat_req, response_id, model, message_params,
                                            tool_schema_param="tools[{i}].parameters")
         except BadRequestError as exc:
